@@ -1,0 +1,235 @@
+"""Actor core: mailboxes, reply slots, batch messages and the actor loop.
+
+An actor is an asyncio task with a private mailbox. Callers reach it through a public
+handle: `tell` (one-way) or `ask` (a message carrying a `Reply` that the actor completes
+with its handler's return value). Handlers are plain methods chosen by message type; they
+return the reply value. A `ValidationError` goes back to the caller and the actor lives
+on; any other exception escapes `run()` and the supervisor fails the whole runtime.
+
+The mailbox is an anyio memory object stream. Its buffer is unbounded underneath so that
+acks and internal messages never block their sender (no cycle of blocking sends); the
+bound applies to external sends: `put_nowait` raises `MailboxFull` (explicit
+back-pressure, never a silent drop) and `put` waits for space.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from runtime.errors import MailboxFull, RuntimeClosed, ValidationError
+
+T = TypeVar("T")
+M = TypeVar("M")
+
+
+class Reply(Generic[T]):
+    """The reply slot of one `ask`: a future the actor completes, inspectable by tests.
+
+    If the caller was cancelled while waiting, the actor still handles the message; the
+    value it produced is handed to `on_abandon` (set by the façade) so that whatever the
+    call took (slots, locks) is released. That happens on whichever side sees it first:
+    the actor (future already cancelled when it replies) or the caller (value arrived but
+    the caller's task was cancelled before it resumed).
+    """
+
+    __slots__ = ("future", "on_abandon", "_abandoned")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None, on_abandon: Callable[[Any], None] | None = None) -> None:
+        self.future: asyncio.Future[T] = (loop or asyncio.get_running_loop()).create_future()
+        self.on_abandon = on_abandon
+        self._abandoned = False
+
+    # -- actor side ------------------------------------------------------------
+    def set_result(self, value: T) -> None:
+        fut = self.future
+        if not fut.done():
+            fut.set_result(value)
+        elif fut.cancelled():
+            self._abandon(value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+    # -- caller side -----------------------------------------------------------
+    async def wait(self) -> T:
+        try:
+            return await self.future
+        except asyncio.CancelledError:
+            fut = self.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._abandon(fut.result())
+            raise
+
+    # -- inspection --------------------------------------------------------------
+    def done(self) -> bool:
+        return self.future.done()
+
+    def value(self) -> T:
+        return self.future.result()
+
+    def _abandon(self, value: Any) -> None:
+        if self._abandoned:
+            return
+        self._abandoned = True
+        if self.on_abandon is not None:
+            self.on_abandon(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Many requests in one message (a scheduling step); the reply is a tuple with, per item,
+    its result or its `ValidationError` (a failed item changes nothing)."""
+
+    items: tuple[Any, ...]
+    reply: Reply[tuple[Any, ...]] | None = field(default=None, compare=False)
+
+
+class Mailbox(Generic[M]):
+    """A private mailbox: unbounded anyio stream, soft capacity for external senders."""
+
+    __slots__ = ("capacity", "_send", "_recv", "_queued", "_space", "_closed")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._send: MemoryObjectSendStream[M]
+        self._recv: MemoryObjectReceiveStream[M]
+        self._send, self._recv = anyio.create_memory_object_stream[M](math.inf)
+        self._queued = 0
+        self._space: asyncio.Event | None = None
+        self._closed = False
+
+    @property
+    def depth(self) -> int:
+        return self._queued
+
+    def put_nowait(self, msg: M) -> None:
+        """External send: raises `MailboxFull` at capacity, `RuntimeClosed` once closed."""
+        if self._queued >= self.capacity:
+            raise MailboxFull(f"mailbox full ({self.capacity} messages queued)")
+        self.put_internal(msg)
+
+    async def put(self, msg: M) -> None:
+        """External send that waits for space instead of raising."""
+        while self._queued >= self.capacity and not self._closed:
+            if self._space is None:
+                self._space = asyncio.Event()
+            await self._space.wait()
+        self.put_internal(msg)
+
+    def put_internal(self, msg: M) -> None:
+        """Acks and internal messages: never blocks, ignores the capacity."""
+        if self._closed:
+            raise RuntimeClosed("mailbox closed")
+        self._send.send_nowait(msg)
+        self._queued += 1
+
+    async def get_burst(self) -> list[M]:
+        """Wait for at least one message, then drain everything queued (one wake-up per burst).
+        Returns [] once the mailbox is closed and empty."""
+        burst: list[M] = []
+        try:
+            while True:
+                burst.append(self._recv.receive_nowait())
+        except anyio.WouldBlock:
+            pass
+        except anyio.EndOfStream:
+            pass
+        if not burst:
+            try:
+                burst.append(await self._recv.receive())
+            except anyio.EndOfStream:
+                return []
+            try:
+                while True:
+                    burst.append(self._recv.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                pass
+        self._queued -= len(burst)
+        if self._space is not None and self._queued < self.capacity:
+            self._space.set()
+            self._space = None
+        return burst
+
+    def close(self) -> None:
+        """No more sends; the receiver drains what is queued, then sees the end."""
+        if not self._closed:
+            self._closed = True
+            self._send.close()
+            if self._space is not None:
+                self._space.set()
+
+    def abort(self) -> list[M]:
+        """Close both ends and return what was still queued (used when the runtime fails)."""
+        self.close()
+        left: list[M] = []
+        try:
+            while True:
+                left.append(self._recv.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            pass
+        self._recv.close()
+        self._queued = 0
+        return left
+
+
+Handler = Callable[[Any], Any]
+
+
+class Actor(Generic[M]):
+    """Base of the three actors: a loop over mailbox bursts dispatching by message type.
+
+    Subclasses fill `handlers` (message type -> bound method) and may override
+    `after_burst` (e.g. the debug invariant checker). Handlers run to completion one at a
+    time; an async handler is awaited before the next message.
+    """
+
+    name = "actor"
+
+    def __init__(self, mailbox_capacity: int) -> None:
+        self.mailbox: Mailbox[M] = Mailbox(mailbox_capacity)
+        self.handlers: dict[type, Handler] = {}
+        self.messages_handled = 0
+
+    async def run(self) -> None:
+        while True:
+            burst = await self.mailbox.get_burst()
+            if not burst:
+                return
+            for msg in burst:
+                self.messages_handled += 1
+                reply = msg.reply
+                if type(msg) is Batch:
+                    result: Any = tuple([await self._call_item(item) for item in msg.items])
+                else:
+                    try:
+                        result = self.handlers[type(msg)](msg)
+                        if asyncio.iscoroutine(result):
+                            result = await result
+                    except ValidationError as exc:
+                        if reply is not None:
+                            reply.set_exception(exc)
+                        self.after_message(msg)
+                        continue
+                if reply is not None:
+                    reply.set_result(result)
+                self.after_message(msg)
+
+    async def _call_item(self, item: Any) -> Any:
+        try:
+            result = self.handlers[type(item)](item)
+            if asyncio.iscoroutine(result):
+                result = await result
+            return result
+        except ValidationError as exc:
+            return exc
+
+    def after_message(self, msg: Any) -> None:
+        """Hook run after each handled message (debug invariant checks)."""

@@ -1,0 +1,122 @@
+"""`RuntimeConfig`: every knob of the runtime, validated with a clear message."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import ConfigError
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+EVICTION_POLICIES = ("lru", "lfu", "priority")
+HOST_LAYOUTS = ("layer_first", "page_first")
+COPY_ENGINES = ("auto", "cpu", "cuda", "fake")
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    # KV identity and shape (per token: layers x (K, V) x kv_heads x head_dim)
+    num_layers: int = 2
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    kv_dtype: str = "float32"
+    model_id: str = "model"
+    weight_version: str = "0"
+    # Device pool
+    device: str = "cpu"
+    page_size: int = 16
+    device_slots: int = 4096
+    # Host tier: exactly one sizing rule is used (tokens, then bytes, then ratio); 0 tokens disables it
+    host_ratio: float = 2.0
+    host_tokens: int | None = None
+    host_bytes: int | None = None
+    host_layout: str = "layer_first"
+    # Tree policies
+    write_policy: str = "write_through_selective"
+    write_through_threshold: int = 2
+    eviction_policy: str = "lru"
+    # Transfer
+    copy_engine: str = "auto"
+    copy_workers: int = 1
+    max_inflight_loads: int = 3
+    max_queued_backups: int = 64
+    # Decode offload (decode node of a disaggregated setup)
+    decode_offload: bool = False
+    offload_stride: int | None = None
+    # Actors
+    mailbox_capacity: int = 4096
+    # Debugging and tracing
+    debug_invariants: bool = False
+    trace_path: str | None = None
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        for name in ("num_layers", "num_kv_heads", "head_dim", "device_slots", "mailbox_capacity", "copy_workers",
+                     "max_inflight_loads", "max_queued_backups", "write_through_threshold"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                 f"{name} must be a positive integer, got {value!r}")
+        ps = self.page_size
+        need(isinstance(ps, int) and 1 <= ps <= 256 and ps & (ps - 1) == 0,
+             f"page_size must be a power of two in 1..256, got {ps!r}")
+        need(self.device_slots % ps == 0, f"device_slots ({self.device_slots}) must be a multiple of page_size ({ps})")
+        need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"device {self.device!r} is not a torch device: {exc}") from None
+        need(dev.type in ("cpu", "cuda"), f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if dev.type == "cuda":
+            need(torch.cuda.is_available(), "device 'cuda' asked for but CUDA is not available")
+        need(self.host_layout in HOST_LAYOUTS, f"host_layout must be one of {HOST_LAYOUTS}, got {self.host_layout!r}")
+        need(self.write_policy in WRITE_POLICIES, f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        need(self.eviction_policy in EVICTION_POLICIES,
+             f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        need(self.copy_engine in COPY_ENGINES, f"copy_engine must be one of {COPY_ENGINES}, got {self.copy_engine!r}")
+        if self.copy_engine == "cuda":
+            need(dev.type == "cuda", "copy_engine 'cuda' needs device 'cuda'")
+        need(isinstance(self.host_ratio, (int, float)) and self.host_ratio >= 0,
+             f"host_ratio must be >= 0, got {self.host_ratio!r}")
+        if self.host_tokens is not None:
+            need(isinstance(self.host_tokens, int) and self.host_tokens >= 0 and self.host_tokens % ps == 0,
+                 f"host_tokens must be a non-negative multiple of page_size ({ps}), got {self.host_tokens!r}")
+        if self.host_bytes is not None:
+            need(isinstance(self.host_bytes, int) and self.host_bytes >= 0, f"host_bytes must be >= 0, got {self.host_bytes!r}")
+        if self.offload_stride is not None:
+            need(isinstance(self.offload_stride, int) and self.offload_stride > 0 and self.offload_stride % ps == 0,
+                 f"offload_stride must be a positive multiple of page_size ({ps}), got {self.offload_stride!r}")
+        need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
+
+    # -- derived -------------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def host_slots(self) -> int:
+        """Host pool size in slots, rounded down to whole pages."""
+        if self.host_tokens is not None:
+            slots = self.host_tokens
+        elif self.host_bytes is not None:
+            slots = self.host_bytes // self.bytes_per_token
+        else:
+            slots = int(self.device_slots * self.host_ratio)
+        return slots - slots % self.page_size
+
+    @property
+    def stride(self) -> int:
+        return self.offload_stride or self.page_size
+
+    def replace(self, **changes: object) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)

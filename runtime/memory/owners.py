@@ -1,0 +1,49 @@
+"""Who may free a slot: a request, a tree node, a session, a prefetch, or nobody."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from collections.abc import Hashable
+
+
+class Tier(str, Enum):
+    DEVICE = "device"
+    HOST = "host"
+    STORAGE = "storage"
+
+
+class OwnerKind(IntEnum):
+    REQUEST = 1
+    NODE = 2
+    SESSION = 3
+    PREFETCH = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """An owner of slots. `generation` keeps a reused request id apart from its previous holder."""
+
+    kind: OwnerKind
+    id: Hashable
+    generation: int = 0
+
+    @staticmethod
+    def request(rid: Hashable, generation: int) -> "Owner":
+        return Owner(OwnerKind.REQUEST, rid, generation)
+
+    @staticmethod
+    def node(node_id: int) -> "Owner":
+        return Owner(OwnerKind.NODE, node_id)
+
+    @staticmethod
+    def session(sid: Hashable) -> "Owner":
+        return Owner(OwnerKind.SESSION, sid)
+
+    @staticmethod
+    def prefetch(rid: Hashable, generation: int) -> "Owner":
+        return Owner(OwnerKind.PREFETCH, rid, generation)
+
+    def __str__(self) -> str:
+        tail = f"#{self.generation}" if self.kind in (OwnerKind.REQUEST, OwnerKind.PREFETCH) else ""
+        return f"{self.kind.name.lower()}:{self.id}{tail}"

@@ -1,0 +1,133 @@
+"""Runs the actors in one anyio task group inside the embedder's loop and fails them as a whole.
+
+The task group lives in a task of its own, so an actor crash never cancels the embedder's
+tasks (the body of `async with CacheRuntime.open(...)` included): pending and later calls
+raise `RuntimeFailed`, and leaving the `async with` re-raises it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import anyio
+
+from runtime.actors.base import Actor, Batch, Mailbox, Reply
+from runtime.errors import RuntimeClosed, RuntimeFailed
+from runtime.trace import get_logger
+
+T = TypeVar("T")
+log = get_logger("hicache.runtime")
+
+
+class State(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+    FAILED = "failed"
+
+
+class Supervisor:
+    def __init__(self, actors: Sequence[Actor[Any]]) -> None:
+        self.actors = list(actors)
+        self.state = State.OPEN
+        self.failure: BaseException | None = None
+        self._pending: set[Reply[Any]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="hicache-supervisor")
+        await self._started.wait()
+
+    async def _run(self) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                for actor in self.actors:
+                    tg.start_soon(self._guard, actor, name=f"hicache-{actor.name}")
+                self._started.set()
+        except BaseException as exc:  # noqa: BLE001 - the failure is recorded and re-raised at exit
+            if self.failure is None:
+                self._fail(exc)
+        finally:
+            self._started.set()
+
+    async def _guard(self, actor: Actor[Any]) -> None:
+        try:
+            await actor.run()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            log.error("actor_failed", actor=actor.name, error=repr(exc))
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is not None:
+            return
+        self.failure = exc
+        self.state = State.FAILED
+        error = RuntimeFailed(exc)
+        for actor in self.actors:
+            for msg in actor.mailbox.abort():
+                if msg.reply is not None:
+                    msg.reply.set_exception(error)
+        for reply in list(self._pending):
+            reply.set_exception(error)
+        self._pending.clear()
+
+    async def stop(self) -> None:
+        """Close every mailbox in order (each actor drains what is queued) and wait for the group."""
+        for actor in self.actors:
+            actor.mailbox.close()
+        if self._task is not None:
+            await asyncio.shield(self._task)
+        if self.state is not State.FAILED:
+            self.state = State.CLOSED
+
+    async def wait_stopped(self) -> None:
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise RuntimeFailed(self.failure)
+
+    # -- calls -----------------------------------------------------------------
+    def check_open(self) -> None:
+        if self.state is State.OPEN:
+            return
+        if self.state is State.FAILED:
+            raise RuntimeFailed(self.failure)
+        raise RuntimeClosed(f"runtime is {self.state.value}")
+
+    async def ask(self, mailbox: Mailbox[Any], msg: Any, *, wait_for_space: bool = False) -> Any:
+        """Send `msg` (which carries a `Reply`) and await the reply."""
+        self.check_open()
+        return await self.ask_internal(mailbox, msg, wait_for_space=wait_for_space)
+
+    async def ask_internal(self, mailbox: Mailbox[Any], msg: Any, *, wait_for_space: bool = False) -> Any:
+        """As `ask`, also while closing (the façade's own shutdown messages)."""
+        if self.failure is not None:
+            raise RuntimeFailed(self.failure)
+        reply: Reply[Any] = msg.reply
+        if wait_for_space:
+            await mailbox.put(msg)
+        else:
+            mailbox.put_nowait(msg)
+        pending = self._pending
+        pending.add(reply)
+        try:
+            return await reply.wait()
+        finally:
+            pending.discard(reply)
+
+    async def ask_batch(self, mailbox: Mailbox[Any], items: Sequence[Any]) -> tuple[Any, ...]:
+        return await self.ask(mailbox, Batch(tuple(items), Reply()))
+
+    def tell(self, mailbox: Mailbox[Any], msg: Any) -> None:
+        self.check_open()
+        mailbox.put_nowait(msg)

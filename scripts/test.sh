@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The test command: installs what it needs, then runs the default suite (slow/GPU tests skip).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,198 @@
+"""Actor core: ask/tell, batches, validation errors, fail-whole, cancellation, close, back-pressure."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from runtime.actors.base import Actor, Batch, Mailbox, Reply
+from runtime.errors import MailboxFull, RuntimeClosed, RuntimeFailed, ValidationError
+from runtime.supervisor import State, Supervisor
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    n: int
+    reply: Reply[int] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Boom:
+    reply: Reply[None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Slow:
+    delay: float
+    reply: Reply[str] | None = field(default=None, compare=False)
+
+
+class Counter(Actor):
+    name = "counter"
+
+    def __init__(self, capacity: int = 64) -> None:
+        super().__init__(capacity)
+        self.total = 0
+        self.bursts: list[int] = []
+        self.handlers = {Add: self.on_add, Boom: self.on_boom, Slow: self.on_slow}
+
+    def on_add(self, msg: Add) -> int:
+        if msg.n < 0:
+            raise ValidationError("negative")
+        self.total += msg.n
+        return self.total
+
+    def on_boom(self, msg: Boom) -> None:
+        raise RuntimeError("handler bug")
+
+    async def on_slow(self, msg: Slow) -> str:
+        await asyncio.sleep(msg.delay)
+        return "slow-done"
+
+
+async def started(actor: Counter) -> Supervisor:
+    sup = Supervisor([actor])
+    await sup.start()
+    return sup
+
+
+async def test_ask_and_tell_round_trip():
+    actor = Counter()
+    sup = await started(actor)
+    assert await sup.ask(actor.mailbox, Add(2, Reply())) == 2
+    sup.tell(actor.mailbox, Add(3))
+    assert await sup.ask(actor.mailbox, Add(0, Reply())) == 5
+    await sup.stop()
+    assert sup.state is State.CLOSED
+
+
+async def test_validation_error_goes_to_caller_and_actor_lives_on():
+    actor = Counter()
+    sup = await started(actor)
+    with pytest.raises(ValidationError, match="negative"):
+        await sup.ask(actor.mailbox, Add(-1, Reply()))
+    assert actor.total == 0
+    assert await sup.ask(actor.mailbox, Add(4, Reply())) == 4
+    await sup.stop()
+
+
+async def test_batch_reports_per_item_and_failed_item_changes_nothing():
+    actor = Counter()
+    sup = await started(actor)
+    results = await sup.ask_batch(actor.mailbox, [Add(1), Add(-5), Add(2)])
+    assert results[0] == 1 and results[2] == 3
+    assert isinstance(results[1], ValidationError)
+    assert actor.total == 3
+    await sup.stop()
+
+
+async def test_handler_crash_fails_runtime_and_every_pending_call():
+    actor = Counter()
+    sup = await started(actor)
+    slow = asyncio.ensure_future(sup.ask(actor.mailbox, Slow(0.05, Reply())))
+    await asyncio.sleep(0)
+    queued = asyncio.ensure_future(sup.ask(actor.mailbox, Add(1, Reply())))
+    with pytest.raises(RuntimeFailed) as info:
+        await sup.ask(actor.mailbox, Boom(Reply()))
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # the slow call was running when the crash came after it; the queued one never ran
+    for fut in (queued,):
+        with pytest.raises(RuntimeFailed):
+            await fut
+    await slow  # it completed before the crash was handled (handlers run one at a time)
+    with pytest.raises(RuntimeFailed):
+        await sup.ask(actor.mailbox, Add(1, Reply()))
+    await sup.wait_stopped()
+    assert sup.state is State.FAILED
+
+
+async def test_crash_does_not_cancel_embedder_tasks():
+    actor = Counter()
+    sup = await started(actor)
+    ticks = 0
+
+    async def embedder_task():
+        nonlocal ticks
+        for _ in range(5):
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    task = asyncio.ensure_future(embedder_task())
+    with pytest.raises(RuntimeFailed):
+        await sup.ask(actor.mailbox, Boom(Reply()))
+    await task
+    assert ticks == 5 and not task.cancelled()
+
+
+async def test_cancelled_caller_message_still_handled_and_abandon_hook_runs():
+    actor = Counter()
+    sup = await started(actor)
+    abandoned: list[int] = []
+    reply: Reply[int] = Reply(on_abandon=abandoned.append)
+    call = asyncio.ensure_future(sup.ask(actor.mailbox, Add(7, reply)))
+    await asyncio.sleep(0)  # message is in the mailbox
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert await sup.ask(actor.mailbox, Add(0, Reply())) == 7  # the cancelled Add was applied
+    assert abandoned == [7]  # and the façade hook got what it produced, once
+    await sup.stop()
+
+
+async def test_abandon_when_value_arrived_but_caller_cancelled_before_resuming():
+    loop = asyncio.get_running_loop()
+    abandoned: list[str] = []
+    reply: Reply[str] = Reply(loop, on_abandon=abandoned.append)
+
+    async def caller():
+        return await reply.wait()
+
+    task = asyncio.ensure_future(caller())
+    await asyncio.sleep(0)
+    reply.set_result("slots")
+    task.cancel()  # value delivered, caller not resumed yet
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert abandoned == ["slots"]
+
+
+async def test_mailbox_full_is_explicit_backpressure():
+    box: Mailbox[int] = Mailbox(2)
+    box.put_nowait(1)
+    box.put_nowait(2)
+    with pytest.raises(MailboxFull):
+        box.put_nowait(3)
+    box.put_internal(99)  # acks are never refused
+    waiter = asyncio.ensure_future(box.put(4))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    assert await box.get_burst() == [1, 2, 99]  # one wake-up drains the whole burst
+    await waiter
+    assert await box.get_burst() == [4]
+
+
+async def test_close_drains_queued_messages_then_calls_raise_closed():
+    actor = Counter()
+    sup = await started(actor)
+    for _ in range(10):
+        sup.tell(actor.mailbox, Add(1))
+    sup.state = State.CLOSING
+    with pytest.raises(RuntimeClosed):
+        await sup.ask(actor.mailbox, Add(1, Reply()))
+    await sup.stop()
+    assert actor.total == 10
+    with pytest.raises(RuntimeClosed):
+        sup.tell(actor.mailbox, Add(1))
+
+
+async def test_burst_is_drained_in_one_wakeup():
+    actor = Counter()
+    sup = await started(actor)
+    for _ in range(50):
+        sup.tell(actor.mailbox, Add(1))
+    assert actor.messages_handled == 0
+    await sup.ask(actor.mailbox, Add(0, Reply()))
+    assert actor.total == 50
+    await sup.stop()
