@@ -1,0 +1,413 @@
+"""`SlotLedger`: the single record of who owns each slot of one pool and how many copies pin it.
+
+One ledger per pool (device or host). Everything is whole pages: slot indices come in and go
+out as int64 numpy arrays of page-aligned slots (each page's ``page_size`` slots consecutive,
+starting at a multiple of ``page_size``).
+
+Cost model: ``alloc``, ``free``, ``assign``, ``pin`` and ``unpin`` cost O(pages touched) and
+never scan the pool; per-owner page counts are kept incrementally. ``owned_slots``,
+``snapshot`` and ``check`` are O(pool) debug/test helpers.
+
+Storage:
+- ``_codes[page]``: int64 owner code of the page, 0 = free. Owners are interned to codes that
+  increase monotonically (never reused, so a stale code can never name a different owner);
+  an owner's code is dropped when its page count reaches 0, so short-lived owners do not leak.
+- ``_pins[page]``: number of in-flight copies that pin the page.
+- ``_stack[:_top]``: the free pages (LIFO).
+
+Errors: every misuse raises a typed `ValidationError` before any state change (all-or-nothing)
+and emits no trace event. Each successful mutating call emits exactly one trace event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from runtime.errors import (
+    CapacityError,
+    InvariantViolation,
+    LengthError,
+    OwnershipError,
+    PinnedSlotError,
+    StateError,
+)
+from runtime.memory.owners import Owner, Tier
+from runtime.trace import SlotTracer
+
+__all__ = ["SlotLedger", "LedgerSnapshot"]
+
+_EMPTY = np.empty(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+_I64 = np.dtype(np.int64)
+_SMALL = 64  # calls with at most this many pages validate with Python ints (faster than numpy ops)
+
+
+@dataclass(frozen=True, eq=False)
+class LedgerSnapshot:
+    """Raw copies of a ledger's state (for the invariant checker and before/after comparisons).
+
+    ``page_codes[p]`` is the owner code of page ``p`` (0 = free) and ``owners`` maps codes to
+    owners; ``pins[p]`` is the pin count of page ``p``; ``free_pages`` is the free stack,
+    bottom to top; ``page_counts`` maps each live code to its page count.
+    """
+
+    num_slots: int
+    page_size: int
+    tier: Tier
+    page_codes: np.ndarray
+    pins: np.ndarray
+    free_pages: np.ndarray
+    owners: dict[int, Owner]
+    page_counts: dict[int, int]
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.page_codes)
+
+    def owner_of_page(self, page: int) -> Owner | None:
+        code = int(self.page_codes[page])
+        return None if code == 0 else self.owners[code]
+
+    def page_owners(self) -> list[Owner | None]:
+        """Owner of every page (O(pool) Python objects: tests only)."""
+        owners = self.owners
+        return [owners[c] if c else None for c in self.page_codes.tolist()]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LedgerSnapshot):
+            return NotImplemented
+        return (
+            self.num_slots == other.num_slots
+            and self.page_size == other.page_size
+            and self.tier == other.tier
+            and np.array_equal(self.page_codes, other.page_codes)
+            and np.array_equal(self.pins, other.pins)
+            and np.array_equal(self.free_pages, other.free_pages)
+            and self.owners == other.owners
+            and self.page_counts == other.page_counts
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class SlotLedger:
+    """Owner and pin count per page of one pool, plus its free-page stack."""
+
+    def __init__(self, num_slots: int, page_size: int, tier: Tier, tracer: SlotTracer | None = None) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise LengthError(f"page_size must be a positive int, got {page_size!r}")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
+            raise LengthError(f"num_slots must be a non-negative int, got {num_slots!r}")
+        if num_slots % page_size:
+            raise LengthError(f"num_slots {num_slots} is not a multiple of page_size {page_size}")
+        self.num_slots = int(num_slots)
+        self.page_size = int(page_size)
+        self.num_pages = self.num_slots // self.page_size
+        self.tier = Tier(tier)
+        self._tier_name = self.tier.value
+        self._tracer = tracer
+        n = self.num_pages
+        self._codes = np.zeros(n, dtype=np.int64)
+        self._pins = np.zeros(n, dtype=np.int32)
+        # Free stack, top at the end: a fresh ledger hands out pages 0, 1, 2, ... in order.
+        self._stack = np.arange(n - 1, -1, -1, dtype=np.int64)
+        self._top = n
+        # Scratch for O(k) duplicate detection (no sort): see `_pages`.
+        self._scratch = np.zeros(n, dtype=np.int64)
+        self._offsets = np.arange(self.page_size, dtype=np.int64)
+        # Owner interning.
+        self._next_code = 1
+        self._code_of: dict[Owner, int] = {}
+        self._owner_of: dict[int, Owner] = {}
+        self._count: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    def num_free_pages(self) -> int:
+        return self._top
+
+    def num_free_slots(self) -> int:
+        return self._top * self.page_size
+
+    def owner_of(self, slot: int) -> Owner | None:
+        code = int(self._codes[self._slot_page(slot)])
+        return None if code == 0 else self._owner_of[code]
+
+    def owners_of(self, slots: np.ndarray) -> list[Owner | None]:
+        """Owner of each page of ``slots`` (one entry per page, in order)."""
+        pages = self._pages(slots, unique=False)
+        owner_of = self._owner_of
+        return [owner_of[c] if c else None for c in self._codes[pages].tolist()]
+
+    def pin_count(self, slot: int) -> int:
+        return int(self._pins[self._slot_page(slot)])
+
+    def pages_owned_by(self, owner: Owner) -> int:
+        code = self._code_of.get(owner)
+        return 0 if code is None else self._count[code]
+
+    def owned_slots(self, owner: Owner) -> np.ndarray:
+        """Every slot of ``owner``, ascending (O(pool): debug/test helper)."""
+        code = self._code_of.get(owner)
+        if code is None:
+            return _EMPTY.copy()
+        return self._expand(np.flatnonzero(self._codes == code).astype(np.int64))
+
+    def snapshot(self) -> LedgerSnapshot:
+        return LedgerSnapshot(
+            num_slots=self.num_slots,
+            page_size=self.page_size,
+            tier=self.tier,
+            page_codes=self._codes.copy(),
+            pins=self._pins.copy(),
+            free_pages=self._stack[: self._top].copy(),
+            owners=dict(self._owner_of),
+            page_counts=dict(self._count),
+        )
+
+    # ---------------------------------------------------------------- mutations
+
+    def alloc(self, num_pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
+        """Take ``num_pages`` free pages for ``owner``; returns their slots (int64)."""
+        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+            raise LengthError(f"num_pages must be a non-negative int, got {num_pages!r}")
+        if not isinstance(owner, Owner):
+            raise OwnershipError(f"alloc needs an Owner, got {owner!r}")
+        n = int(num_pages)
+        top = self._top
+        if n > top:
+            raise CapacityError(f"{self._tier_name}: need {n} pages, {top} free")
+        if n == 0:
+            slots = _EMPTY.copy()
+        else:
+            pages = self._stack[top - n : top][::-1].copy()
+            self._top = top - n
+            code = self._intern(owner)
+            self._codes[pages] = code
+            self._count[code] += n
+            slots = self._expand(pages)
+        t = self._tracer
+        if t is not None and t.active:
+            t.emit("alloc", self._tier_name, slots=slots, owner=owner, **ctx)
+        return slots
+
+    def free(self, slots: np.ndarray, owner: Owner, **ctx: Any) -> None:
+        """Return pages of ``owner`` to the free stack. Pinned pages always raise."""
+        pages = self._pages(slots)
+        n = len(pages)
+        if n:
+            code = self._require_owner(pages, owner, "free")
+            pins = self._pins[pages]
+            if np.count_nonzero(pins):
+                bad = int(pages[np.flatnonzero(pins)[0]])
+                raise PinnedSlotError(
+                    f"{self._tier_name}: free of pinned page {bad} (slot {bad * self.page_size}, "
+                    f"{int(self._pins[bad])} pins) by {owner}"
+                )
+            self._codes[pages] = 0
+            top = self._top
+            self._stack[top : top + n] = pages[::-1]
+            self._top = top + n
+            self._uncount(code, n)
+        t = self._tracer
+        if t is not None and t.active:
+            t.emit("free", self._tier_name, slots=slots, owner=owner, **ctx)
+
+    def assign(self, slots: np.ndarray, from_owner: Owner, to_owner: Owner, **ctx: Any) -> None:
+        """Hand pages from ``from_owner`` to ``to_owner``. Pins stay with the pages."""
+        if not isinstance(to_owner, Owner):
+            raise OwnershipError(f"assign needs an Owner to hand over to, got {to_owner!r}")
+        pages = self._pages(slots)
+        n = len(pages)
+        if n:
+            from_code = self._require_owner(pages, from_owner, "assign")
+            if to_owner != from_owner:
+                to_code = self._intern(to_owner)
+                self._codes[pages] = to_code
+                self._count[to_code] += n
+                self._uncount(from_code, n)
+        t = self._tracer
+        if t is not None and t.active:
+            t.emit("assign", self._tier_name, slots=slots, owner=from_owner, to=to_owner, **ctx)
+
+    def pin(self, slots: np.ndarray, op_id: int, **ctx: Any) -> None:
+        """Add one pin (an in-flight copy ``op_id``) to each page; pages must be owned."""
+        pages = self._pages(slots)
+        if len(pages):
+            codes = self._codes[pages]
+            if np.count_nonzero(codes) != len(codes):
+                bad = int(pages[np.flatnonzero(codes == 0)[0]])
+                raise OwnershipError(f"{self._tier_name}: pin (op {op_id}) of free page {bad}")
+            self._pins[pages] += 1
+        t = self._tracer
+        if t is not None and t.active:
+            t.emit("pin", self._tier_name, slots=slots, op=op_id, **ctx)
+
+    def unpin(self, slots: np.ndarray, op_id: int, **ctx: Any) -> None:
+        """Remove one pin from each page; every page must be pinned."""
+        pages = self._pages(slots)
+        if len(pages):
+            pins = self._pins[pages]
+            if np.count_nonzero(pins) != len(pins):
+                bad = int(pages[np.flatnonzero(pins == 0)[0]])
+                raise StateError(f"{self._tier_name}: unpin (op {op_id}) of unpinned page {bad}")
+            self._pins[pages] = pins - 1
+        t = self._tracer
+        if t is not None and t.active:
+            t.emit("unpin", self._tier_name, slots=slots, op=op_id, **ctx)
+
+    # -------------------------------------------------------------------- check
+
+    def check(self) -> None:
+        """Recompute everything from the raw arrays; raise `InvariantViolation` on a mismatch.
+
+        O(pool). Uses none of the incremental bookkeeping it verifies.
+        """
+        n = self.num_pages
+        codes = self._codes
+        pins = self._pins
+        problems: list[str] = []
+        if not 0 <= self._top <= n:
+            raise InvariantViolation(f"{self._tier_name} ledger: free stack top {self._top} outside [0, {n}]")
+        stack = self._stack[: self._top]
+        if len(stack) and (stack.min() < 0 or stack.max() >= n):
+            problems.append("free stack holds a page index out of range")
+        else:
+            in_stack = np.bincount(stack, minlength=n) if n else np.zeros(0, dtype=np.int64)
+            dup = np.flatnonzero(in_stack > 1)
+            if len(dup):
+                problems.append(f"free stack holds pages more than once: {dup[:8].tolist()}")
+            unowned = codes == 0
+            listed = in_stack > 0
+            missing = np.flatnonzero(unowned & ~listed)
+            if len(missing):
+                problems.append(f"unowned pages not on the free stack (leaked): {missing[:8].tolist()}")
+            owned_listed = np.flatnonzero(~unowned & listed)
+            if len(owned_listed):
+                problems.append(f"owned pages on the free stack: {owned_listed[:8].tolist()}")
+        if (pins < 0).any():
+            problems.append(f"negative pin counts at pages {np.flatnonzero(pins < 0)[:8].tolist()}")
+        pinned_free = np.flatnonzero((codes == 0) & (pins != 0))
+        if len(pinned_free):
+            problems.append(f"free pages pinned: {pinned_free[:8].tolist()}")
+        if (codes < 0).any():
+            problems.append("negative owner codes")
+        # Per-owner counts, recomputed from the per-page codes.
+        live, counts = np.unique(codes[codes > 0], return_counts=True)
+        actual = dict(zip(live.tolist(), counts.tolist()))
+        if actual != self._count:
+            problems.append(f"per-owner page counts differ: recomputed {_head(actual)}, kept {_head(self._count)}")
+        if set(self._owner_of) != set(actual):
+            problems.append("owner table does not match the codes in use")
+        if len(self._code_of) != len(self._owner_of) or any(
+            self._owner_of.get(c) != o for o, c in self._code_of.items()
+        ):
+            problems.append("owner<->code tables disagree")
+        if any(c >= self._next_code or c <= 0 for c in self._owner_of):
+            problems.append("owner code outside the issued range")
+        if problems:
+            raise InvariantViolation(f"{self._tier_name} ledger: " + "; ".join(problems))
+
+    # ---------------------------------------------------------------- internals
+
+    def _intern(self, owner: Owner) -> int:
+        code = self._code_of.get(owner)
+        if code is None:
+            code = self._next_code
+            self._next_code = code + 1
+            self._code_of[owner] = code
+            self._owner_of[code] = owner
+            self._count[code] = 0
+        return code
+
+    def _uncount(self, code: int, n: int) -> None:
+        left = self._count[code] - n
+        if left:
+            self._count[code] = left
+        else:
+            del self._count[code]
+            del self._code_of[self._owner_of.pop(code)]
+
+    def _require_owner(self, pages: np.ndarray, owner: Owner, what: str) -> int:
+        code = self._code_of.get(owner) if isinstance(owner, Owner) else None
+        codes = self._codes[pages]
+        if code is None or np.count_nonzero(codes != code):
+            idx = 0 if code is None else int(np.flatnonzero(codes != code)[0])
+            bad = int(pages[idx])
+            actual = self._owner_of.get(int(codes[idx]))
+            raise OwnershipError(
+                f"{self._tier_name}: {what} of page {bad} (slot {bad * self.page_size}) by {owner}, "
+                f"owned by {actual if actual is not None else 'nobody (free)'}"
+            )
+        return code
+
+    def _slot_page(self, slot: int) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+            raise LengthError(f"slot must be an int, got {slot!r}")
+        if not 0 <= slot < self.num_slots:
+            raise LengthError(f"slot {slot} outside [0, {self.num_slots})")
+        return int(slot) // self.page_size
+
+    def _expand(self, pages: np.ndarray) -> np.ndarray:
+        if self.page_size == 1:
+            return pages
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
+
+    def _pages(self, slots: Iterable[int] | np.ndarray, unique: bool = True) -> np.ndarray:
+        """Validate page-aligned slot indices; return their page indices (int64, one per page).
+
+        O(len(slots)); tuned for request-sized calls (a handful of numpy ops, no sort).
+        """
+        if type(slots) is not np.ndarray:
+            slots = np.asarray(slots)
+            if slots.size == 0:
+                slots = _EMPTY
+        if slots.ndim != 1:
+            raise LengthError(f"slots must be a 1-D array, got shape {slots.shape}")
+        k = len(slots)
+        if k == 0:
+            return _EMPTY
+        if slots.dtype is not _I64:
+            if slots.dtype.kind not in "iu":
+                raise LengthError(f"slots must be integers, got dtype {slots.dtype}")
+            # uint64 values >= 2**63 wrap to negatives and fail the range check below.
+            slots = slots.astype(np.int64)
+        ps = self.page_size
+        if ps == 1:
+            pages = slots
+        else:
+            if k % ps:
+                raise LengthError(f"{k} slots is not a whole number of pages (page_size {ps})")
+            pages = slots[::ps] // ps
+            # Each page's slots must be exactly page*ps + 0..ps-1 (aligned and consecutive).
+            expected = (pages[:, None] * ps + self._offsets).reshape(-1)
+            if slots.tobytes() != expected.tobytes():
+                raise LengthError(f"slots are not whole pages (page_size {ps}, each page consecutive and aligned)")
+        n = len(pages)
+        if n <= _SMALL:
+            plist = pages.tolist()
+            if min(plist) < 0 or max(plist) >= self.num_pages:
+                raise LengthError(f"slot index outside [0, {self.num_slots})")
+            if unique and len(set(plist)) != n:
+                raise LengthError("the same page appears more than once in one call")
+            return pages
+        if pages.view(np.uint64).max() >= self.num_pages:  # negatives view as huge
+            raise LengthError(f"slot index outside [0, {self.num_slots})")
+        if unique:
+            # O(k) duplicate check without a sort: scatter positions, read back; a repeated page
+            # reads back a later position.
+            pos = np.arange(n, dtype=np.int64)
+            self._scratch[pages] = pos
+            if np.count_nonzero(self._scratch[pages] != pos):
+                raise LengthError("the same page appears more than once in one call")
+        return pages
+
+
+def _head(d: dict[int, int], limit: int = 8) -> str:
+    items = sorted(d.items())
+    tail = ", ..." if len(items) > limit else ""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in items[:limit]) + tail + "}"
