@@ -1,0 +1,836 @@
+"""Paged radix tree: the synchronous core of the tree actor.
+
+Pure bookkeeping, no event loop, no torch, no slot ledger. Nodes store slot ids (numpy
+int64 arrays) for the device and host tiers; every operation that gives slots up
+*returns* them and the caller (who owns the ledgers) frees or re-owns them.
+
+Representation (see ``shared/notes/tree-speed.md``):
+
+- a node's tokens are ``bytes`` (int32 little-endian, 4 bytes per token, whole pages), so a
+  whole-node match is one ``bytes.startswith``; children are found through a dict keyed by
+  the first page's bytes; no per-token Python loop anywhere;
+- one root per ``extra_key`` namespace (``None`` included): equal tokens under two keys
+  never match or share;
+- device residency is prefix-closed: a node with device slots always has a parent with
+  device slots (or the root);
+- the derived sets (evictable device leaves, evictable host leaves) are maintained
+  incrementally, O(1) per touched node, from one definition each (``_is_device_leaf``,
+  ``_is_host_leaf``);
+- eviction order comes from one lazily updated heap per tier (stale entries are skipped or
+  re-keyed when popped; never rebuilt per call).
+
+Tokens may be given as a numpy integer array, any sequence of ints, or ``bytes`` that are
+already int32-LE encoded (see :func:`encode`; encode once and reuse for match + insert).
+Token ids must fit in int32.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterator
+from typing import Callable
+
+import numpy as np
+
+from runtime.errors import ValidationError
+
+from .policies import EvictionPolicy, LRUPolicy, policy_by_name
+
+_I4 = np.dtype("<i4")
+_I8 = np.dtype(np.int64)
+
+
+class TreeError(ValidationError, ValueError):
+    """A tree call with bad arguments or in a state that does not allow it.
+
+    Raised before any change: the tree is exactly as it was.
+    """
+
+
+def encode(tokens) -> bytes:
+    """Token ids -> int32 little-endian bytes (4 bytes per token), the tree's key form."""
+    if isinstance(tokens, bytes):
+        if len(tokens) & 3:
+            raise TreeError(f"encoded tokens must be a multiple of 4 bytes, got {len(tokens)}")
+        return tokens
+    a = np.asarray(tokens)
+    if a.dtype != _I4:
+        if a.size == 0:
+            return b""
+        if a.dtype.kind not in "iu":
+            raise TreeError(f"tokens must be integers, got dtype {a.dtype}")
+        a = a.astype(_I4)
+    if a.ndim != 1:
+        raise TreeError(f"tokens must be 1-D, got shape {a.shape}")
+    return a.tobytes()
+
+
+def decode(key: bytes) -> np.ndarray:
+    """int32-LE bytes -> a read-only int32 array view of them."""
+    return np.frombuffer(key, dtype=_I4)
+
+
+class Node:
+    """One radix-tree node: a run of whole pages of one prefix.
+
+    Fields are public for reading (the invariant checker reads them raw); mutate only
+    through the tree.
+    """
+
+    __slots__ = (
+        "id",
+        "parent",
+        "children",
+        "key",
+        "extra_key",
+        "device",
+        "host",
+        "lock_ref",
+        "host_protect",
+        "hit_count",
+        "last_access",
+        "priority",
+        # children with device slots / with host slots (keep leaf checks O(1))
+        "n_dev_children",
+        "n_host_children",
+        # True while this node has an entry in the device / host eviction heap
+        "_dq",
+        "_hq",
+    )
+
+    def __init__(self, id: int, parent: "Node | None", key: bytes, extra_key: Hashable) -> None:
+        self.id = id
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.key = key
+        self.extra_key = extra_key
+        self.device: np.ndarray | None = None
+        self.host: np.ndarray | None = None
+        self.lock_ref = 0
+        self.host_protect = 0
+        self.hit_count = 0
+        self.last_access = 0
+        self.priority = 0
+        self.n_dev_children = 0
+        self.n_host_children = 0
+        self._dq = False
+        self._hq = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) >> 2
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """This node's own token ids (read-only int32 view)."""
+        return np.frombuffer(self.key, dtype=_I4)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and not self.key
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (
+            f"Node(id={self.id}, tokens={self.num_tokens}, dev={self.device is not None}, "
+            f"host={self.host is not None}, lock={self.lock_ref}, prot={self.host_protect})"
+        )
+
+
+class MatchResult:
+    """Result of :meth:`RadixTree.match`.
+
+    - ``nodes``: the matched path (root excluded), in order. With ``split=True`` it ends
+      exactly at ``matched_len``; with ``split=False`` the last node may be matched only
+      partly.
+    - ``device_len``: tokens from the start whose nodes all hold device slots.
+    - ``host_len``: tokens after ``device_len`` through nodes with host but no device slots.
+    - ``device_slots``: a new int64 array with the device slots of the first ``device_len``
+      tokens.
+    - ``last_device_node``: the deepest node of the device part (the namespace root if
+      none); ``last_node``: the deepest node of the device + host part (root if none).
+    - ``matched_len``: tokens matched in the tree at all (also through nodes with neither
+      device nor host slots, e.g. storage-only ones).
+    """
+
+    __slots__ = ("nodes", "device_len", "host_len", "device_slots", "last_device_node", "last_node", "matched_len")
+
+    def __init__(self, nodes, device_len, host_len, device_slots, last_device_node, last_node, matched_len):
+        self.nodes: list[Node] = nodes
+        self.device_len: int = device_len
+        self.host_len: int = host_len
+        self.device_slots: np.ndarray = device_slots
+        self.last_device_node: Node = last_device_node
+        self.last_node: Node = last_node
+        self.matched_len: int = matched_len
+
+    @property
+    def host_nodes(self) -> list[Node]:
+        """Nodes of the host part (host slots, no device slots), in order."""
+        out = []
+        for nd in self.nodes:
+            if nd.device is not None:
+                continue
+            if nd.host is None:
+                break
+            out.append(nd)
+        return out
+
+    def __repr__(self) -> str:  # pragma: no cover
+        return (
+            f"MatchResult(device_len={self.device_len}, host_len={self.host_len}, "
+            f"matched_len={self.matched_len}, nodes={[n.id for n in self.nodes]})"
+        )
+
+
+class InsertResult:
+    """Result of :meth:`RadixTree.insert`.
+
+    - ``duplicate_slots``: the caller's slots for pages the tree already held on device;
+      the caller frees them. Positions where the caller passed the tree's own slot (it
+      got them from a match) are not duplicates and are not listed.
+    - ``adopted``: ``(node, slots)`` for every node that took caller slots as its device
+      copy: new nodes, and existing nodes on the path without device slots. ``slots`` is
+      the node's own array (the caller moves those slots to the node's ownership).
+    - ``last_node``: the node that ends the inserted key (the root for an empty key).
+    - ``prefix_len``: tokens that were already on device before this insert.
+    """
+
+    __slots__ = ("duplicate_slots", "adopted", "last_node", "prefix_len")
+
+    def __init__(self, duplicate_slots, adopted, last_node, prefix_len):
+        self.duplicate_slots: np.ndarray = duplicate_slots
+        self.adopted: list[tuple[Node, np.ndarray]] = adopted
+        self.last_node: Node = last_node
+        self.prefix_len: int = prefix_len
+
+
+def _as_slots(slots, n: int | None = None) -> np.ndarray:
+    """Validated private int64 copy of a slot id array (never a view of the caller's)."""
+    a = np.asarray(slots)
+    if a.ndim != 1:
+        raise TreeError(f"slots must be 1-D, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise TreeError(f"slots must be integers, got dtype {a.dtype}")
+    if n is not None and len(a) != n:
+        raise TreeError(f"expected {n} slots, got {len(a)}")
+    return np.array(a, dtype=np.int64)  # always a copy
+
+
+class RadixTree:
+    """Paged radix tree over token prefixes, one root per ``extra_key``.
+
+    ``on_split(old_lower, new_upper)`` (attribute, default None) is called after every
+    split, once the tree is consistent again, so the caller can move ledger ownership of
+    the upper part's slots.
+    """
+
+    def __init__(
+        self,
+        page_size: int = 1,
+        policy: EvictionPolicy | str | None = None,
+        host_policy: EvictionPolicy | str | None = None,
+    ) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise TreeError(f"page_size must be a positive int, got {page_size!r}")
+        self.page_size = page_size
+        self._pb = page_size * 4  # page size in key bytes
+        self.policy: EvictionPolicy = self._policy(policy)
+        self.host_policy: EvictionPolicy = self._policy(host_policy) if host_policy is not None else self.policy
+        self._next_id = 0
+        self._clock = 0
+        self._roots: dict[Hashable, Node] = {}
+        self._n_nodes = 0  # live non-root nodes
+        self.device_leaves: set[Node] = set()
+        self.host_leaves: set[Node] = set()
+        self._dheap: list[tuple] = []
+        self._hheap: list[tuple] = []
+        self.total_device_tokens = 0
+        self.total_host_tokens = 0
+        self.locked_device_tokens = 0  # device tokens of nodes with lock_ref > 0
+        self.on_split: Callable[[Node, Node], None] | None = None
+
+    @staticmethod
+    def _policy(p) -> EvictionPolicy:
+        if p is None:
+            return LRUPolicy()
+        if isinstance(p, str):
+            return policy_by_name(p)
+        if not callable(getattr(p, "key", None)):
+            raise TreeError(f"not an eviction policy: {p!r}")
+        return p
+
+    # ------------------------------------------------------------------ structure
+    def root(self, extra_key: Hashable = None) -> Node:
+        """The root of a namespace (created on first use)."""
+        r = self._roots.get(extra_key)
+        if r is None:
+            hash(extra_key)
+            r = Node(self._next_id, None, b"", extra_key)
+            self._next_id += 1
+            self._roots[extra_key] = r
+        return r
+
+    def roots(self) -> list[Node]:
+        return list(self._roots.values())
+
+    def nodes(self) -> Iterator[Node]:
+        """Every live node (roots excluded), parents before children."""
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            nd = stack.pop()
+            yield nd
+            stack.extend(nd.children.values())
+
+    @property
+    def num_nodes(self) -> int:
+        return self._n_nodes
+
+    @property
+    def evictable_device_tokens(self) -> int:
+        """Device tokens not under any lock (what eviction could free eventually)."""
+        return self.total_device_tokens - self.locked_device_tokens
+
+    def is_live(self, node: Node) -> bool:
+        """True for a node that is in this tree now (a root counts)."""
+        if node.parent is None:
+            return self._roots.get(node.extra_key) is node
+        return node.parent.children.get(node.key[: self._pb]) is node
+
+    def path_tokens(self, node: Node) -> np.ndarray:
+        """Token ids from the namespace root down to ``node`` (a new array)."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.key)
+            node = node.parent
+        return np.frombuffer(b"".join(reversed(parts)), dtype=_I4).copy()
+
+    def split_chain(self, node: Node, num_tokens: int) -> list[Node]:
+        """The nodes, top-down, that cover the last ``num_tokens`` tokens ending at ``node``.
+
+        Recovers what a node covered before splits (seed 002): record
+        ``node.num_tokens`` when an operation starts; if the node was split since, its
+        upper parts are its ancestors and this walk finds them. Raises if the walk does
+        not land exactly on ``num_tokens``.
+        """
+        chain = []
+        acc = 0
+        cur = node
+        while acc < num_tokens and cur.parent is not None:
+            chain.append(cur)
+            acc += len(cur.key) >> 2
+            cur = cur.parent
+        if acc != num_tokens:
+            raise TreeError(f"split chain of node {node.id} covers {acc} tokens, not {num_tokens}")
+        chain.reverse()
+        return chain
+
+    # ------------------------------------------------------------------ derived sets
+    @staticmethod
+    def _is_device_leaf(node: Node) -> bool:
+        """Evictable device leaf: device slots, unlocked, no child with device slots."""
+        return node.device is not None and node.lock_ref == 0 and node.n_dev_children == 0
+
+    @staticmethod
+    def _is_host_leaf(node: Node) -> bool:
+        """Evictable host leaf (seed 004): off device, host slots, not host-protected,
+        and no child that *has host slots* (not: no child evicted from device)."""
+        return node.device is None and node.host is not None and node.host_protect == 0 and node.n_host_children == 0
+
+    def _refresh(self, node: Node) -> None:
+        """Recompute both set memberships of one node (O(1))."""
+        if node.parent is None:
+            return
+        if self._is_device_leaf(node):
+            if node not in self.device_leaves:
+                self.device_leaves.add(node)
+                if not node._dq:
+                    self._push_dev(node)
+        else:
+            self.device_leaves.discard(node)
+        if self._is_host_leaf(node):
+            if node not in self.host_leaves:
+                self.host_leaves.add(node)
+                if not node._hq:
+                    self._push_host(node)
+        else:
+            self.host_leaves.discard(node)
+
+    def _push_dev(self, node: Node) -> None:
+        node._dq = True
+        heapq.heappush(self._dheap, (self.policy.key(node), node.id, node))
+        if len(self._dheap) > 2 * self._n_nodes + 1024:
+            self._compact(self._dheap, self.device_leaves, "_dq", self.policy)
+
+    def _push_host(self, node: Node) -> None:
+        node._hq = True
+        heapq.heappush(self._hheap, (self.host_policy.key(node), node.id, node))
+        if len(self._hheap) > 2 * self._n_nodes + 1024:
+            self._compact(self._hheap, self.host_leaves, "_hq", self.host_policy)
+
+    @staticmethod
+    def _compact(heap: list, members: set, flag: str, policy) -> None:
+        for _k, _i, nd in heap:
+            setattr(nd, flag, False)
+        heap[:] = [(policy.key(nd), nd.id, nd) for nd in members]
+        heapq.heapify(heap)
+        for nd in members:
+            setattr(nd, flag, True)
+
+    # ------------------------------------------------------------------ helpers
+    def _common_bytes(self, ck: bytes, key: bytes, pos: int, n: int) -> int:
+        """Length in bytes (whole pages) of the common prefix of ``ck`` and ``key[pos:n]``.
+
+        The first page is known to be equal. Binary search over page counts, each probe
+        one C-level ``startswith``.
+        """
+        pb = self._pb
+        lo = 1
+        hi = min(len(ck), n - pos) // pb
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if key.startswith(ck[: mid * pb], pos):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * pb
+
+    def _check_node(self, node: Node) -> None:
+        if node.parent is None or node.parent.children.get(node.key[: self._pb]) is not node:
+            raise TreeError(f"node {node.id} is a root or not in this tree")
+
+    def _split(self, node: Node, at: int) -> Node:
+        pb = self._pb
+        b = at << 2
+        parent = node.parent
+        key = node.key
+        upper = Node(self._next_id, parent, key[:b], node.extra_key)
+        self._next_id += 1
+        lower_key = key[b:]
+        node.key = lower_key
+        upper.children[lower_key[:pb]] = node
+        parent.children[key[:pb]] = upper
+        node.parent = upper
+        d = node.device
+        if d is not None:
+            upper.device = d[:at].copy()
+            node.device = d[at:].copy()
+            upper.n_dev_children = 1
+        h = node.host
+        if h is not None:
+            upper.host = h[:at].copy()
+            node.host = h[at:].copy()
+            upper.n_host_children = 1
+        upper.lock_ref = node.lock_ref
+        upper.host_protect = node.host_protect
+        upper.hit_count = node.hit_count
+        upper.last_access = node.last_access
+        upper.priority = node.priority
+        self._n_nodes += 1
+        # `upper` has a child with its own tiers, so it is never a leaf of either set, and
+        # `node` keeps its fields and children: both memberships are already right.
+        cb = self.on_split
+        if cb is not None:
+            cb(node, upper)
+        return upper
+
+    def split(self, node: Node, at_tokens: int) -> Node:
+        """Split ``node`` after ``at_tokens`` tokens; returns the new upper node.
+
+        The lower part keeps the node's identity. Slot arrays are split into new arrays;
+        locks, protections, hit count, last access and priority apply to both halves.
+        """
+        self._check_node(node)
+        if not isinstance(at_tokens, (int, np.integer)) or at_tokens % self.page_size:
+            raise TreeError(f"split point {at_tokens!r} is not a multiple of page_size {self.page_size}")
+        if not 0 < at_tokens < node.num_tokens:
+            raise TreeError(f"split point {at_tokens} outside (0, {node.num_tokens})")
+        return self._split(node, int(at_tokens))
+
+    def _new_child(self, parent: Node, key: bytes, device: np.ndarray) -> Node:
+        """A new node with device slots under ``parent`` (which is on device or a root)."""
+        nd = Node(self._next_id, parent, key, parent.extra_key)
+        self._next_id += 1
+        self._n_nodes += 1
+        parent.children[key[: self._pb]] = nd
+        nd.device = device
+        parent.n_dev_children += 1
+        self.total_device_tokens += len(device)
+        # nd: unlocked, childless, on device -> an evictable device leaf, not a host leaf.
+        self.device_leaves.add(nd)
+        self._push_dev(nd)
+        # parent: now has a device child -> not a device leaf; it is on device (or a root),
+        # so it is not a host leaf either, before or after.
+        self.device_leaves.discard(parent)
+        return nd
+
+    def _set_device(self, node: Node, slots: np.ndarray) -> None:
+        node.device = slots
+        n = len(slots)
+        self.total_device_tokens += n
+        if node.lock_ref:
+            self.locked_device_tokens += n
+        node.parent.n_dev_children += 1
+        self._refresh(node)
+        self._refresh(node.parent)
+
+    # ------------------------------------------------------------------ match
+    def match(self, tokens, extra_key: Hashable = None, *, split: bool = True, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of ``tokens`` (truncated to whole pages).
+
+        ``split=True`` splits a node the query diverges in (or ends in) so the path ends
+        exactly at the matched length, and ``touch`` (only then) updates last access and
+        hit count of the matched nodes. ``split=False`` is a read-only look: no split, no
+        touch; the lengths still count every matched page.
+        """
+        key = encode(tokens)
+        pb = self._pb
+        n = len(key)
+        n -= n % pb
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = self.root(extra_key)
+        nodes: list[Node] = []
+        pos = 0
+        partial = 0  # tokens matched in a last node that was not split
+        children = root.children
+        while pos < n:
+            child = children.get(key[pos : pos + pb])
+            if child is None:
+                break
+            ck = child.key
+            end = pos + len(ck)
+            if end <= n and key.startswith(ck, pos):
+                nodes.append(child)
+                pos = end
+                children = child.children
+                continue
+            m = self._common_bytes(ck, key, pos, n)
+            if split:
+                child = self._split(child, m >> 2)
+            else:
+                partial = m >> 2
+            nodes.append(child)
+            pos += m
+            break
+
+        L = len(nodes)
+        i = 0
+        dev = []
+        while i < L:
+            d = nodes[i].device
+            if d is None:
+                break
+            dev.append(d)
+            i += 1
+        if partial and i == L:
+            dev[-1] = dev[-1][:partial]
+        if dev:
+            device_slots = np.concatenate(dev)
+            device_len = len(device_slots)
+            last_dev = nodes[i - 1]
+        else:
+            device_slots = np.empty(0, dtype=np.int64)
+            device_len = 0
+            last_dev = root
+        j = i
+        host_len = 0
+        while j < L:
+            nd = nodes[j]
+            if nd.host is None or nd.device is not None:
+                break
+            host_len += len(nd.key) >> 2
+            j += 1
+        if partial and j == L and j > i:
+            host_len -= (len(nodes[-1].key) >> 2) - partial
+        last = nodes[j - 1] if j else root
+        if split and touch and L:
+            self._clock += 1
+            c = self._clock
+            for nd in nodes:
+                nd.last_access = c
+                nd.hit_count += 1
+        return MatchResult(nodes, device_len, host_len, device_slots, last_dev, last, pos >> 2)
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens, extra_key: Hashable, device_slots, *, priority: int = 0) -> InsertResult:
+        """Insert ``tokens`` (whole pages) with the caller's device slots, one per token.
+
+        Pages already on device yield their caller slots as ``duplicate_slots``; nodes on
+        the path without device slots adopt the caller's slots (so device residency stays
+        prefix-closed), and the rest becomes a new node. ``priority`` raises (never lowers)
+        the priority of every node on the path.
+        """
+        key = encode(tokens)
+        pb = self._pb
+        n = len(key)
+        if n % pb:
+            raise TreeError(f"insert of {n >> 2} tokens is not a whole number of pages (page_size {self.page_size})")
+        slots = device_slots
+        if type(slots) is not np.ndarray or slots.dtype != _I8 or slots.ndim != 1:
+            slots = np.asarray(slots)
+            if slots.ndim != 1 or (slots.size and slots.dtype.kind not in "iu"):
+                raise TreeError(f"device_slots must be a 1-D integer array, got {slots.dtype} {slots.shape}")
+            slots = slots.astype(np.int64)
+        if len(slots) != n >> 2:
+            raise TreeError(f"{len(slots)} slots for {n >> 2} tokens")
+        root = self._roots.get(extra_key)
+        if root is None:
+            root = self.root(extra_key)
+        self._clock += 1
+        clock = self._clock
+        node = root
+        pos = 0
+        dup_tree: list[np.ndarray] = []
+        adopted: list[tuple[Node, np.ndarray]] = []
+        prefix = 0  # bytes of the key that were already on device
+        while pos < n:
+            child = node.children.get(key[pos : pos + pb])
+            if child is None:
+                break
+            ck = child.key
+            end = pos + len(ck)
+            if end > n or not key.startswith(ck, pos):
+                end = pos + self._common_bytes(ck, key, pos, n)
+                child = self._split(child, (end - pos) >> 2)
+            d = child.device
+            if d is not None:
+                dup_tree.append(d)
+                prefix = end
+            else:
+                s = slots[pos >> 2 : end >> 2].copy()
+                self._set_device(child, s)
+                adopted.append((child, s))
+            child.last_access = clock
+            if priority > child.priority:
+                child.priority = priority
+            node = child
+            pos = end
+        if pos < n:
+            s = slots[pos >> 2 :].copy()
+            node = self._new_child(node, key[pos:], s)
+            node.last_access = clock
+            node.priority = priority
+            adopted.append((node, s))
+        if dup_tree:
+            c = slots[: prefix >> 2]
+            t = dup_tree[0] if len(dup_tree) == 1 else np.concatenate(dup_tree)
+            dup = c[c != t]
+        else:
+            dup = np.empty(0, dtype=np.int64)
+        prefix >>= 2
+        return InsertResult(dup, adopted, node, prefix)
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, node: Node) -> None:
+        """Count one user on ``node`` and every ancestor (a root: no-op)."""
+        if node.parent is None:
+            if self._roots.get(node.extra_key) is node:
+                return
+            raise TreeError(f"lock of node {node.id}, which is not in the tree")
+        dl = self.device_leaves
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                node.lock_ref = 1
+                dl.discard(node)
+                if node.device is not None:
+                    self.locked_device_tokens += len(node.device)
+            else:
+                node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        """Undo one :meth:`lock` of ``node``. Raises (changing nothing) below zero."""
+        if node.parent is None:
+            if self._roots.get(node.extra_key) is node:
+                return
+            raise TreeError(f"unlock of node {node.id}, which is not in the tree")
+        cur = node
+        while cur.parent is not None:
+            if cur.lock_ref <= 0:
+                raise TreeError(f"unlock of node {node.id}: lock count of node {cur.id} would go below zero")
+            cur = cur.parent
+        while node.parent is not None:
+            r = node.lock_ref - 1
+            node.lock_ref = r
+            if r == 0:
+                if node.device is not None:
+                    self.locked_device_tokens -= len(node.device)
+                    if node.n_dev_children == 0:
+                        self._refresh(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ host protection
+    def protect_host(self, node: Node, num_tokens: int | None = None) -> None:
+        """Pin the host copy of ``node`` against host eviction (per node, not the path).
+
+        With ``num_tokens`` (the node's length when the pin was taken) the pin applies to
+        the whole split chain covering that length, see :meth:`split_chain`.
+        """
+        self._check_node(node)
+        chain = [node] if num_tokens is None else self.split_chain(node, num_tokens)
+        for nd in chain:
+            nd.host_protect += 1
+            if nd.host_protect == 1:
+                self.host_leaves.discard(nd)
+
+    def unprotect_host(self, node: Node, num_tokens: int | None = None) -> None:
+        """Undo :meth:`protect_host`. A split since the pin was taken copied it to both
+        halves: pass the recorded length to release the whole chain. Raises, changing
+        nothing, if any count would go below zero."""
+        self._check_node(node)
+        chain = [node] if num_tokens is None else self.split_chain(node, num_tokens)
+        for nd in chain:
+            if nd.host_protect <= 0:
+                raise TreeError(f"unprotect_host of node {nd.id}: not protected")
+        for nd in chain:
+            nd.host_protect -= 1
+            if nd.host_protect == 0:
+                self._refresh(nd)
+
+    # ------------------------------------------------------------------ mutators
+    def detach_device(self, node: Node, *, force: bool = False) -> np.ndarray:
+        """Drop the device copy of an evictable device leaf; returns its device slots.
+
+        ``force`` also drops it from a locked node (rolling back a failed load: the copy never
+        became valid); the node must still have no child on device."""
+        self._check_node(node)
+        if force and node.device is not None and node.n_dev_children == 0:
+            if node.lock_ref > 0:
+                self.locked_device_tokens -= len(node.device)
+        elif not self._is_device_leaf(node):
+            raise TreeError(
+                f"detach_device of node {node.id}: not an evictable device leaf "
+                f"(device={node.device is not None}, lock_ref={node.lock_ref}, "
+                f"device children={node.n_dev_children})"
+            )
+        d = node.device
+        node.device = None
+        self.total_device_tokens -= len(d)
+        parent = node.parent
+        parent.n_dev_children -= 1
+        self._refresh(node)
+        self._refresh(parent)
+        return d
+
+    def detach_host(self, node: Node) -> np.ndarray:
+        """Drop the host copy of ``node``; returns its host slots.
+
+        Allowed when it is not host-protected and either the node is on device (a backup
+        copy goes) or no child has host slots (an off-device node with host children would
+        cut them off from the host part of a match).
+        """
+        self._check_node(node)
+        h = node.host
+        if h is None:
+            raise TreeError(f"detach_host of node {node.id}: no host copy")
+        if node.host_protect:
+            raise TreeError(f"detach_host of node {node.id}: host copy is protected")
+        if node.device is None and node.n_host_children:
+            raise TreeError(f"detach_host of node {node.id}: off device with children on host")
+        node.host = None
+        self.total_host_tokens -= len(h)
+        parent = node.parent
+        parent.n_host_children -= 1
+        self._refresh(node)
+        self._refresh(parent)
+        return h
+
+    def attach_device(self, node: Node, slots) -> np.ndarray:
+        """Give ``node`` a device copy (a load back); its parent must be on device.
+
+        Returns the node's new array (a private copy of ``slots``)."""
+        self._check_node(node)
+        if node.device is not None:
+            raise TreeError(f"attach_device of node {node.id}: already on device")
+        parent = node.parent
+        if parent.parent is not None and parent.device is None:
+            raise TreeError(f"attach_device of node {node.id}: parent {parent.id} is not on device")
+        s = _as_slots(slots, len(node.key) >> 2)
+        self._set_device(node, s)
+        return s
+
+    def attach_host(self, node: Node, slots) -> np.ndarray:
+        """Give ``node`` a host copy (a backup or a prefetch); returns the node's new array."""
+        self._check_node(node)
+        if node.host is not None:
+            raise TreeError(f"attach_host of node {node.id}: already on host")
+        s = _as_slots(slots, len(node.key) >> 2)
+        node.host = s
+        self.total_host_tokens += len(s)
+        parent = node.parent
+        parent.n_host_children += 1
+        self._refresh(node)
+        self._refresh(parent)
+        return s
+
+    def delete_leaf(self, node: Node) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Remove a childless, unlocked, unprotected node; returns its (device, host) slots."""
+        self._check_node(node)
+        if node.children:
+            raise TreeError(f"delete_leaf of node {node.id}: has children")
+        if node.lock_ref:
+            raise TreeError(f"delete_leaf of node {node.id}: locked")
+        if node.host_protect:
+            raise TreeError(f"delete_leaf of node {node.id}: host copy is protected")
+        parent = node.parent
+        del parent.children[node.key[: self._pb]]
+        d = node.device
+        h = node.host
+        if d is not None:
+            parent.n_dev_children -= 1
+            self.total_device_tokens -= len(d)
+        if h is not None:
+            parent.n_host_children -= 1
+            self.total_host_tokens -= len(h)
+        self.device_leaves.discard(node)
+        self.host_leaves.discard(node)
+        node.parent = None
+        node.device = None
+        node.host = None
+        self._n_nodes -= 1
+        self._refresh(parent)
+        return d, h
+
+    # ------------------------------------------------------------------ eviction order
+    def device_victims(self) -> Iterator[Node]:
+        """Evictable device leaves in policy order.
+
+        The caller detaches / deletes as it goes; parents that become evictable are
+        candidates in the same pass. Each node is yielded at most once per pass; one that
+        the caller leaves in place goes back to the heap when the pass ends.
+        """
+        return self._victims(self._dheap, self.device_leaves, "_dq", self.policy)
+
+    def host_victims(self) -> Iterator[Node]:
+        """Evictable host leaves in policy order (same protocol as :meth:`device_victims`)."""
+        return self._victims(self._hheap, self.host_leaves, "_hq", self.host_policy)
+
+    @staticmethod
+    def _victims(heap: list, members: set, flag: str, policy) -> Iterator[Node]:
+        keyf = policy.key
+        pop = heapq.heappop
+        push = heapq.heappush
+        yielded: list[Node] = []
+        try:
+            while heap:
+                k, i, nd = pop(heap)
+                if nd not in members:
+                    setattr(nd, flag, False)
+                    continue
+                cur = keyf(nd)
+                if cur != k:
+                    push(heap, (cur, i, nd))
+                    continue
+                setattr(nd, flag, False)
+                # remembered before the yield: a pass closed at this yield must still put
+                # a node the caller left in place back into the heap
+                yielded.append(nd)
+                yield nd
+        finally:
+            for nd in yielded:
+                if nd in members and not getattr(nd, flag):
+                    setattr(nd, flag, True)
+                    push(heap, (keyf(nd), nd.id, nd))
+
+
+__all__ = ["RadixTree", "Node", "MatchResult", "InsertResult", "TreeError", "encode", "decode"]
