@@ -1,0 +1,226 @@
+"""CPU copy engine: worker threads copy page rows with numpy (GIL released), reporting per layer.
+
+Workers: one single-thread executor per direction: copies of one direction run in
+submission order, and a load never waits behind a large backup (the CPU analogue of
+separate load and write-back CUDA streams). ``copy_threads`` (default 2) splits each
+copy step by pages over the worker plus shared helper threads: scattered page copies are
+bound by memory latency, and two streams of requests overlap it (small slice calls, bound
+by Python overhead, stay on the worker).
+
+Completions: a LOAD reports per layer, layer ``i`` no later than layer ``i + 1``; a BACKUP
+copies all layers at once and shares one completion for every layer. Completions are
+`FutureCompletion`s over `concurrent.futures.Future`s (the bridge uses their callbacks).
+
+Load granularity (``load_groups``): ``"layer"`` copies one layer per step; ``"geometric"``
+(default) copies groups of 1, 1, 2, 4, 8, ... layers, so that layers 0 and 1 are ready after
+a small fraction of the copy while later layers move in larger (faster) steps; every layer
+of a group completes when the group is copied.
+
+Fault injection (tests): ``fault(op_id, layer)`` is called in the worker before each layer
+is copied; an exception it raises fails that layer's group and every later layer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from collections.abc import Callable, Mapping
+
+from runtime.errors import ConfigError, RuntimeClosed, ValidationError
+from runtime.memory.pools import DevicePool, HostPool
+from runtime.messages import Direction, TransferPlan
+from runtime.transfer.engine import (
+    DEFAULT_INDEX_CHUNK_BYTES,
+    DEFAULT_SLICE_MIN_BYTES,
+    CopyHandle,
+    FutureCompletion,
+    ResolvedPlan,
+    check_bounds,
+    chunk_pages_for,
+    copy_layers,
+    layer_count,
+    pool_pair,
+    resolve,
+    row_bytes_of,
+    split_runs,
+)
+
+__all__ = ["CpuCopyEngine", "check_pool_pairs", "layer_groups"]
+
+FaultHook = Callable[[int, int], None]
+
+# With copy_threads > 1, only slice calls moving at least this much take the slice path
+# (the copy, not the Python overhead, dominates them, so they spread over the threads).
+HEAVY_SLICE_CALL_BYTES = 64 << 10
+
+
+def check_pool_pairs(pools: Mapping[str, tuple[DevicePool, HostPool]]) -> None:
+    if not pools:
+        raise ConfigError("a copy engine needs at least one (device, host) pool pair")
+    for name, (device, host) in pools.items():
+        if device.shape != host.shape:
+            raise ConfigError(f"pool {name!r}: device shape {device.shape} != host shape {host.shape}")
+        if device.page_size != host.page_size:
+            raise ConfigError(f"pool {name!r}: device page_size {device.page_size} != host {host.page_size}")
+
+
+class CpuCopyEngine:
+    """Copies between CPU-resident device pools and host pools in worker threads."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, tuple[DevicePool, HostPool]],
+        *,
+        workers_per_direction: int = 1,
+        slice_min_bytes: int = DEFAULT_SLICE_MIN_BYTES,
+        index_chunk_bytes: int = DEFAULT_INDEX_CHUNK_BYTES,
+        copy_threads: int | None = None,
+        load_groups: str = "geometric",
+        fault: FaultHook | None = None,
+    ) -> None:
+        check_pool_pairs(pools)
+        if workers_per_direction < 1:
+            raise ConfigError("workers_per_direction must be >= 1")
+        if copy_threads is None:
+            copy_threads = min(2, os.cpu_count() or 1)
+        if copy_threads < 1:
+            raise ConfigError("copy_threads must be >= 1")
+        if load_groups not in ("layer", "geometric"):
+            raise ConfigError(f"load_groups must be 'layer' or 'geometric', got {load_groups!r}")
+        self._load_groups = load_groups
+        self._copy_threads = copy_threads
+        self._helpers = (
+            cf.ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="hicache-copy-helper") if copy_threads > 1 else None
+        )
+        self._pools = dict(pools)
+        self._rows = {name: (d.page_rows(), h.page_rows()) for name, (d, h) in self._pools.items()}
+        self._page_sizes = {name: d.page_size for name, (d, _) in self._pools.items()}
+        self._slice_min_bytes = slice_min_bytes
+        self._chunk_bytes = index_chunk_bytes
+        self._fault = fault
+        self._executors = {
+            d: cf.ThreadPoolExecutor(workers_per_direction, thread_name_prefix=f"hicache-copy-{d.name.lower()}")
+            for d in Direction
+        }
+        self._lock = threading.Lock()
+        self._inflight: dict[int, cf.Future] = {}
+        self._closed = False
+
+    # ---- public -------------------------------------------------------------------------
+
+    def submit(self, plan: TransferPlan) -> CopyHandle:
+        resolved = resolve(plan, self._page_sizes)
+        for rt in resolved.transfers:
+            device, host = pool_pair(self._pools, rt.pool)
+            src, dst = (device, host) if plan.direction is Direction.BACKUP else (host, device)
+            check_bounds(rt, src.num_pages, dst.num_pages)
+        num_layers = layer_count(self._pools, resolved)
+        per_layer = plan.direction is Direction.LOAD
+        layer_futs = [cf.Future() for _ in range(num_layers)] if per_layer else []
+        with self._lock:
+            if self._closed:
+                raise RuntimeClosed("copy engine is closed")
+            if plan.op_id in self._inflight:
+                raise ValidationError(f"op {plan.op_id} is already in flight")
+            fut = self._executors[plan.direction].submit(self._run, resolved, num_layers, layer_futs)
+            self._inflight[plan.op_id] = fut
+        fut.add_done_callback(lambda _f, op=plan.op_id: self._forget(op))
+        done = FutureCompletion(fut)
+        layers = tuple(FutureCompletion(f) for f in layer_futs) if per_layer else (done,) * num_layers
+        return CopyHandle(plan.op_id, layers, done, None)
+
+    def inflight(self) -> list[int]:
+        with self._lock:
+            return list(self._inflight)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        for ex in self._executors.values():
+            ex.shutdown(wait=True)
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True)
+
+    # ---- worker -------------------------------------------------------------------------
+
+    def _forget(self, op_id: int) -> None:
+        with self._lock:
+            self._inflight.pop(op_id, None)
+
+    def _jobs(self, resolved: ResolvedPlan, layers_per_call: int) -> list:
+        jobs = []
+        for rt in resolved.transfers:
+            device, host = self._pools[rt.pool]
+            dev_rows, host_rows = self._rows[rt.pool]
+            src_rows, dst_rows = (dev_rows, host_rows) if resolved.direction is Direction.BACKUP else (host_rows, dev_rows)
+            rb = row_bytes_of(device)
+            # With several copy threads the index path runs in parallel, while a slice call's
+            # Python overhead does not (GIL): only calls heavy enough to be spread over the
+            # threads take the slice path.
+            heavy = HEAVY_SLICE_CALL_BYTES if self._helpers is not None else 0
+            split = split_runs(rt, rb, min(layers_per_call, device.shape.num_layers), self._slice_min_bytes, heavy)
+            shards = split.shards(self._copy_threads) if self._helpers is not None else [split]
+            jobs.append((src_rows, dst_rows, device.shape.num_layers, shards, chunk_pages_for(rb, self._chunk_bytes)))
+        return jobs
+
+    def _copy(self, jobs: list, layers: slice) -> None:
+        """Copy ``layers`` of every job, shards in parallel."""
+        inline = []
+        remote = []
+        for src_rows, dst_rows, n, shards, chunk in jobs:
+            lo, hi, _ = layers.indices(n)
+            if lo >= hi:
+                continue
+            for i, shard in enumerate(shards):
+                args = (src_rows, dst_rows, slice(lo, hi), shard, chunk)
+                (inline if i == 0 else remote).append(args)
+        futs = [self._helpers.submit(copy_layers, *a) for a in remote] if remote else []  # type: ignore[union-attr]
+        try:
+            for a in inline:
+                copy_layers(*a)
+        finally:
+            for f in futs:
+                f.result()
+
+    def _run(self, resolved: ResolvedPlan, num_layers: int, layer_futs: list[cf.Future]) -> None:
+        live = {f for f in layer_futs if f.set_running_or_notify_cancel()}
+        if not layer_futs:  # BACKUP: every layer at once, one completion
+            if self._fault is not None:
+                self._fault(resolved.op_id, 0)
+            self._copy(self._jobs(resolved, num_layers), slice(None))
+            return
+        lo = 0
+        try:
+            jobs_by_size: dict[int, list] = {}
+            for lo, hi in layer_groups(num_layers, self._load_groups):
+                if self._fault is not None:
+                    for layer in range(lo, hi):
+                        self._fault(resolved.op_id, layer)
+                jobs = jobs_by_size.get(hi - lo)
+                if jobs is None:
+                    jobs = jobs_by_size[hi - lo] = self._jobs(resolved, hi - lo)
+                self._copy(jobs, slice(lo, hi))
+                for f in layer_futs[lo:hi]:
+                    if f in live:
+                        f.set_result(None)
+        except BaseException as exc:
+            for f in layer_futs[lo:]:
+                if f in live and not f.done():
+                    f.set_exception(exc)
+            raise
+
+
+def layer_groups(num_layers: int, mode: str = "geometric") -> list[tuple[int, int]]:
+    """``[lo, hi)`` layer ranges copied per step: one layer each, or 1, 1, 2, 4, 8, ... layers."""
+    if mode == "layer":
+        return [(i, i + 1) for i in range(num_layers)]
+    out = []
+    lo, size = 0, 1
+    while lo < num_layers:
+        hi = min(num_layers, lo + size)
+        out.append((lo, hi))
+        if len(out) >= 2:
+            size *= 2
+        lo = hi
+    return out

@@ -1,0 +1,338 @@
+"""CompletionBridge and LayerReadiness: polled events, worker futures, timeouts, cancellation, close."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.completion import CompletionBridge, LayerReadiness
+from runtime.errors import RuntimeClosed, TransferError
+from runtime.memory.pools import DevicePool, HostPool, KVShape
+from runtime.messages import Direction, PoolTransfer, TransferPlan
+from runtime.transfer.cpu_engine import CpuCopyEngine
+from runtime.transfer.engine import CopyHandle, FutureCompletion
+from runtime.transfer.fake_engine import FakeCopyEngine
+
+
+class Ev:
+    """A CUDA-event-like completion finished by hand. synchronize() must never block the loop:
+    it fails the test if called before query() is true."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        assert self._done.is_set(), "synchronize() called on an unfinished completion (would block the loop)"
+        if self.error is not None:
+            raise self.error
+
+    def set(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+
+async def settle(fut: asyncio.Future, timeout: float = 2.0):
+    return await asyncio.wait_for(asyncio.shield(fut), timeout)
+
+
+async def test_polled_completions_out_of_order():
+    async with CompletionBridge() as bridge:
+        evs = [Ev() for _ in range(3)]
+        futs = [bridge.watch(e) for e in evs]
+        order: list[int] = []
+        for i, f in enumerate(futs):
+            f.add_done_callback(lambda _f, i=i: order.append(i))
+        await asyncio.sleep(0.005)
+        assert not any(f.done() for f in futs)
+        evs[2].set()
+        await settle(futs[2])
+        assert order == [2] and not futs[0].done()
+        evs[0].set()
+        evs[1].set()
+        await asyncio.gather(*futs)
+        assert order == [2, 0, 1]
+        assert bridge.in_flight == 0
+
+
+async def test_polled_failure_becomes_transfer_error_with_cause():
+    async with CompletionBridge() as bridge:
+        e = Ev()
+        f = bridge.watch(e)
+        boom = RuntimeError("dma failed")
+        e.set(boom)
+        with pytest.raises(TransferError) as info:
+            await settle(f)
+        assert info.value.__cause__ is boom
+
+
+async def test_query_raising_is_a_failure():
+    class Bad:
+        def query(self):
+            raise RuntimeError("CUDA error: illegal address")
+
+        def synchronize(self):
+            raise AssertionError("not reached")
+
+    async with CompletionBridge() as bridge:
+        with pytest.raises(TransferError, match="illegal address"):
+            await settle(bridge.watch(Bad()))
+
+
+async def test_transfer_error_passes_through_unwrapped():
+    async with CompletionBridge() as bridge:
+        f = cf.Future()
+        err = TransferError("storage write failed")
+        f.set_exception(err)
+        with pytest.raises(TransferError) as info:
+            await settle(bridge.watch(f))
+        assert info.value is err
+
+
+async def test_worker_futures_resolve_without_blocking_the_loop():
+    with cf.ThreadPoolExecutor(1) as pool:
+        async with CompletionBridge() as bridge:
+            gate = threading.Event()
+            work = pool.submit(lambda: gate.wait(2) and 42)
+            fut = bridge.watch(FutureCompletion(work))
+            ticks = 0
+            for _ in range(5):  # the loop keeps running while the worker is busy
+                await asyncio.sleep(0.001)
+                ticks += 1
+            assert ticks == 5 and not fut.done()
+            gate.set()
+            assert await settle(fut) is None
+
+            failing = pool.submit(lambda: 1 / 0)
+            with pytest.raises(TransferError) as info:
+                await settle(bridge.watch(failing))  # a bare concurrent Future works too
+            assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+async def test_already_done_worker_future():
+    async with CompletionBridge() as bridge:
+        f = cf.Future()
+        f.set_result(None)
+        await settle(bridge.watch(f))
+
+
+async def test_timeout_then_late_completion():
+    async with CompletionBridge() as bridge:
+        never = Ev()
+        fut = bridge.watch(never, timeout=0.02)
+        with pytest.raises(TimeoutError):
+            await settle(fut)
+        assert bridge.in_flight == 1  # the copy is still running and still tracked
+        never.set()
+        for _ in range(200):
+            if bridge.in_flight == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert bridge.in_flight == 0
+
+
+async def test_timeout_on_worker_future():
+    gate = threading.Event()
+    with cf.ThreadPoolExecutor(1) as pool:
+        async with CompletionBridge() as bridge:
+            work = pool.submit(gate.wait, 2)
+            with pytest.raises(TimeoutError):
+                await settle(bridge.watch(work, timeout=0.01))
+            gate.set()
+            await asyncio.wait_for(asyncio.wrap_future(work), 2)
+
+
+async def test_cancelling_the_awaiter_does_not_touch_the_copy():
+    async with CompletionBridge() as bridge:
+        e = Ev()
+        fut = bridge.watch(e)
+        other = bridge.watch(e)  # a second awaiter of the same completion
+        task = asyncio.ensure_future(fut)
+        await asyncio.sleep(0.002)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert fut.cancelled()
+        e.set()
+        await settle(other)  # the other awaiter is unaffected
+        for _ in range(200):
+            if bridge.in_flight == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert bridge.in_flight == 0
+
+
+async def test_cancelled_awaiter_of_cpu_copy_copy_still_completes():
+    shape = KVShape(2, 2, 8, torch.float16)
+    dev, host = DevicePool(shape, 64, 4), HostPool(shape, 64, 4)
+    dev.buffer.copy_(torch.randn(dev.buffer.shape).to(shape.dtype))
+    gate = threading.Event()
+    engine = CpuCopyEngine({"kv": (dev, host)}, fault=lambda op, layer: gate.wait(2))
+    try:
+        async with CompletionBridge() as bridge:
+            src = torch.arange(0, 32)
+            dst = torch.arange(32, 64)
+            h = engine.submit(TransferPlan(1, Direction.BACKUP, (PoolTransfer("kv", src, dst),)))
+            task = asyncio.ensure_future(bridge.watch(h.done))
+            await asyncio.sleep(0.002)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            # aclose (via the context manager) waits for the copy itself
+        assert h.done.query()
+        assert torch.equal(host.read_slots(dst), dev.read_slots(src))
+    finally:
+        gate.set()
+        engine.close()
+
+
+async def test_aclose_waits_for_watched_completions():
+    bridge = CompletionBridge().start()
+    e = Ev()
+    fut = bridge.watch(e)
+    threading.Timer(0.02, e.set).start()
+    t0 = time.monotonic()
+    await bridge.aclose()
+    assert time.monotonic() - t0 >= 0.015
+    assert fut.done() and fut.exception() is None
+    with pytest.raises(RuntimeClosed):
+        bridge.watch(Ev())
+
+
+async def test_aclose_without_wait_cancels_pending_and_stops_poller():
+    bridge = CompletionBridge().start()
+    e = Ev()
+    fut = bridge.watch(e)
+    with cf.ThreadPoolExecutor(1) as pool:
+        gate = threading.Event()
+        work = pool.submit(gate.wait, 2)
+        wf = bridge.watch(work)
+        await bridge.aclose(wait=False)
+        assert fut.cancelled() and wf.cancelled()
+        gate.set()
+        e.set()
+    await asyncio.sleep(0.01)  # a late worker callback finds a closed bridge: harmless
+
+
+async def test_aclose_timeout():
+    bridge = CompletionBridge().start()
+    bridge.watch(Ev())
+    with pytest.raises(TimeoutError):
+        await bridge.aclose(timeout=0.01)
+    await bridge.aclose(wait=False)
+
+
+async def test_unwatchable_object():
+    async with CompletionBridge() as bridge:
+        with pytest.raises(TypeError):
+            bridge.watch(object())
+        assert bridge.in_flight == 0
+
+
+async def test_poller_backs_off_when_idle():
+    async with CompletionBridge(min_poll=1e-4, max_poll=4e-3) as bridge:
+        e = Ev()
+        fut = bridge.watch(e)
+        await asyncio.sleep(0.1)
+        assert e.queries < 80, f"poller spins: {e.queries} queries in 100 ms"
+        e.set()
+        await settle(fut)
+
+
+# ---- LayerReadiness ------------------------------------------------------------------------
+
+
+async def test_layer_readiness_shared_by_two_awaiters():
+    evs = [Ev() for _ in range(3)]
+    handle = CopyHandle(5, tuple(evs), evs[-1], ("e0", "e1", "e2"))
+    async with CompletionBridge() as bridge:
+        r = LayerReadiness.watch(bridge, handle)
+        assert r.num_layers == 3 and r.op_id == 5 and r.event(1) == "e1"
+        assert not r.ready(0)
+        a = asyncio.ensure_future(r.wait(1))
+        b = asyncio.ensure_future(r.wait_all())
+        c = asyncio.ensure_future(r.wait(1))
+        evs[0].set()
+        await r.wait(0)
+        assert r.ready(0) and not r.ready(1)
+        c.cancel()  # one waiter gives up: the others are unaffected
+        evs[1].set()
+        await asyncio.wait_for(a, 2)
+        assert not b.done()
+        evs[2].set()
+        await asyncio.wait_for(b, 2)
+        assert r.all_ready() and r.done()
+        with pytest.raises(asyncio.CancelledError):
+            await c
+
+
+async def test_layer_readiness_failure_and_shared_completion():
+    ev = Ev()
+    handle = CopyHandle(1, (ev, ev, ev), ev, None)  # a BACKUP shares one completion
+    async with CompletionBridge() as bridge:
+        r = LayerReadiness.watch(bridge, handle)
+        assert bridge.in_flight == 1  # watched once
+        assert r.event(0) is None
+        ev.set(RuntimeError("lost"))
+        with pytest.raises(TransferError):
+            await r.wait(2)
+        assert r.done() and not r.ready(0)
+
+
+async def test_layer_readiness_completed():
+    r = LayerReadiness.completed(4)
+    assert r.all_ready()
+    await r.wait_all()
+
+
+async def test_layerwise_load_with_fake_engine():
+    """Layer 0 is awaited and read while later layers are in flight; each layer's data is
+    right exactly when its readiness resolves."""
+    shape = KVShape(4, 2, 8, torch.float16)
+    ps = 4
+    dev, host = DevicePool(shape, 64, ps), HostPool(shape, 64, ps, "page_first")
+    host.buffer.copy_(torch.randn(host.buffer.shape).to(shape.dtype))
+    engine = FakeCopyEngine({"kv": (dev, host)})
+    rng = np.random.default_rng(0)
+    hp, dp = rng.permutation(16)[:6], rng.permutation(16)[:6]
+    src = torch.from_numpy((hp[:, None] * ps + np.arange(ps)).reshape(-1))
+    dst = torch.from_numpy((dp[:, None] * ps + np.arange(ps)).reshape(-1))
+    want = host.read_slots(src)
+    async with CompletionBridge() as bridge:
+        h = engine.submit(TransferPlan(3, Direction.LOAD, (PoolTransfer("kv", src, dst),)))
+        r = LayerReadiness.watch(bridge, h)
+        second = LayerReadiness.watch(bridge, h)  # a second request hitting the same loading node
+
+        async def model():
+            seen = []
+            for layer in range(shape.num_layers):
+                await r.wait(layer)
+                got = dev.read_slots(dst)
+                assert torch.equal(got[layer], want[layer]), f"layer {layer} not right when ready"
+                if layer + 1 < shape.num_layers:
+                    assert not got[layer + 1].any(), "later layer copied before it was released"
+                    assert not r.ready(layer + 1)
+                seen.append(layer)
+            return seen
+
+        m = asyncio.ensure_future(model())
+        for layer in range(shape.num_layers):
+            await asyncio.sleep(0.005)
+            assert engine.pending() == [3]
+            engine.release(3, layers=layer)
+        assert await asyncio.wait_for(m, 2) == [0, 1, 2, 3]
+        await asyncio.wait_for(second.wait_all(), 2)
+        assert engine.pending() == []
+        assert torch.equal(dev.read_slots(dst), want)
