@@ -1,0 +1,329 @@
+"""The storage backend protocol, shared buffer helpers and a fault-injecting wrapper.
+
+A backend stores *pages*: the canonical bytes of one page of KV (``[L, 2, page_size, H, D]``
+in the KV dtype, independent of the host layout), addressed by a page hash (``bytes``,
+see `runtime.storage.hashing`). Every page of one backend instance has the same size,
+``page_bytes``, fixed at construction and checked on every call.
+
+Calls are synchronous and thread-safe: the runtime runs them in worker threads, off the
+event loop, one batch per call. Presence is only a hint: another process, the backend's
+own eviction or an operator may remove a page at any time, so ``exists_prefix`` followed
+by ``get_batch`` can still miss (``False`` for that page). A page whose write did not
+complete is never readable. I/O failures are reported per page (``False``) and counted in
+``stats()``; exceptions are for misuse (`ValidationError`: wrong sizes, bad keys;
+`StateError`: closed backend) and for `StorageError` from fault injection or a backend
+whose transport failed as a whole. The caller treats any exception as a miss for the batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union, runtime_checkable
+
+import numpy as np
+import torch
+
+from runtime.errors import HiCacheError, StateError, ValidationError
+
+Buffer = Union[memoryview, bytearray, bytes, np.ndarray, torch.Tensor]
+MAX_KEY_BYTES = 64
+
+
+class StorageError(HiCacheError):
+    """A storage call failed as a whole (transport down, injected fault). The caller counts a miss."""
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """What the transfer actor needs from a storage tier (all methods synchronous, thread-safe)."""
+
+    page_bytes: int
+
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys exist (stops at the first missing one). A hint, not a promise."""
+        ...
+
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
+        """Read page ``keys[i]`` into ``dests[i]`` (a writable, contiguous, ``page_bytes``-sized CPU
+        buffer). ``True`` per page that was read whole; a ``False`` page's buffer content is undefined."""
+        ...
+
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+        """Store ``srcs[i]`` under ``keys[i]``. ``True`` once the page is complete and readable
+        (a page already present counts as stored: pages are immutable, same key same bytes)."""
+        ...
+
+    def close(self) -> None:
+        """Release resources; later calls raise `StateError`. Idempotent."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (see docs/STORAGE.md for the schema)."""
+        ...
+
+
+# -- buffer helpers ---------------------------------------------------------------------------
+
+def byte_view(buf: Buffer, nbytes: int, *, writable: bool) -> memoryview:
+    """A flat ``'B'`` memoryview over ``buf`` that must be exactly ``nbytes`` long, contiguous and on
+    the CPU (writable when asked). No copy is made."""
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise ValidationError(f"storage buffers must be CPU tensors, got device {buf.device}")
+        if not buf.is_contiguous():
+            raise ValidationError("storage buffers must be contiguous tensors")
+        if buf.nbytes != nbytes:
+            raise ValidationError(f"storage buffer holds {buf.nbytes} bytes, the page size is {nbytes}")
+        # a view of the tensor's memory without torch ops (any dtype, bf16 included); valid while
+        # the caller keeps `buf` alive, which it does for the duration of the call
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(buf.data_ptr())).cast("B")
+    elif isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise ValidationError("storage buffers must be C-contiguous arrays")
+        mv = memoryview(buf.reshape(-1).view(np.uint8))
+    else:
+        mv = memoryview(buf)
+        if not mv.contiguous:
+            raise ValidationError("storage buffers must be contiguous")
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+    if mv.nbytes != nbytes:
+        raise ValidationError(f"storage buffer holds {mv.nbytes} bytes, the page size is {nbytes}")
+    if writable and mv.readonly:
+        raise ValidationError("storage read destination is read-only")
+    return mv
+
+
+def buffer_address(buf: Buffer) -> int:
+    """Address of the first byte of a contiguous CPU buffer (for zero-copy transports)."""
+    if isinstance(buf, torch.Tensor):
+        return int(buf.data_ptr())
+    if isinstance(buf, np.ndarray):
+        return int(buf.ctypes.data)
+    mv = memoryview(buf)
+    if mv.nbytes == 0:
+        return 0
+    return int(np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8).ctypes.data)
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    for k in keys:
+        if not isinstance(k, (bytes, bytearray)) or not 0 < len(k) <= MAX_KEY_BYTES:
+            raise ValidationError(f"storage keys must be 1..{MAX_KEY_BYTES} bytes, got {k!r:.40}")
+
+
+def check_batch(keys: Sequence[bytes], bufs: Sequence[Buffer], what: str) -> None:
+    check_keys(keys)
+    if len(keys) != len(bufs):
+        raise ValidationError(f"{what}: {len(keys)} keys but {len(bufs)} buffers")
+
+
+# -- fault injection --------------------------------------------------------------------------
+
+FAULT_METHODS = ("exists_prefix", "get_batch", "set_batch")
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Where a `FaultyBackend` fails or stalls, reproducibly.
+
+    Calls are numbered from 1 over the methods in ``methods`` (one counter shared by them, in
+    the order the wrapper sees them). At call ``n``:
+
+    - ``n in fail_at`` or a seeded draw below ``fail_rate``: the call fails. ``mode="raise"``
+      raises `StorageError`; ``mode="miss"`` returns a miss (``0`` / all ``False``) without
+      touching the inner backend.
+    - ``n in stall_at``: sleep ``stall_at[n]`` seconds, then go on; a seeded draw below
+      ``stall_rate`` sleeps ``stall_s``.
+    - ``n in hold_at``: block until `FaultyBackend.release()` (a controllable delay), then go on.
+    - otherwise the call is forwarded; then each page of a forwarded ``get_batch``/``set_batch``
+      independently fails with probability ``page_fail_rate`` (its result forced to ``False``; a
+      failed set is not forwarded for that page).
+
+    The draws for call ``n`` come from ``random.Random(f"{seed}:{n}")``, so the same plan and call
+    order give the same faults in every run, whatever threads did in between.
+    """
+
+    fail_at: frozenset[int] = frozenset()
+    stall_at: Mapping[int, float] = field(default_factory=dict)
+    hold_at: frozenset[int] = frozenset()
+    fail_rate: float = 0.0
+    stall_rate: float = 0.0
+    stall_s: float = 0.0
+    page_fail_rate: float = 0.0
+    mode: str = "raise"
+    seed: int = 0
+    methods: frozenset[str] = frozenset(FAULT_METHODS)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fail_at", frozenset(self.fail_at))
+        object.__setattr__(self, "hold_at", frozenset(self.hold_at))
+        object.__setattr__(self, "methods", frozenset(self.methods))
+        if self.mode not in ("raise", "miss"):
+            raise ValidationError(f"FaultPlan.mode must be 'raise' or 'miss', got {self.mode!r}")
+        unknown = self.methods - set(FAULT_METHODS)
+        if unknown:
+            raise ValidationError(f"FaultPlan.methods has unknown names {sorted(unknown)}")
+        for name in ("fail_rate", "stall_rate", "page_fail_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValidationError(f"FaultPlan.{name} must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class FaultEvent:
+    call: int
+    method: str
+    outcome: str  # "ok", "failed", "stalled", "held", "partial"
+    pages: int
+
+
+class FaultyBackend:
+    """Wraps a backend and injects failures, stalls and holds by `FaultPlan` (for tests)."""
+
+    def __init__(self, inner: StorageBackend, plan: FaultPlan | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.inner = inner
+        self.plan = plan or FaultPlan()
+        self.page_bytes = inner.page_bytes
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._count = 0
+        self._gate = threading.Event()
+        self._holding = 0
+        self._held_cond = threading.Condition(self._lock)
+        self.events: list[FaultEvent] = []
+
+    # -- controls ------------------------------------------------------------------------------
+    @property
+    def calls(self) -> int:
+        with self._lock:
+            return self._count
+
+    def release(self) -> None:
+        """Let every held call (and every later ``hold_at`` call) go on."""
+        self._gate.set()
+
+    def rearm(self) -> None:
+        """Make later ``hold_at`` calls block again."""
+        self._gate.clear()
+
+    def wait_held(self, n: int = 1, timeout: float = 5.0) -> bool:
+        """Wait until at least ``n`` calls are blocked in a hold."""
+        with self._held_cond:
+            return self._held_cond.wait_for(lambda: self._holding >= n, timeout)
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _enter(self, method: str) -> tuple[int, random.Random | None, bool]:
+        if method not in self.plan.methods:
+            return 0, None, False
+        with self._lock:
+            self._count += 1
+            n = self._count
+        plan = self.plan
+        rng = random.Random(f"{plan.seed}:{n}")
+        fail = n in plan.fail_at or (plan.fail_rate > 0 and rng.random() < plan.fail_rate)
+        stall = plan.stall_at.get(n, 0.0)
+        if plan.stall_rate > 0 and rng.random() < plan.stall_rate:
+            stall = max(stall, plan.stall_s)
+        if n in plan.hold_at:
+            self._record(n, method, "held", 0)
+            with self._held_cond:
+                self._holding += 1
+                self._held_cond.notify_all()
+            try:
+                self._gate.wait()
+            finally:
+                with self._held_cond:
+                    self._holding -= 1
+        if stall > 0:
+            self._record(n, method, "stalled", 0)
+            self._sleep(stall)
+        return n, rng, fail
+
+    def _record(self, n: int, method: str, outcome: str, pages: int) -> None:
+        with self._lock:
+            self.events.append(FaultEvent(n, method, outcome, pages))
+
+    def _fail(self, n: int, method: str, pages: int) -> None:
+        self._record(n, method, "failed", pages)
+        if self.plan.mode == "raise":
+            raise StorageError(f"injected fault at call {n} ({method})")
+
+    # -- protocol ------------------------------------------------------------------------------
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        n, _rng, fail = self._enter("exists_prefix")
+        if fail:
+            self._fail(n, "exists_prefix", len(keys))
+            return 0
+        result = self.inner.exists_prefix(keys)
+        if n:
+            self._record(n, "exists_prefix", "ok", len(keys))
+        return result
+
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
+        n, rng, fail = self._enter("get_batch")
+        if fail:
+            self._fail(n, "get_batch", len(keys))
+            return [False] * len(keys)
+        result = list(self.inner.get_batch(keys, dests))
+        return self._page_faults(n, rng, "get_batch", result)
+
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+        n, rng, fail = self._enter("set_batch")
+        if fail:
+            self._fail(n, "set_batch", len(keys))
+            return [False] * len(keys)
+        if rng is not None and self.plan.page_fail_rate > 0:
+            drop = [rng.random() < self.plan.page_fail_rate for _ in keys]
+            keep = [i for i, d in enumerate(drop) if not d]
+            inner = self.inner.set_batch([keys[i] for i in keep], [srcs[i] for i in keep]) if keep else []
+            result = [False] * len(keys)
+            for i, ok in zip(keep, inner):
+                result[i] = bool(ok)
+            self._record(n, "set_batch", "partial" if any(drop) else "ok", len(keys))
+            return result
+        result = list(self.inner.set_batch(keys, srcs))
+        if n:
+            self._record(n, "set_batch", "ok", len(keys))
+        return result
+
+    def _page_faults(self, n: int, rng: random.Random | None, method: str, result: list[bool]) -> list[bool]:
+        if rng is None:
+            return result
+        if self.plan.page_fail_rate > 0:
+            drops = [rng.random() < self.plan.page_fail_rate for _ in result]
+            result = [ok and not d for ok, d in zip(result, drops)]
+            self._record(n, method, "partial" if any(drops) else "ok", len(result))
+        else:
+            self._record(n, method, "ok", len(result))
+        return result
+
+    def close(self) -> None:
+        self.release()
+        self.inner.close()
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.inner.stats())
+        with self._lock:
+            s["faults"] = {
+                "calls": self._count,
+                "failed": sum(1 for e in self.events if e.outcome == "failed"),
+                "stalled": sum(1 for e in self.events if e.outcome == "stalled"),
+                "held": sum(1 for e in self.events if e.outcome == "held"),
+            }
+        return s
+
+    def __getattr__(self, name: str) -> Any:
+        # everything else (register_buffer, directory, ...) goes to the wrapped backend
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def closed_error(name: str) -> StateError:
+    return StateError(f"{name} is closed")

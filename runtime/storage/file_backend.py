@@ -1,0 +1,513 @@
+"""`FileBackend`: the embedded default storage tier, one file per page in a local directory.
+
+Layout (``root`` is the directory; any number of processes may share it)::
+
+    root/.hicache-state            24 bytes: magic, used bytes, scan epoch (flock'd to update)
+    root/ab/<32 hex>.kv            one page: page_bytes of payload + a 32-byte trailer
+    root/ab/.<hex>.<pid>.<nonce>.<size>.tmp   a write in progress (never read)
+
+``ab`` is the first two hex digits of the key (256 fan-out directories).
+
+Atomicity: a page is written to a temporary name in its final directory (optionally
+fsync'd), then renamed onto ``<hex>.kv``; readers open only ``*.kv`` names, check the file
+size and the trailer (magic, payload length, key digest), and `readinto` the destination
+(one ``preadv`` into the caller's buffer and the trailer; the payload starts at offset 0, so
+page-aligned buffers get page-aligned copies). A writer killed at any point
+leaves at most a ``.tmp`` file, which is never read and is deleted by the next scan once
+its pid is dead (or it is older than ``stale_tmp_s``).
+
+Size cap across processes: ``used`` in the state file counts the bytes of page files plus
+a reservation of the full file size for every temporary file. A writer takes the directory
+lock (``flock`` on the state file, plus a thread lock), reserves room for its batch, creates
+the batch's temporary files, updates ``used`` and unlocks; the I/O happens outside the lock.
+When a reservation does not fit, the writer rescans the directory under the lock (which
+also repairs any drift: killed writers, concurrent writers of the same page, files removed
+by hand) and deletes least-recently-used page files until ``used + need`` is at most
+``evict_to * cap``. So the bytes of page and temporary files in the directory never exceed
+the cap, whichever processes write, and the O(files) scan runs once per ``(1 - evict_to) *
+cap`` bytes written. Readers never take the lock.
+
+LRU clock: a file's mtime, set explicitly (ns) when written and touched on a hit (at most
+once per ``touch_interval_s``). Within one batch the first page gets the newest stamp, so a
+prefix loses its tail before its head.
+
+Durability (``fsync``): ``"none"`` (default; a process crash never exposes a partial page,
+a machine crash may lose recent pages), ``"file"`` (fsync each page before its rename),
+``"dir"`` (also fsync the fan-out directories after the renames).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.errors import ConfigError
+from runtime.storage.backend import Buffer, byte_view, check_batch, check_keys, closed_error
+from runtime.trace import get_logger
+
+FSYNC_POLICIES = ("none", "file", "dir")
+TRAILER = struct.Struct("<8sQ16s")  # magic, payload length, sha256(key)[:16]
+TRAILER_MAGIC = b"HCKVPG01"
+STATE = struct.Struct("<8sqq")
+STATE_MAGIC = b"HCSTATE1"
+STATE_NAME = ".hicache-state"
+PAGE_SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+FANOUT = [f"{i:02x}" for i in range(256)]
+
+_log = get_logger("hicache.storage.file")
+
+
+def _key_digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()[:16]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FileBackend:
+    """One file per page under ``directory``; see the module docstring for the format and rules."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        page_bytes: int,
+        *,
+        cap_bytes: int | None = None,
+        fsync: str = "none",
+        evict_to: float = 0.9,
+        touch_interval_s: float = 1.0,
+        stale_tmp_s: float = 600.0,
+        cleanup_on_open: bool = True,
+    ) -> None:
+        if not isinstance(page_bytes, int) or isinstance(page_bytes, bool) or page_bytes <= 0:
+            raise ConfigError(f"page_bytes must be a positive int, got {page_bytes!r}")
+        if fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
+        if not 0.0 < evict_to <= 1.0:
+            raise ConfigError(f"evict_to must be in (0, 1], got {evict_to!r}")
+        self.page_bytes = page_bytes
+        self.file_bytes = page_bytes + TRAILER.size
+        if cap_bytes is not None and (not isinstance(cap_bytes, int) or cap_bytes < self.file_bytes):
+            raise ConfigError(f"cap_bytes must be None or >= one page file ({self.file_bytes} bytes), got {cap_bytes!r}")
+        self.directory = os.fspath(directory)
+        self.cap_bytes = cap_bytes
+        self.fsync = fsync
+        self.evict_to = evict_to
+        self.touch_interval_ns = int(touch_interval_s * 1e9)
+        self.stale_tmp_ns = int(stale_tmp_s * 1e9)
+        os.makedirs(self.directory, exist_ok=True)
+        for sub in FANOUT:
+            os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        self._state_path = os.path.join(self.directory, STATE_NAME)
+        self._tlock = threading.Lock()
+        self._slock = threading.Lock()  # stats
+        self._pid = os.getpid()
+        self._state_fd: int | None = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._closed = False
+        self._nonce = 0
+        self._s: dict[str, int] = dict.fromkeys((
+            "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "read_errors",
+            "pages_written", "pages_present", "write_errors", "write_no_room", "bytes_read", "bytes_written",
+            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed"), 0)
+        if cleanup_on_open:
+            self.cleanup()
+
+    # -- paths -----------------------------------------------------------------------------------
+    def _path(self, key: bytes) -> tuple[str, str, str]:
+        hx = key.hex()
+        d = os.path.join(self.directory, hx[:2])
+        return hx, d, os.path.join(d, hx + PAGE_SUFFIX)
+
+    def _count(self, **inc: int) -> None:
+        with self._slock:
+            for k, v in inc.items():
+                self._s[k] += v
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise closed_error("FileBackend")
+
+    # -- the directory lock and state ------------------------------------------------------------
+    def _fd(self) -> int:
+        if self._pid != os.getpid():  # forked: our flock would be shared with the parent's
+            self._pid = os.getpid()
+            self._tlock = threading.Lock()
+            self._state_fd = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
+        assert self._state_fd is not None
+        return self._state_fd
+
+    def _lock(self) -> "_DirLock":
+        return _DirLock(self)
+
+    def _read_state(self, fd: int) -> tuple[int, int]:
+        raw = os.pread(fd, STATE.size, 0)
+        if len(raw) != STATE.size:
+            return -1, 0
+        magic, used, epoch = STATE.unpack(raw)
+        if magic != STATE_MAGIC:
+            return -1, 0
+        return used, epoch
+
+    def _write_state(self, fd: int, used: int, epoch: int) -> None:
+        os.pwrite(fd, STATE.pack(STATE_MAGIC, max(0, used), epoch), 0)
+
+    # -- scanning and eviction (under the directory lock) -----------------------------------------
+    def _scan(self) -> tuple[int, list[tuple[int, str, int]]]:
+        """Bytes in use (page files + reservations of live temporary files) and the page files as
+        ``(mtime_ns, path, size)``; deletes stale temporary files."""
+        used = 0
+        pages: list[tuple[int, str, int]] = []
+        now = time.time_ns()
+        removed = 0
+        for sub in FANOUT:
+            try:
+                it = os.scandir(os.path.join(self.directory, sub))
+            except FileNotFoundError:
+                continue
+            with it:
+                for e in it:
+                    name = e.name
+                    if name.endswith(PAGE_SUFFIX):
+                        try:
+                            st = e.stat()
+                        except FileNotFoundError:
+                            continue
+                        used += st.st_size
+                        pages.append((st.st_mtime_ns, e.path, st.st_size))
+                    elif name.endswith(TMP_SUFFIX) and name.startswith("."):
+                        parts = name.split(".")  # ['', hex, pid, nonce, size, 'tmp']
+                        try:
+                            pid, size = int(parts[2]), int(parts[4])
+                            st = e.stat()
+                        except (ValueError, IndexError, FileNotFoundError):
+                            continue
+                        age = now - st.st_mtime_ns
+                        stale = age > self.stale_tmp_ns or (pid != os.getpid() and not _pid_alive(pid))
+                        if stale:
+                            try:
+                                os.unlink(e.path)
+                                removed += 1
+                            except FileNotFoundError:
+                                pass
+                        else:
+                            used += size
+        self._count(scans=1, stale_tmp_removed=removed)
+        return used, pages
+
+    def _make_room(self, used: int, need: int) -> int:
+        """Rescan and evict LRU page files until ``used + need <= evict_to * cap`` (or nothing is
+        left to evict). Returns the new ``used``."""
+        used, pages = self._scan()
+        cap = self.cap_bytes
+        assert cap is not None
+        target = int(cap * self.evict_to)
+        if used + need > target:
+            pages.sort()
+            evicted = evicted_bytes = 0
+            for _mtime, path, size in pages:
+                if used + need <= target:
+                    break
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                used -= size
+                evicted += 1
+                evicted_bytes += size
+            self._count(evicted_pages=evicted, evicted_bytes=evicted_bytes)
+        return used
+
+    def cleanup(self) -> int:
+        """Delete stale temporary files (killed writers) and recount ``used``. Returns ``used``."""
+        self._check_open()
+        with self._lock() as fd:
+            used, _ = self._scan()
+            _, epoch = self._read_state(fd)
+            self._write_state(fd, used, epoch + 1)
+        return used
+
+    def used_bytes(self) -> int:
+        """The directory's accounted bytes (page files + in-flight reservations), as last recorded."""
+        self._check_open()
+        used, _ = self._read_state(self._fd())
+        return max(used, 0)
+
+    # -- protocol --------------------------------------------------------------------------------
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        check_keys(keys)
+        self._count(exists_calls=1)
+        n = 0
+        for key in keys:
+            try:
+                if os.stat(self._path(key)[2]).st_size != self.file_bytes:
+                    break
+            except OSError:
+                break
+            n += 1
+        return n
+
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
+        self._check_open()
+        check_batch(keys, dests, "get_batch")
+        views = [byte_view(d, self.page_bytes, writable=True) for d in dests]
+        now = time.time_ns()
+        n = len(keys)
+        out = []
+        hits = misses = errors = 0
+        for i, (key, mv) in enumerate(zip(keys, views)):
+            r = self._read_one(key, mv, now + (n - i))
+            out.append(r == 1)
+            if r == 1:
+                hits += 1
+            elif r == 0:
+                misses += 1
+            else:
+                errors += 1
+        self._count(get_calls=1, pages_read=hits, read_misses=misses, read_errors=errors,
+                    bytes_read=hits * self.page_bytes)
+        return out
+
+    def _read_one(self, key: bytes, mv: memoryview, stamp_ns: int) -> int:
+        """1 read, 0 missing, -1 unreadable (wrong size, bad header, I/O error)."""
+        path = self._path(key)[2]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:
+            _log.warning("storage_read_error", path=path, error=str(exc))
+            return -1
+        try:
+            st = os.fstat(fd)
+            if st.st_size != self.file_bytes:
+                return -1
+            trailer = bytearray(TRAILER.size)
+            got = os.preadv(fd, [mv, trailer], 0)
+            while got < self.file_bytes:  # short read: go on where it stopped
+                if got < self.page_bytes:
+                    more = os.preadv(fd, [mv[got:], trailer], got)
+                else:
+                    more = os.preadv(fd, [memoryview(trailer)[got - self.page_bytes:]], got)
+                if more <= 0:
+                    return -1
+                got += more
+            magic, length, digest = TRAILER.unpack(trailer)
+            if magic != TRAILER_MAGIC or length != self.page_bytes or digest != _key_digest(key):
+                return -1
+            if stamp_ns - st.st_mtime_ns > self.touch_interval_ns:
+                try:
+                    os.utime(fd, ns=(stamp_ns, stamp_ns))
+                except OSError:
+                    pass  # another user's file: LRU touch is best effort
+            return 1
+        except OSError as exc:
+            _log.warning("storage_read_error", path=path, error=str(exc))
+            return -1
+        finally:
+            os.close(fd)
+
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+        self._check_open()
+        check_batch(keys, srcs, "set_batch")
+        views = [byte_view(s, self.page_bytes, writable=False) for s in srcs]
+        n = len(keys)
+        now = time.time_ns()
+        result = [False] * n
+        todo: list[tuple[int, bytes, str, str, str]] = []  # (index, key, hex, dir, final)
+        seen: dict[bytes, int] = {}
+        dup: list[tuple[int, int]] = []
+        present = 0
+        for i, key in enumerate(keys):
+            key = bytes(key)
+            if key in seen:
+                dup.append((i, seen[key]))
+                continue
+            seen[key] = i
+            hx, d, final = self._path(key)
+            try:
+                if os.stat(final).st_size == self.file_bytes:
+                    result[i] = True
+                    present += 1
+                    try:
+                        os.utime(final, ns=(now + (n - i), now + (n - i)))
+                    except OSError:
+                        pass
+                    continue
+            except OSError:
+                pass
+            todo.append((i, key, hx, d, final))
+        written = errors = no_room = 0
+        if todo:
+            temps = self._reserve(todo)
+            no_room = len(todo) - len(temps)
+            dirs: set[str] = set()
+            for (i, key, _hx, d, final), (tmp, fd) in zip(todo, temps):
+                ok = self._write_one(key, views[i], tmp, fd, final, now + (n - i))
+                result[i] = ok
+                if ok:
+                    written += 1
+                    dirs.add(d)
+                else:
+                    errors += 1
+            if self.fsync == "dir":
+                for d in dirs:
+                    try:
+                        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+                        try:
+                            os.fsync(dfd)
+                        finally:
+                            os.close(dfd)
+                    except OSError as exc:
+                        _log.warning("storage_dir_fsync_error", dir=d, error=str(exc))
+        for i, j in dup:
+            result[i] = result[j]
+        self._count(set_calls=1, pages_written=written, pages_present=present, write_errors=errors,
+                    write_no_room=no_room, bytes_written=written * self.page_bytes)
+        return result
+
+    def _reserve(self, todo: list[tuple[int, bytes, str, str, str]]) -> list[tuple[str, int]]:
+        """Create the temporary files for as many leading pages of ``todo`` as the cap allows,
+        accounting their full size in ``used`` (under the directory lock, with or without a cap, so
+        that an uncapped writer never breaks the accounting of capped ones sharing the directory)."""
+        fb = self.file_bytes
+        with self._lock() as fd:
+            used, epoch = self._read_state(fd)
+            need = len(todo) * fb
+            if used < 0:  # no valid state yet: count the directory
+                used, _ = self._scan()
+                epoch += 1
+            if self.cap_bytes is None:
+                fit = len(todo)
+            else:
+                if used + need > self.cap_bytes:
+                    used = self._make_room(used, need)
+                    epoch += 1
+                fit = max(0, min(len(todo), (self.cap_bytes - used) // fb))
+            temps = self._create_temps(todo[:fit])
+            self._write_state(fd, used + len(temps) * fb, epoch)
+        return temps
+
+    def _create_temps(self, todo: list[tuple[int, bytes, str, str, str]]) -> list[tuple[str, int]]:
+        temps: list[tuple[str, int]] = []
+        pid = os.getpid()
+        for _i, _key, hx, d, _final in todo:
+            with self._slock:
+                self._nonce += 1
+                nonce = self._nonce
+            tmp = os.path.join(d, f".{hx}.{pid}.{threading.get_ident() & 0xFFFFFF:x}{nonce:x}.{self.file_bytes}{TMP_SUFFIX}")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError as exc:
+                _log.warning("storage_tmp_create_error", path=tmp, error=str(exc))
+                break
+            temps.append((tmp, fd))
+        return temps
+
+    def _write_one(self, key: bytes, mv: memoryview, tmp: str, fd: int, final: str, stamp_ns: int) -> bool:
+        try:
+            try:
+                trailer = TRAILER.pack(TRAILER_MAGIC, self.page_bytes, _key_digest(key))
+                done = os.writev(fd, [mv, trailer])
+                while done < self.file_bytes:  # short write: go on where it stopped
+                    if done < self.page_bytes:
+                        done += os.writev(fd, [mv[done:], trailer])
+                    else:
+                        done += os.write(fd, trailer[done - self.page_bytes:])
+                os.utime(fd, ns=(stamp_ns, stamp_ns))
+                if self.fsync != "none":
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+            return True
+        except OSError as exc:
+            _log.warning("storage_write_error", path=final, error=str(exc))
+            self._drop_temp(tmp)
+            return False
+
+    def _drop_temp(self, tmp: str) -> None:
+        # Give the reservation back only if we removed the file ourselves: a scan that deleted it
+        # as stale has already stopped counting it.
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            return
+        except OSError:
+            return
+        with self._lock() as fd:
+            used, epoch = self._read_state(fd)
+            if used >= 0:
+                self._write_state(fd, used - self.file_bytes, epoch)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._state_fd is not None and self._pid == os.getpid():
+            os.close(self._state_fd)
+        self._state_fd = None
+
+    def stats(self) -> dict[str, Any]:
+        with self._slock:
+            s: dict[str, Any] = dict(self._s)
+        s.update(backend="file", directory=self.directory, page_bytes=self.page_bytes,
+                 file_bytes=self.file_bytes, cap_bytes=self.cap_bytes, fsync=self.fsync)
+        if not self._closed:
+            s["used_bytes"] = self.used_bytes()
+        return s
+
+    def __enter__(self) -> "FileBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _DirLock:
+    """Thread lock + ``flock`` on the state file: one holder per directory across processes."""
+
+    __slots__ = ("_b", "_fd")
+
+    def __init__(self, backend: FileBackend) -> None:
+        self._b = backend
+
+    def __enter__(self) -> int:
+        fd = self._b._fd()
+        self._b._tlock.acquire()
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    break
+                except InterruptedError:
+                    continue
+                except OSError as exc:
+                    if exc.errno != errno.EINTR:
+                        raise
+        except BaseException:
+            self._b._tlock.release()
+            raise
+        self._fd = fd
+        return fd
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._b._tlock.release()

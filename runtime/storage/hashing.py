@@ -1,0 +1,145 @@
+"""Page hashes: the storage tier's address of a page, identical in every process.
+
+``h(0) = H(seed || tokens of page 0)``, ``h(i) = H(h(i-1) || tokens of page i)`` where
+
+- ``H`` is SHA-256 (``hashlib``) truncated to its first 16 bytes (``HASH_BYTES``). 128 bits
+  keep the chance of any collision among 2**40 stored pages below 2**-48; truncation only
+  shortens keys and file names.
+- the tokens of a page are ``page_size`` int32 values in little-endian byte order;
+- ``seed = H(seed_bytes(extra_key, identity))``, a fixed, versioned, length-prefixed
+  encoding of the namespace (``extra_key``: ``None`` is distinct from ``""``) and of the
+  KV identity (model id, weight version, KV dtype, layers, KV heads, head dim).
+
+Nothing here depends on Python's salted ``hash()``, on the host pool layout or on the
+process, so two processes (or machines) with the same model and tokens agree on every
+page's address, and a different namespace, dtype, shape or weight version never does.
+Only whole pages are hashed; a trailing partial page has no hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.errors import LengthError, ValidationError
+
+DIGEST_NAME = "sha256-128"
+HASH_BYTES = 16
+_FORMAT_TAG = b"hicache-page-hash-v1\x00"
+_sha256 = hashlib.sha256
+
+
+@dataclass(frozen=True, slots=True)
+class KVIdentity:
+    """What makes stored KV bytes reusable: same model weights, same dtype, same per-token shape."""
+
+    model_id: str
+    weight_version: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("model_id", "weight_version", "kv_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ValidationError(f"KVIdentity.{name} must be a str, got {getattr(self, name)!r}")
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValidationError(f"KVIdentity.{name} must be a positive int, got {value!r}")
+
+    @staticmethod
+    def from_config(config: object) -> "KVIdentity":
+        """The identity of a `RuntimeConfig` (or anything with the same attribute names)."""
+        return KVIdentity(
+            model_id=config.model_id,  # type: ignore[attr-defined]
+            weight_version=config.weight_version,  # type: ignore[attr-defined]
+            kv_dtype=config.kv_dtype,  # type: ignore[attr-defined]
+            num_layers=config.num_layers,  # type: ignore[attr-defined]
+            num_kv_heads=config.num_kv_heads,  # type: ignore[attr-defined]
+            head_dim=config.head_dim,  # type: ignore[attr-defined]
+        )
+
+    def encode(self) -> bytes:
+        """Fixed byte encoding: length-prefixed UTF-8 strings, then three little-endian u64."""
+        return (
+            _enc_str(self.model_id)
+            + _enc_str(self.weight_version)
+            + _enc_str(self.kv_dtype)
+            + struct.pack("<QQQ", self.num_layers, self.num_kv_heads, self.head_dim)
+        )
+
+
+def _enc_str(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<I", len(raw)) + raw
+
+
+def _enc_extra_key(extra_key: str | bytes | None) -> bytes:
+    # tag byte keeps None, "" and b"" apart
+    if extra_key is None:
+        return b"\x00"
+    if isinstance(extra_key, str):
+        return b"\x01" + _enc_str(extra_key)
+    if isinstance(extra_key, (bytes, bytearray)):
+        return b"\x02" + struct.pack("<I", len(extra_key)) + bytes(extra_key)
+    raise ValidationError(f"extra_key must be str, bytes or None, got {type(extra_key).__name__}")
+
+
+def seed_bytes(extra_key: str | bytes | None, identity: KVIdentity) -> bytes:
+    """The exact bytes hashed into the chain's seed (exposed for tests and other implementations)."""
+    return _FORMAT_TAG + _enc_extra_key(extra_key) + identity.encode()
+
+
+def chain_seed(extra_key: str | bytes | None, identity: KVIdentity) -> bytes:
+    """``h(-1)``: the link every chain of this namespace and identity starts from."""
+    return _sha256(seed_bytes(extra_key, identity)).digest()[:HASH_BYTES]
+
+
+def page_hashes(
+    tokens: np.ndarray,
+    page_size: int,
+    extra_key: str | bytes | None,
+    identity: KVIdentity,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """Hashes of every whole page of ``tokens`` (a trailing partial page is ignored).
+
+    ``parent`` continues a chain: the hash of the page just before ``tokens[0]`` (then
+    ``extra_key`` and ``identity`` are already folded into it and are not used again).
+    ``tokens`` must be 1-D integers in int32 range; any int dtype is accepted and encoded as
+    little-endian int32.
+    """
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
+        raise LengthError(f"page_size must be a positive int, got {page_size!r}")
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise LengthError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.dtype != np.dtype("<i4"):
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValidationError(f"tokens must be integers, got dtype {arr.dtype}")
+        if arr.size and (int(arr.min()) < -(2**31) or int(arr.max()) >= 2**31):
+            raise ValidationError("token ids out of int32 range")
+        arr = arr.astype("<i4")
+    n_pages = arr.shape[0] // page_size
+    if n_pages == 0:
+        return []
+    if parent is None:
+        prev = chain_seed(extra_key, identity)
+    else:
+        if not isinstance(parent, (bytes, bytearray)) or len(parent) != HASH_BYTES:
+            raise ValidationError(f"parent must be a {HASH_BYTES}-byte page hash")
+        prev = bytes(parent)
+    raw = np.ascontiguousarray(arr[: n_pages * page_size]).tobytes()
+    step = page_size * 4
+    out: list[bytes] = []
+    append = out.append
+    sha = _sha256
+    for off in range(0, n_pages * step, step):
+        prev = sha(prev + raw[off : off + step]).digest()[:HASH_BYTES]
+        append(prev)
+    return out

@@ -1,0 +1,232 @@
+"""MooncakeBackend against a real local Mooncake Store (master + metadata server on 127.0.0.1).
+
+The tests of `TestMooncakeBackend` run in a private network namespace: the launcher test
+below re-runs this file there (Mooncake clients listen on every interface; inside, there is
+only loopback). They skip only when the Mooncake package is not installed
+(scripts/install_mooncake.sh installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip(
+    "mooncake.store",
+    reason="Mooncake is not installed (pip mooncake-transfer-engine-non-cuda + Debian libibverbs1): "
+           "run scripts/install_mooncake.sh",
+)
+
+from runtime.errors import ConfigError, StateError, ValidationError  # noqa: E402
+from runtime.storage.backend import StorageBackend  # noqa: E402
+from runtime.storage.mooncake_backend import MooncakeBackend, MooncakeConfig, find_binary, parse_size  # noqa: E402
+
+IN_NETNS = os.environ.get("HICACHE_TEST_NETNS") == "1" or os.environ.get("HICACHE_MOONCAKE_HOST_NETNS") == "1"
+REPO = Path(__file__).resolve().parents[3]
+PB = 64 * 1024
+
+
+def key(i: int, tag: str = "m") -> bytes:
+    return f"{tag}{i:06d}".encode().ljust(16, b".")
+
+
+def page(i: int, nbytes: int = PB) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def test_mooncake_in_private_network_namespace(netns_run):
+    """Runs `TestMooncakeBackend` in a fresh network namespace that has only loopback."""
+    assert find_binary("mooncake_master") and find_binary("mooncake_http_metadata_server"), \
+        "Mooncake binaries missing next to the venv's python: run scripts/install_mooncake.sh"
+    r = netns_run([sys.executable, "-m", "pytest", str(Path(__file__)), "-p", "no:cacheprovider",
+                   "-p", "no:randomly", "-x"], env={"HICACHE_TEST_NETNS": "1"}, cwd=str(REPO), timeout=240)
+    if r.returncode == 97:
+        pytest.fail(f"cannot create a private network namespace here: {r.stderr.strip()}")
+    summary = [line for line in r.stdout.splitlines() if " passed" in line or " failed" in line or "error" in line]
+    assert r.returncode == 0, f"inner run failed ({r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert summary and "passed" in summary[-1] and "skipped" not in summary[-1], r.stdout[-2000:]
+
+
+test_mooncake_in_private_network_namespace.__test__ = not IN_NETNS  # type: ignore[attr-defined]
+
+
+def test_config_parsing(tmp_path):
+    assert parse_size("512mb") == 512 << 20 and parse_size("4GB") == 4 << 30 and parse_size(123) == 123
+    c = MooncakeConfig.from_env({"MOONCAKE_MASTER": "10.0.0.1:50051", "MOONCAKE_TE_META_DATA_SERVER":
+                                 "http://10.0.0.1:8080/metadata", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "4gb",
+                                 "MOONCAKE_PROTOCOL": "rdma", "MOONCAKE_DEVICE": "mlx5_0"})
+    assert (c.master_server_address, c.global_segment_size, c.protocol, c.device_name) == \
+        ("10.0.0.1:50051", 4 << 30, "rdma", "mlx5_0")
+    p = tmp_path / "mc.json"
+    p.write_text('{"master_server_address": "h:1", "metadata_server": "P2PHANDSHAKE", "local_buffer_size": "1mb"}')
+    assert MooncakeConfig.from_env({"MOONCAKE_CONFIG_PATH": str(p)}).local_buffer_size == 1 << 20
+    with pytest.raises(ConfigError):
+        MooncakeConfig.from_env({})
+    with pytest.raises(ConfigError):
+        MooncakeConfig(master_server_address="nohost", metadata_server="P2PHANDSHAKE")
+    with pytest.raises(ConfigError):
+        MooncakeConfig.from_dict({"master_server_address": "h:1", "metadata_server": "x", "bogus": 1})
+
+
+@pytest.fixture(scope="module")
+def backend(mooncake_cluster):
+    b = MooncakeBackend(PB, mooncake_cluster.config(global_segment_size=64 << 20, local_buffer_size=32 << 20))
+    yield b
+    b.close()
+
+
+class TestMooncakeBackend:
+    __test__ = IN_NETNS
+
+    def test_isolated(self):
+        # only loopback here: the client's all-interface listeners are unreachable from outside
+        names = [n for _i, n in socket.if_nameindex()]
+        assert names == ["lo"] or os.environ.get("HICACHE_MOONCAKE_HOST_NETNS") == "1"
+
+    def test_protocol(self, backend):
+        assert isinstance(backend, StorageBackend)
+
+    def test_round_trip_plain_buffers(self, backend):
+        keys = [key(i, "rt") for i in range(4)]
+        srcs = [page(0), bytes(page(1)), torch.from_numpy(page(2).copy()).view(torch.bfloat16), bytearray(page(3))]
+        assert backend.set_batch(keys, srcs) == [True] * 4
+        dests = [np.zeros(PB, np.uint8), bytearray(PB), torch.zeros(PB // 2, dtype=torch.bfloat16),
+                 memoryview(bytearray(PB))]
+        assert backend.get_batch(keys, dests) == [True] * 4
+        assert np.array_equal(dests[0], page(0)) and bytes(dests[1]) == bytes(page(1))
+        assert np.array_equal(dests[2].view(torch.uint8).numpy(), page(2)) and bytes(dests[3]) == bytes(page(3))
+        # pages are immutable: writing a present key again is a success
+        assert backend.set_batch(keys[:1], [page(0)]) == [True]
+
+    def test_prefix_existence_and_misses(self, backend):
+        keys = [key(i, "px") for i in range(5)]
+        assert backend.exists_prefix(keys) == 0
+        backend.set_batch([keys[0], keys[1], keys[3]], [page(10), page(11), page(13)])
+        assert backend.exists_prefix(keys) == 2
+        assert backend.exists_prefix(keys[3:]) == 1
+        dests = [np.zeros(PB, np.uint8) for _ in keys]
+        assert backend.get_batch(keys, dests) == [True, True, False, True, False]
+        assert np.array_equal(dests[3], page(13))
+
+    def test_zero_copy_path(self, backend):
+        pool = torch.zeros(8, PB, dtype=torch.uint8)  # a page-first host pool stand-in
+        backend.register_buffer(pool)
+        try:
+            for i in range(4):
+                pool[i] = torch.from_numpy(page(100 + i))
+            keys = [key(i, "zc") for i in range(4)]
+            before = backend.stats()
+            assert backend.set_batch(keys, [pool[i] for i in range(4)]) == [True] * 4
+            # mixed batch: two registered destinations, one plain
+            plain = np.zeros(PB, np.uint8)
+            assert backend.get_batch(keys[:3], [pool[4], pool[5], plain]) == [True] * 3
+            after = backend.stats()
+            assert after["zero_copy_pages_written"] - before["zero_copy_pages_written"] == 4
+            assert after["zero_copy_pages_read"] - before["zero_copy_pages_read"] == 2
+            assert torch.equal(pool[4], pool[0]) and torch.equal(pool[5], pool[1])
+            assert np.array_equal(plain, page(102))
+            with pytest.raises(ConfigError):
+                backend.register_buffer(pool[2:4])  # overlaps
+        finally:
+            backend.unregister_buffer(pool)
+        assert backend.stats()["registered_buffers"] == 0
+
+    @pytest.mark.parametrize("staging_pages", [0, 2])
+    def test_plain_reads_without_or_with_a_small_staging_buffer(self, mooncake_cluster, staging_pages):
+        b = MooncakeBackend(PB, mooncake_cluster.config(global_segment_size=0, local_buffer_size=8 << 20),
+                            staging_bytes=staging_pages * PB)
+        try:
+            keys = [key(i, f"st{staging_pages}") for i in range(5)]
+            assert b.set_batch(keys, [page(400 + i) for i in range(5)]) == [True] * 5
+            dests = [np.zeros(PB, np.uint8) for _ in range(6)]
+            assert b.get_batch(keys + [key(99, "nope")], dests) == [True] * 5 + [False]
+            assert all(np.array_equal(dests[i], page(400 + i)) for i in range(5))
+        finally:
+            b.close()
+
+    def test_wrong_size_object_is_a_miss(self, backend):
+        backend._store.put(backend._keys([key(1, "ws")])[0], b"short")
+        assert backend.exists_prefix([key(1, "ws")]) == 1  # present, but not a page of ours
+        assert backend.get_batch([key(1, "ws")], [np.zeros(PB, np.uint8)]) == [False]
+
+    def test_validation(self, backend):
+        with pytest.raises(ValidationError):
+            backend.set_batch([key(0)], [np.zeros(PB - 1, np.uint8)])
+        with pytest.raises(ValidationError):
+            backend.get_batch([key(0)], [bytes(PB)])
+
+    def test_two_processes_share_the_store(self, backend, mooncake_cluster):
+        keys_a = [key(i, "pa") for i in range(6)]
+        assert backend.set_batch(keys_a, [page(200 + i) for i in range(6)]) == [True] * 6
+        child = textwrap.dedent(f"""
+            import sys, numpy as np
+            from runtime.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+            PB = {PB}
+            def key(i, tag): return f"{{tag}}{{i:06d}}".encode().ljust(16, b".")
+            def page(i): return np.random.default_rng(i).integers(0, 256, PB, dtype=np.uint8)
+            cfg = MooncakeConfig(master_server_address={mooncake_cluster.master_address!r},
+                                 metadata_server={mooncake_cluster.metadata_url!r}, local_hostname="127.0.0.1",
+                                 tcp_bind_address="127.0.0.1", global_segment_size=32 << 20,
+                                 local_buffer_size=16 << 20)
+            b = MooncakeBackend(PB, cfg)
+            ka = [key(i, "pa") for i in range(6)]
+            assert b.exists_prefix(ka) == 6, b.exists_prefix(ka)
+            buf = np.zeros((6, PB), np.uint8)
+            b.register_buffer(buf)
+            assert b.get_batch(ka, [buf[i] for i in range(6)]) == [True] * 6
+            assert all(np.array_equal(buf[i], page(200 + i)) for i in range(6))
+            kb = [key(i, "pb") for i in range(3)]
+            assert b.set_batch(kb, [page(300 + i) for i in range(3)]) == [True] * 3
+            print("WRITTEN", flush=True)
+            sys.stdin.readline()  # stay alive (its segment holds data) until the parent has read
+            b.close()
+            print("DONE", flush=True)
+        """)
+        p = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+        try:
+            line = p.stdout.readline()
+            if line.strip() != "WRITTEN":
+                p.kill()
+                _out, err = p.communicate(timeout=10)
+                pytest.fail(f"child failed: {line!r}\n{err[-3000:]}")
+            kb = [key(i, "pb") for i in range(3)]
+            assert backend.exists_prefix(kb) == 3
+            dests = [np.zeros(PB, np.uint8) for _ in kb]
+            assert backend.get_batch(kb, dests) == [True] * 3
+            assert all(np.array_equal(d, page(300 + i)) for i, d in enumerate(dests))
+            out, err = p.communicate("go\n", timeout=30)
+            assert p.returncode == 0 and "DONE" in out, err[-3000:]
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def test_close(self, mooncake_cluster):
+        b = MooncakeBackend(PB, mooncake_cluster.config(global_segment_size=0, local_buffer_size=4 << 20))
+        b.close()
+        b.close()
+        with pytest.raises(StateError):
+            b.exists_prefix([key(0)])
+
+    def test_z_overfilling_the_store_fails_or_evicts_per_page(self, backend):
+        # the pool holds ~(64 + a few) MiB here; write 160 MiB of pages: no exception, per-page results,
+        # and whatever is still present reads back right (runs last in this class: it evicts)
+        keys = [key(i, "fill") for i in range(2560)]
+        res = []
+        for start in range(0, len(keys), 64):
+            res += backend.set_batch(keys[start:start + 64], [page(i % 13) for i in range(start, start + 64)])
+        assert all(isinstance(r, bool) for r in res) and sum(res) > 0
+        present = [i for i in range(0, len(keys), 97) if backend.exists_prefix([keys[i]])]
+        for i in present:
+            d = np.zeros(PB, np.uint8)
+            if backend.get_batch([keys[i]], [d]) == [True]:
+                assert np.array_equal(d, page(i % 13))
