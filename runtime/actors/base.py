@@ -110,6 +110,10 @@ class Mailbox(Generic[M]):
     def depth(self) -> int:
         return self._queued
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def put_nowait(self, msg: M) -> None:
         """External send: raises `MailboxFull` at capacity, `RuntimeClosed` once closed."""
         if self._queued >= self.capacity:
@@ -183,6 +187,15 @@ class Mailbox(Generic[M]):
 Handler = Callable[[Any], Any]
 
 
+class _Deferred:
+    """A handler's return value meaning: "I keep the reply and complete it later myself"."""
+
+    __repr__ = lambda self: "DEFERRED"  # noqa: E731
+
+
+DEFERRED: Any = _Deferred()
+
+
 class Actor(Generic[M]):
     """Base of the three actors: a loop over mailbox bursts dispatching by message type.
 
@@ -218,7 +231,7 @@ class Actor(Generic[M]):
                             reply.set_exception(exc)
                         self.after_message(msg)
                         continue
-                if reply is not None:
+                if reply is not None and result is not DEFERRED:
                     reply.set_result(result)
                 self.after_message(msg)
 

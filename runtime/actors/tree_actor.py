@@ -1,0 +1,138 @@
+"""TreeActor: the single writer of the radix tree, the slot ledgers and the request records.
+
+Its state is one `CacheCore` (synchronous). Each handler is one call on the core; after
+every message the transfer plans the core issued are sent to the transfer actor (an
+internal send: never blocks), and with `debug_invariants` the invariant checker runs over
+the whole state and fails the runtime on a violation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
+from runtime.actors.transfer_actor import SubmitCopy
+from runtime.invariants import check_invariants
+from runtime.messages import (
+    Abort,
+    Admit,
+    AdmitResult,
+    Available,
+    Cache,
+    CanAdmit,
+    Commit,
+    Extend,
+    Finish,
+    Flush,
+    Inspect,
+    MatchPrefix,
+    Quiesce,
+    ReleaseAbandoned,
+    TransferAck,
+    TreeMessage,
+    TreeStats,
+)
+from runtime.tree.cache import CacheCore
+
+
+class TreeActor(Actor[TreeMessage]):
+    name = "tree"
+
+    # -- state -------------------------------------------------------------------
+    def __init__(self, core: CacheCore, transfer_mailbox: Mailbox[Any], *, mailbox_capacity: int,
+                 debug_invariants: bool = False) -> None:
+        super().__init__(mailbox_capacity)
+        self.core = core
+        self.transfer_mailbox = transfer_mailbox
+        self.debug_invariants = debug_invariants
+        self.quiesce_waiters: list[Reply[None]] = []
+        self.handlers = {
+            Admit: self.on_admit,
+            Extend: self.on_extend,
+            Commit: self.on_commit,
+            Cache: self.on_cache,
+            Finish: self.on_finish,
+            Abort: self.on_abort,
+            ReleaseAbandoned: self.on_release_abandoned,
+            MatchPrefix: self.on_match_prefix,
+            CanAdmit: self.on_can_admit,
+            Available: self.on_available,
+            Flush: self.on_flush,
+            TreeStats: self.on_stats,
+            Quiesce: self.on_quiesce,
+            Inspect: self.on_inspect,
+            TransferAck: self.on_transfer_ack,
+        }
+
+    # -- handlers ----------------------------------------------------------------
+    def on_admit(self, msg: Admit) -> AdmitResult:
+        return self.core.admit(msg.rid, msg.tokens, msg.extra_key)
+
+    def on_extend(self, msg: Extend) -> Any:
+        return self.core.extend(msg.rid, msg.num_tokens)
+
+    def on_commit(self, msg: Commit) -> int:
+        return self.core.commit(msg.rid, msg.committed_len)
+
+    def on_cache(self, msg: Cache) -> int:
+        return self.core.cache(msg.rid, msg.tokens)
+
+    def on_finish(self, msg: Finish) -> int:
+        return self.core.finish(msg.rid, msg.tokens)
+
+    def on_abort(self, msg: Abort) -> None:
+        self.core.abort(msg.rid)
+
+    def on_release_abandoned(self, msg: ReleaseAbandoned) -> None:
+        self.core.abort_if_live(msg.rid, msg.generation)
+
+    def on_match_prefix(self, msg: MatchPrefix) -> dict[str, int]:
+        return self.core.match_prefix(msg.tokens, msg.extra_key)
+
+    def on_can_admit(self, msg: CanAdmit) -> bool:
+        return self.core.can_admit(msg.tokens, msg.extra_key)
+
+    def on_available(self, msg: Available) -> dict[str, int]:
+        return self.core.available()
+
+    def on_flush(self, msg: Flush) -> int:
+        return self.core.flush()
+
+    def on_stats(self, msg: TreeStats) -> dict[str, Any]:
+        core = self.core
+        return {
+            **core.stats,
+            "live_requests": len(core.requests),
+            "inflight_copies": len(core.ops),
+            "tree_nodes": core.tree.num_nodes,
+            "device_free_slots": core.device.num_free_slots(),
+            "host_free_slots": core.host.num_free_slots() if core.host is not None else 0,
+            "tree_mailbox_depth": self.mailbox.depth,
+        }
+
+    def on_quiesce(self, msg: Quiesce) -> Any:
+        if not self.core.ops:
+            return None
+        if msg.reply is not None:
+            self.quiesce_waiters.append(msg.reply)
+        return DEFERRED
+
+    def on_inspect(self, msg: Inspect) -> Any:
+        return msg.fn(self.core)
+
+    def on_transfer_ack(self, msg: TransferAck) -> None:
+        self.core.apply_ack(msg.op_id, msg.error)
+        if not self.core.ops and self.quiesce_waiters:
+            for reply in self.quiesce_waiters:
+                reply.set_result(None)
+            self.quiesce_waiters.clear()
+
+    # -- helpers -----------------------------------------------------------------
+    def after_message(self, msg: Any) -> None:
+        outbox = self.core.outbox
+        if outbox:
+            for plan, readiness in outbox:
+                self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
+            outbox.clear()
+        if self.debug_invariants:
+            check_invariants(self.core)

@@ -1,0 +1,171 @@
+"""The invariant checker (DESIGN.md, "Invariants"), run over a `CacheCore`.
+
+It recomputes every expected owner, pin count, lock count and derived set from raw fields
+(node slots and counters, request records, in-flight copy snapshots, ledger arrays) with
+its own code, never with the functions the tree or the ledgers use to maintain them, so a
+wrong rule there cannot be mirrored here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from runtime.errors import InvariantViolation
+from runtime.memory.owners import Owner
+from runtime.messages import Direction
+
+if TYPE_CHECKING:
+    from runtime.memory.ledger import LedgerSnapshot
+    from runtime.tree.cache import CacheCore
+    from runtime.tree.radix import Node
+
+
+def _fail(msg: str) -> None:
+    raise InvariantViolation(msg)
+
+
+def _pages(slots: np.ndarray, page_size: int) -> list[int]:
+    if len(slots) % page_size:
+        _fail(f"slot array of length {len(slots)} is not whole pages")
+    pages = np.asarray(slots, dtype=np.int64).reshape(-1, page_size)
+    if not np.all(pages == pages[:, :1] + np.arange(page_size)) or np.any(pages[:, 0] % page_size):
+        _fail("slot array is not made of whole, aligned pages")
+    return (pages[:, 0] // page_size).tolist()
+
+
+def _all_nodes(core: "CacheCore") -> list["Node"]:
+    out: list[Node] = []
+    stack = list(core.tree.roots())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
+
+
+def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
+    """Raise `InvariantViolation` when any of invariants 1-5 (and 7 when `quiescent`) fails."""
+    ps = core.page_size
+    roots = set(core.tree.roots())
+    nodes = [n for n in _all_nodes(core) if n not in roots]
+    expected = {"device": {}, "host": {}}  # page -> owner expected by the structures
+    pins = {"device": Counter(), "host": Counter()}
+
+    def claim(tier: str, slots: np.ndarray, owner: Owner, what: str) -> None:
+        table = expected[tier]
+        for page in _pages(slots, ps):
+            if page in table and table[page] != owner:
+                _fail(f"{tier} page {page} claimed by {table[page]} and by {owner} ({what})")
+            table[page] = owner
+
+    # 1-2: what the tree holds, what requests map, what copies write, each with one owner
+    for node in nodes:
+        owner = Owner.node(node.id)
+        if node.device is not None:
+            if len(node.device) != len(node.key) // 4:
+                _fail(f"node {node.id} device slots do not match its tokens")
+            claim("device", node.device, owner, f"node {node.id} device")
+        if node.host is not None:
+            if len(node.host) != len(node.key) // 4:
+                _fail(f"node {node.id} host slots do not match its tokens")
+            claim("host", node.host, owner, f"node {node.id} host")
+        parent = node.parent
+        if node.device is not None and parent is not None and parent not in roots and parent.device is None:
+            _fail(f"node {node.id} is on device but its parent {parent.id} is not (residency not prefix-closed)")
+    for rec in core.requests.values():
+        if not (rec.cached_len <= rec.seq_len <= len(rec.slots)) or rec.cached_len % ps:
+            _fail(f"request {rec.rid!r} lengths inconsistent: cached {rec.cached_len}, seq {rec.seq_len}, "
+                  f"slots {len(rec.slots)}")
+        if not (rec.cached_len <= rec.committed_len <= rec.seq_len) and rec.committed_len > rec.seq_len:
+            _fail(f"request {rec.rid!r} committed {rec.committed_len} beyond seq {rec.seq_len}")
+        claim("device", rec.slots[rec.cached_len:], rec.owner, f"request {rec.rid!r}")
+        # the cached prefix must be exactly the slots of the locked path
+        path: list[Node] = []
+        node = rec.last_node
+        while node is not None and node not in roots:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        held = np.concatenate([n.device for n in path if n.device is not None]) if path else np.zeros(0, np.int64)
+        if len(held) < rec.cached_len or not np.array_equal(held[: rec.cached_len], rec.slots[: rec.cached_len]):
+            _fail(f"request {rec.rid!r} cached prefix does not map its locked path's device slots")
+    for op in core.ops.values():
+        if op.direction is Direction.BACKUP:
+            claim("host", op.host, op.host_owner, f"backup op {op.op_id} destination")
+        for page in _pages(op.device, ps):
+            pins["device"][page] += 1
+        for page in _pages(op.host, ps):
+            pins["host"][page] += 1
+
+    for tier, ledger in (("device", core.device), ("host", core.host)):
+        if ledger is None:
+            continue
+        snap: LedgerSnapshot = ledger.snapshot()
+        table = expected[tier]
+        owned_pages = set(np.flatnonzero(snap.page_codes).tolist())
+        free = snap.free_pages.tolist()
+        if len(set(free)) != len(free):
+            _fail(f"{tier} free list has duplicates")
+        if set(free) & owned_pages:
+            _fail(f"{tier} pages both free and owned: {sorted(set(free) & owned_pages)[:8]}")
+        if len(free) + len(owned_pages) != snap.num_pages:
+            _fail(f"{tier}: free ({len(free)}) + owned ({len(owned_pages)}) != all ({snap.num_pages}) pages")
+        for page, owner in table.items():
+            actual = snap.owner_of_page(page)
+            if actual != owner:
+                _fail(f"{tier} page {page} should be owned by {owner}, ledger says {actual}")
+        leaked = owned_pages - set(table)
+        if leaked:
+            _fail(f"{tier} pages owned in the ledger but held by nothing: {sorted(leaked)[:8]} "
+                  f"(owners {[str(snap.owner_of_page(p)) for p in sorted(leaked)[:4]]})")
+        # 3: pins equal the in-flight copies referencing the page
+        nonzero = {int(p): int(snap.pins[p]) for p in np.flatnonzero(snap.pins)}
+        if nonzero != dict(pins[tier]):
+            _fail(f"{tier} pins {dict(list(nonzero.items())[:6])} != in-flight copies {dict(list(pins[tier].items())[:6])}")
+        for page in nonzero:
+            if page not in owned_pages:
+                _fail(f"{tier} page {page} pinned but free")
+
+    # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
+    locks: Counter[int] = Counter()
+    holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in core.ops.values()]
+    for holder in holders:
+        node = holder
+        while node is not None and node not in roots:
+            locks[node.id] += 1
+            node = node.parent
+    for node in nodes:
+        if node.lock_ref < 0:
+            _fail(f"node {node.id} has a negative lock count")
+        if node.lock_ref != locks.get(node.id, 0):
+            _fail(f"node {node.id} lock_ref {node.lock_ref} != holders {locks.get(node.id, 0)}")
+
+    # 5: derived eviction sets equal their definitions
+    device_leaves = {
+        n for n in nodes
+        if n.device is not None and n.lock_ref == 0 and not any(c.device is not None for c in n.children.values())
+    }
+    host_leaves = {
+        n for n in nodes
+        if n.device is None and n.host is not None and n.host_protect == 0
+        and not any(c.host is not None for c in n.children.values())
+    }
+    if set(core.tree.device_leaves) != device_leaves:
+        _fail(f"evictable device leaves differ from their definition: tree {sorted(n.id for n in core.tree.device_leaves)} "
+              f"vs {sorted(n.id for n in device_leaves)}")
+    if set(core.tree.host_leaves) != host_leaves:
+        _fail(f"evictable host leaves differ from their definition: tree {sorted(n.id for n in core.tree.host_leaves)} "
+              f"vs {sorted(n.id for n in host_leaves)}")
+
+    # 7: at quiescence nothing is in flight and only tree nodes own slots
+    if quiescent:
+        if core.ops:
+            _fail(f"{len(core.ops)} copies still in flight at quiescence")
+        if core.requests:
+            _fail(f"requests still live at quiescence: {list(core.requests)[:5]}")
+        for tier in ("device", "host"):
+            if pins[tier]:
+                _fail(f"{tier} pins left at quiescence")

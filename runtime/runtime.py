@@ -1,0 +1,221 @@
+"""CacheRuntime: the façade a serving framework embeds.
+
+    async with CacheRuntime.open(config) as rt:
+        res = await rt.admit("r1", prompt_tokens)
+        ...
+
+`open` starts the actors in one anyio task group inside the caller's running loop (the
+library never picks the loop). Every call sends one message and awaits its reply; the hot
+calls also come in a batch form (one message per scheduling step). Closing stops intake,
+waits for every in-flight copy and then stops the actors. If an actor crashes, every
+pending and later call raises `RuntimeFailed` and leaving the `async with` re-raises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.actors.base import Reply
+from runtime.actors.transfer_actor import DrainCopies, TransferActor, TransferStatsQuery
+from runtime.actors.tree_actor import TreeActor
+from runtime.config import RuntimeConfig
+from runtime.errors import RuntimeFailed, TransferError
+from runtime.memory.pools import DevicePool, HostPool, KVShape
+from runtime.messages import (
+    Abort,
+    Admit,
+    AdmitResult,
+    Available,
+    Cache,
+    CanAdmit,
+    Commit,
+    Extend,
+    Finish,
+    Flush,
+    Inspect,
+    MatchPrefix,
+    Quiesce,
+    ReleaseAbandoned,
+    TreeStats,
+)
+from runtime.supervisor import State, Supervisor
+from runtime.trace import JsonlSink, SlotTracer
+from runtime.transfer.engine import CopyEngine
+from runtime.tree.cache import CacheCore
+
+
+def _tokens(tokens: Any) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        return tokens.detach().to("cpu", torch.int32).numpy().copy()
+    return np.array(tokens, dtype=np.int32)
+
+
+EngineFactory = Callable[[Mapping[str, tuple[DevicePool, HostPool]]], CopyEngine]
+
+
+class _NoHostTier:
+    """The engine of a runtime without a host tier: it is never given a plan."""
+
+    def submit(self, plan: Any) -> Any:
+        raise TransferError("no host tier configured")
+
+    def close(self) -> None:
+        pass
+
+
+def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostPool | None,
+                factory: EngineFactory | None = None) -> CopyEngine:
+    if host_pool is None:
+        return _NoHostTier()
+    pools = {"kv": (device_pool, host_pool)}
+    if factory is not None:
+        return factory(pools)
+    kind = config.copy_engine
+    if kind == "auto":
+        kind = "cuda" if torch.device(config.device).type == "cuda" else "cpu"
+    if kind == "cuda":
+        from runtime.transfer.cuda_engine import CudaCopyEngine
+
+        return CudaCopyEngine(pools)
+    if kind == "fake":
+        from runtime.transfer.fake_engine import FakeCopyEngine
+
+        return FakeCopyEngine(pools)
+    from runtime.transfer.cpu_engine import CpuCopyEngine
+
+    return CpuCopyEngine(pools, workers_per_direction=config.copy_workers)
+
+
+class CacheRuntime:
+    """Public handle of the runtime. Create it with `CacheRuntime.open(config)`."""
+
+    def __init__(self, config: RuntimeConfig, *, engine_factory: EngineFactory | None = None) -> None:
+        self.config = config
+        shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype)
+        self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
+        self.host_pool = (HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
+                          if config.host_slots > 0 else None)
+        sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
+        self.tracer = SlotTracer(config.page_size, sinks)
+        self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory)
+        self._transfer = TransferActor(
+            self.engine, max_inflight_loads=config.max_inflight_loads,
+            max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
+            bytes_per_slot=config.bytes_per_token)
+        self._core = CacheCore(config, self.tracer)
+        self._tree = TreeActor(self._core, self._transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
+                               debug_invariants=config.debug_invariants)
+        self._sup = Supervisor([self._tree, self._transfer])
+
+    # -- lifecycle -----------------------------------------------------------------
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: RuntimeConfig | None = None, *, engine_factory: EngineFactory | None = None
+                   ) -> AsyncIterator["CacheRuntime"]:
+        """Start the runtime in the running loop. `engine_factory(pools)` overrides the copy
+        engine (tests hold copies in flight with `FakeCopyEngine`)."""
+        rt = cls(config or RuntimeConfig(), engine_factory=engine_factory)
+        await rt._sup.start()
+        try:
+            yield rt
+        finally:
+            await rt.close()
+        rt._sup.raise_if_failed()
+
+    async def close(self) -> None:
+        """Stop intake, wait for every in-flight copy, then stop the actors. Idempotent."""
+        sup = self._sup
+        if sup.state is State.OPEN:
+            sup.state = State.CLOSING
+            try:
+                await sup.ask_internal(self._tree.mailbox, Quiesce(Reply()))
+                await sup.ask_internal(self._transfer.mailbox, DrainCopies(Reply()))
+            except RuntimeFailed:
+                pass
+        if sup.state in (State.CLOSING, State.FAILED):
+            await sup.stop()
+            self.tracer.close()
+
+    @property
+    def failed(self) -> bool:
+        return self._sup.state is State.FAILED
+
+    @property
+    def closed(self) -> bool:
+        return self._sup.state is not State.OPEN
+
+    # -- request lifecycle ------------------------------------------------------------
+    async def admit(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+                    extra_key: Hashable = None) -> AdmitResult:
+        """Match the longest cached prefix, lock it, load its host part, allocate the rest."""
+        reply: Reply[AdmitResult] = Reply(on_abandon=self._release_abandoned)
+        return await self._sup.ask(self._tree.mailbox, Admit(rid, _tokens(tokens), extra_key, reply))
+
+    async def extend(self, rid: Hashable, num_tokens: int) -> torch.Tensor:
+        """Allocate device slots for `num_tokens` more tokens (evicting if needed)."""
+        return await self._sup.ask(self._tree.mailbox, Extend(rid, num_tokens, Reply()))
+
+    async def commit(self, rid: Hashable, committed_len: int) -> int:
+        """Record the request's new total committed length (never smaller than before)."""
+        return await self._sup.ask(self._tree.mailbox, Commit(rid, committed_len, Reply()))
+
+    async def cache(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> int:
+        """Insert the page-aligned part of `tokens` (whose KV is computed) into the tree."""
+        return await self._sup.ask(self._tree.mailbox, Cache(rid, _tokens(tokens), Reply()))
+
+    async def finish(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> int:
+        """Insert what is computed, unlock, free duplicates and the rest; the request ends."""
+        return await self._sup.ask(self._tree.mailbox, Finish(rid, _tokens(tokens), Reply()))
+
+    async def abort(self, rid: Hashable) -> None:
+        """Release everything the request holds (the same release as `finish`, nothing inserted)."""
+        return await self._sup.ask(self._tree.mailbox, Abort(rid, Reply()))
+
+    async def step(self, items: Sequence[Admit | Extend | Commit | Cache | Finish | Abort]) -> tuple[Any, ...]:
+        """A scheduling step in one message: results per item, a `ValidationError` for a failed one.
+
+        Build items with reply=None, e.g. `Admit(rid, tokens)`; token lists are converted here."""
+        fixed = [type(i)(i.rid, _tokens(i.tokens), *([i.extra_key] if isinstance(i, Admit) else []))
+                 if isinstance(i, (Admit, Cache, Finish)) else i for i in items]
+        return await self._sup.ask_batch(self._tree.mailbox, fixed)
+
+    # -- questions ------------------------------------------------------------------------
+    async def match_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+                           extra_key: Hashable = None) -> dict[str, int]:
+        """Read-only look: tokens cached per tier, no lock, no split, no side effect."""
+        return await self._sup.ask(self._tree.mailbox, MatchPrefix(_tokens(tokens), extra_key, Reply()))
+
+    async def can_admit(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, extra_key: Hashable = None) -> bool:
+        return await self._sup.ask(self._tree.mailbox, CanAdmit(_tokens(tokens), extra_key, Reply()))
+
+    async def available(self) -> dict[str, int]:
+        return await self._sup.ask(self._tree.mailbox, Available(Reply()))
+
+    async def flush(self) -> int:
+        """Drop every unlocked cached prefix from device and host (after a weight update)."""
+        return await self._sup.ask(self._tree.mailbox, Flush(Reply()))
+
+    async def stats(self) -> dict[str, Any]:
+        """Counters (schema in docs/API.md): tree, ledgers, copies, queue depths."""
+        tree = await self._sup.ask(self._tree.mailbox, TreeStats(Reply()))
+        transfer = await self._sup.ask(self._transfer.mailbox, TransferStatsQuery(Reply()))
+        served = tree["tokens_device_hit"] + tree["tokens_host_hit"]
+        total = served + tree["tokens_recomputed"]
+        return {**tree, **transfer, "hit_rate": served / total if total else 0.0,
+                "device_hit_rate": tree["tokens_device_hit"] / total if total else 0.0,
+                "host_hit_rate": tree["tokens_host_hit"] / total if total else 0.0}
+
+    async def inspect(self, fn: Any) -> Any:
+        """Debug/test hook: run `fn(core)` inside the tree actor (between two messages)."""
+        return await self._sup.ask_internal(self._tree.mailbox, Inspect(fn, Reply()))
+
+    # -- helpers -------------------------------------------------------------------------
+    def _release_abandoned(self, result: AdmitResult) -> None:
+        """A caller cancelled while awaiting `admit`: release that admission (same path as abort)."""
+        if self._sup.failure is None and not self._tree.mailbox.closed:
+            self._tree.mailbox.put_internal(ReleaseAbandoned(result.rid, result.generation))

@@ -1,0 +1,539 @@
+"""CacheCore: the tree actor's synchronous core.
+
+It owns the radix tree, both slot ledgers, the request records and the in-flight copy
+records, and is the only writer of all of them. No event loop, no streams: the tree actor
+turns messages into calls on it and sends the transfer plans it leaves in `outbox`.
+
+Ownership rules it keeps (DESIGN.md, "Invariants"):
+- a request's slots are `slots[:cached_len]` (held by tree nodes, locked through
+  `last_node`) followed by pages it owns itself;
+- every in-flight copy pins its source and destination slots and holds a lock on the
+  deepest node it covers, so nothing it touches can be evicted, freed or reused;
+- an in-flight copy is described by a snapshot (deepest node + length + slot copies),
+  so a split of its nodes never changes what it means (seed 002): at ack time the nodes
+  are recovered by walking up the parent chain from the deepest node.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.completion import LayerReadiness
+from runtime.config import RuntimeConfig
+from runtime.errors import (
+    CapacityError,
+    DuplicateRequestError,
+    LengthError,
+    StateError,
+    TransferError,
+    UnknownRequestError,
+)
+from runtime.memory.ledger import SlotLedger
+from runtime.memory.owners import Owner, Tier
+from runtime.messages import AdmitResult, Direction, PoolTransfer, TransferPlan
+from runtime.trace import SlotTracer
+from runtime.tree.policies import policy_by_name
+from runtime.tree.radix import Node, RadixTree
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """The one record of a live request: its tokens, slots and lengths change together."""
+
+    rid: Hashable
+    generation: int
+    owner: Owner
+    extra_key: Hashable
+    tokens: np.ndarray  # int32 token ids the request has so far
+    slots: np.ndarray  # int64 device slots of its allocated pages
+    seq_len: int  # token positions in use (prompt + extended), <= len(slots)
+    committed_len: int
+    cached_len: int  # prefix held by tree nodes, locked through last_node
+    last_node: Node | None
+    prompt_len: int
+    readiness: tuple[LayerReadiness, ...] = ()
+    failed: str | None = None
+
+
+@dataclass(slots=True)
+class CopyOp:
+    """An in-flight backup or load: a snapshot of what it covers, taken when issued."""
+
+    op_id: int
+    direction: Direction
+    node: Node  # deepest node covered (the lower half after any split)
+    length: int  # tokens covered, ending at `node`'s end
+    device: np.ndarray
+    host: np.ndarray
+    host_owner: Owner  # owner of `host` until the ack hands it to the nodes
+    readiness: LayerReadiness | None = None
+    evict_after: bool = False
+    users: set[Hashable] = field(default_factory=set)
+
+
+def _aligned(n: int, page_size: int) -> int:
+    return n - n % page_size
+
+
+class CacheCore:
+    # -- state -------------------------------------------------------------------
+    def __init__(self, config: RuntimeConfig, tracer: SlotTracer | None = None) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.tracer = tracer
+        self.tree = RadixTree(config.page_size, policy_by_name(config.eviction_policy))
+        self.tree.on_split = self._on_split
+        self.device = SlotLedger(config.device_slots, config.page_size, Tier.DEVICE, tracer)
+        host_slots = config.host_slots
+        self.host: SlotLedger | None = (
+            SlotLedger(host_slots, config.page_size, Tier.HOST, tracer) if host_slots > 0 else None
+        )
+        self.requests: dict[Hashable, RequestRecord] = {}
+        self.generations: dict[Hashable, int] = {}
+        self.ops: dict[int, CopyOp] = {}
+        self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
+        self.loading: dict[int, LayerReadiness] = {}  # node id -> readiness of its in-flight load
+        self.outbox: list[tuple[TransferPlan, LayerReadiness | None]] = []
+        self._op_ids = itertools.count(1)
+        self.num_layers = config.num_layers
+        self.stats: dict[str, int] = {
+            "requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
+            "tokens_device_hit": 0, "tokens_host_hit": 0, "tokens_recomputed": 0,
+            "backups_issued": 0, "loads_issued": 0, "copy_failures": 0,
+            "device_evicted_tokens": 0, "host_evicted_tokens": 0, "writeback_deferred": 0,
+        }
+
+    # -- request lifecycle -------------------------------------------------------
+    def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None) -> AdmitResult:
+        tokens = self._check_tokens(tokens)
+        if rid in self.requests:
+            raise DuplicateRequestError(f"request {rid!r} is still live")
+        ps = self.page_size
+        # the last token is always computed, so the model has its logits
+        match_len = _aligned(len(tokens) - 1, ps)
+        look = self.tree.match(tokens[:match_len], extra_key, split=False, touch=False)
+        host_len = look.host_len if self.host is not None else 0
+        cached = look.device_len + host_len
+        need_pages = (host_len // ps) + -(-(len(tokens) - cached) // ps)
+        if need_pages > self.device.num_free_pages() + self._evictable_device_pages():
+            raise CapacityError(
+                f"request {rid!r} needs {need_pages} device pages; {self.device.num_free_pages()} free, "
+                f"{self._evictable_device_pages()} evictable")
+
+        m = self.tree.match(tokens[:match_len], extra_key, split=True, touch=True)
+        generation = self.generations.get(rid, 0) + 1
+        self.generations[rid] = generation
+        owner = Owner.request(rid, generation)
+        device_nodes = [n for n in m.nodes if n.device is not None]
+        host_nodes = [n for n in m.nodes if n.device is None] if host_len else []
+        lock_node = host_nodes[-1] if host_nodes else (device_nodes[-1] if device_nodes else None)
+        if lock_node is not None:
+            self.tree.lock(lock_node)
+        readiness: list[LayerReadiness] = []
+        for node in device_nodes:
+            r = self.loading.get(node.id)
+            if r is not None and r not in readiness:
+                readiness.append(r)
+        if host_nodes:
+            load = self._start_load(host_nodes, host_len)
+            assert load.readiness is not None
+            readiness.append(load.readiness)
+        for r in readiness:
+            self._load_op_of(r).users.add(rid)
+        prefix = np.concatenate([n.device for n in m.nodes[: len(device_nodes) + len(host_nodes)]]) if m.nodes else EMPTY
+        own_pages = -(-(len(tokens) - cached) // ps)
+        own = self._alloc_device(own_pages, owner, rid=rid)
+        slots = np.concatenate((prefix, own)) if len(prefix) else own
+        rec = RequestRecord(
+            rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens.copy(),
+            slots=slots, seq_len=len(tokens), committed_len=cached, cached_len=cached,
+            last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
+        self.requests[rid] = rec
+        self.stats["requests_admitted"] += 1
+        self.stats["tokens_device_hit"] += m.device_len
+        self.stats["tokens_host_hit"] += host_len
+        self.stats["tokens_recomputed"] += len(tokens) - cached
+        if self.config.write_policy == "write_through_selective":
+            for node in device_nodes:
+                if node.hit_count >= self.config.write_through_threshold:
+                    self._maybe_backup(node)
+        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)].copy()), m.device_len, host_len, tuple(readiness))
+
+    def extend(self, rid: Hashable, n: int) -> torch.Tensor:
+        rec = self._record(rid)
+        if not isinstance(n, int) or n <= 0:
+            raise LengthError(f"extend needs a positive token count, got {n!r}")
+        total = rec.seq_len + n
+        if total > self.config.device_slots:
+            raise LengthError(f"request {rid!r} would hold {total} tokens, more than the device pool")
+        missing = total - len(rec.slots)
+        if missing > 0:
+            pages = -(-missing // self.page_size)
+            if pages > self.device.num_free_pages() + self._evictable_device_pages():
+                raise CapacityError(f"extend of {rid!r} needs {pages} device pages")
+            rec.slots = np.concatenate((rec.slots, self._alloc_device(pages, rec.owner, rid=rid)))
+        start, rec.seq_len = rec.seq_len, total
+        return torch.from_numpy(rec.slots[start:total].copy())
+
+    def commit(self, rid: Hashable, committed_len: int) -> int:
+        rec = self._record(rid)
+        if not isinstance(committed_len, int) or committed_len < rec.committed_len or committed_len > rec.seq_len:
+            raise LengthError(
+                f"commit of {rid!r} must lie in [{rec.committed_len}, {rec.seq_len}], got {committed_len!r}")
+        rec.committed_len = committed_len
+        return committed_len
+
+    def cache(self, rid: Hashable, tokens: np.ndarray) -> int:
+        """Insert the page-aligned part of `tokens` (whose KV is computed) and keep going."""
+        rec = self._record(rid)
+        tokens = self._check_kv_tokens(rec, tokens)
+        self._insert(rec, tokens)
+        return rec.cached_len
+
+    def finish(self, rid: Hashable, tokens: np.ndarray) -> int:
+        """Insert the page-aligned computed prefix, unlock, free duplicates and the rest."""
+        rec = self._record(rid)
+        if rec.failed is not None:
+            self._release(rec)
+            self.stats["requests_aborted"] += 1
+            raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); it was released")
+        tokens = self._check_kv_tokens(rec, tokens)
+        self._insert(rec, tokens)
+        cached = rec.cached_len
+        self._release(rec)
+        self.stats["requests_finished"] += 1
+        return cached
+
+    def abort(self, rid: Hashable) -> None:
+        rec = self._record(rid)
+        self._release(rec)
+        self.stats["requests_aborted"] += 1
+
+    def abort_if_live(self, rid: Hashable, generation: int) -> None:
+        """The cancelled-caller path: release the request only if it is the same admission."""
+        rec = self.requests.get(rid)
+        if rec is not None and rec.generation == generation:
+            self._release(rec)
+            self.stats["requests_aborted"] += 1
+
+    # -- read-only questions -----------------------------------------------------------
+    def match_prefix(self, tokens: np.ndarray, extra_key: Hashable = None) -> dict[str, int]:
+        tokens = self._check_tokens(tokens)
+        look = self.tree.match(tokens, extra_key, split=False, touch=False)
+        host_len = look.host_len if self.host is not None else 0
+        return {"device": look.device_len, "host": host_len}
+
+    def available(self) -> dict[str, int]:
+        out = {
+            "device_free": self.device.num_free_slots(),
+            "device_evictable": self._evictable_device_pages() * self.page_size,
+        }
+        if self.host is not None:
+            out["host_free"] = self.host.num_free_slots()
+            out["host_evictable"] = self._evictable_host_tokens()
+        return out
+
+    def can_admit(self, tokens: np.ndarray, extra_key: Hashable = None) -> bool:
+        tokens = self._check_tokens(tokens)
+        ps = self.page_size
+        look = self.tree.match(tokens[: _aligned(len(tokens) - 1, ps)], extra_key, split=False, touch=False)
+        host_len = look.host_len if self.host is not None else 0
+        cached = look.device_len + host_len
+        need = host_len // ps + -(-(len(tokens) - cached) // ps)
+        return need <= self.device.num_free_pages() + self._evictable_device_pages()
+
+    # -- acks ----------------------------------------------------------------------
+    def apply_ack(self, op_id: int, error: str | None) -> None:
+        op = self.ops.pop(op_id)
+        self.device.unpin(op.device, op_id)
+        assert self.host is not None
+        self.host.unpin(op.host, op_id)
+        chain = self.tree.split_chain(op.node, op.length)
+        if op.direction is Direction.BACKUP:
+            self._finish_backup(op, chain, error)
+        else:
+            self._finish_load(op, chain, error)
+        self.tree.unlock(op.node)
+        if error is not None:
+            self.stats["copy_failures"] += 1
+        if op.direction is Direction.BACKUP and op.evict_after and error is None:
+            for node in reversed(chain):
+                if node in self.tree.device_leaves:
+                    self._drop_device(node)
+
+    # -- flush ---------------------------------------------------------------------
+    def flush(self) -> int:
+        """Drop every unlocked cached prefix from device and host; returns tokens dropped."""
+        dropped = 0
+        changed = True
+        while changed:
+            changed = False
+            for node in self.tree.device_victims():
+                dropped += node.num_tokens
+                changed = True
+                if node.host is None and not node.children:
+                    self._delete(node)
+                else:
+                    self._drop_device(node)
+            for node in self.tree.host_victims():
+                dropped += node.num_tokens
+                changed = True
+                self._delete(node)
+        return dropped
+
+    # -- helpers: insertion and release -------------------------------------------------
+    def _insert(self, rec: RequestRecord, tokens: np.ndarray) -> None:
+        n = _aligned(len(tokens), self.page_size)
+        if n <= rec.cached_len:
+            rec.tokens = tokens.copy()
+            return
+        res = self.tree.insert(tokens[:n], rec.extra_key, rec.slots[:n])
+        for node, slots in res.adopted:
+            self.device.assign(slots, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
+        duplicates = res.duplicate_slots
+        if len(duplicates):
+            self.device.free(duplicates, rec.owner, rid=rec.rid, reason="duplicate")
+        m = self.tree.match(tokens[:n], rec.extra_key, split=True, touch=False)
+        assert m.device_len == n, (m.device_len, n)
+        new_last = m.nodes[-1]
+        self.tree.lock(new_last)
+        if rec.last_node is not None:
+            self.tree.unlock(rec.last_node)
+        rec.last_node = new_last
+        rec.slots = np.concatenate((m.device_slots, rec.slots[n:]))
+        rec.cached_len = n
+        rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
+        rec.tokens = tokens.copy()
+        if self.host is not None and self.config.write_policy == "write_through":
+            for node, _ in res.adopted:
+                self._maybe_backup(node)
+
+    def _release(self, rec: RequestRecord) -> None:
+        """The one release path (finish, abort, cancelled caller): unlock, free owned pages."""
+        own = rec.slots[rec.cached_len:]
+        if len(own):
+            self.device.free(own, rec.owner, rid=rec.rid)
+        if rec.last_node is not None:
+            self.tree.unlock(rec.last_node)
+        for r in rec.readiness:
+            op = self._load_op_of(r, missing_ok=True)
+            if op is not None:
+                op.users.discard(rec.rid)
+        del self.requests[rec.rid]
+
+    # -- helpers: copies ---------------------------------------------------------------
+    def _maybe_backup(self, node: Node, evict_after: bool = False) -> bool:
+        if node.host is not None or node.device is None or node.id in self.backup_pending or self.host is None:
+            return False
+        if node.id in self.loading:
+            return False
+        pages = node.num_tokens // self.page_size
+        host = self._alloc_host(pages, Owner.node(node.id), node=node.id)
+        if host is None:
+            return False
+        op_id = next(self._op_ids)
+        device = node.device.copy()
+        self.tree.lock(node)
+        self.device.pin(device, op_id)
+        self.host.pin(host, op_id)
+        self.ops[op_id] = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
+                                 Owner.node(node.id), evict_after=evict_after)
+        self.backup_pending[node.id] = op_id
+        self._emit("backup", Tier.HOST, host, node=node.id, op=op_id)
+        self.outbox.append((self._plan(op_id, Direction.BACKUP, device, host), None))
+        self.stats["backups_issued"] += 1
+        return True
+
+    def _start_load(self, host_nodes: list[Node], host_len: int) -> CopyOp:
+        assert self.host is not None
+        op_id = next(self._op_ids)
+        readiness = LayerReadiness.pending(self.num_layers, op_id)
+        device_parts = []
+        for node in host_nodes:
+            slots = self._alloc_device(node.num_tokens // self.page_size, Owner.node(node.id), node=node.id)
+            self.tree.attach_device(node, slots)
+            self.loading[node.id] = readiness
+            device_parts.append(slots)
+        device = np.concatenate(device_parts)
+        host = np.concatenate([n.host for n in host_nodes])
+        deepest = host_nodes[-1]
+        self.tree.lock(deepest)
+        self.device.pin(device, op_id)
+        self.host.pin(host, op_id)
+        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, Owner.node(deepest.id),
+                    readiness=readiness)
+        self.ops[op_id] = op
+        self._emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
+        self.outbox.append((self._plan(op_id, Direction.LOAD, host, device), readiness))
+        self.stats["loads_issued"] += 1
+        return op
+
+    def _plan(self, op_id: int, direction: Direction, src: np.ndarray, dst: np.ndarray) -> TransferPlan:
+        # the plan owns fresh copies of the indices (seed 001): never views of tree state
+        return TransferPlan(op_id, direction, (PoolTransfer("kv", torch.tensor(src), torch.tensor(dst)),))
+
+    def _finish_backup(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
+        assert self.host is not None
+        for node in chain:
+            self.backup_pending.pop(node.id, None)
+        if error is not None:
+            self.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")
+            return
+        offset = 0
+        for node in chain:
+            part = op.host[offset: offset + node.num_tokens].copy()
+            offset += node.num_tokens
+            if node is not op.node:
+                self.host.assign(part, op.host_owner, Owner.node(node.id), node=node.id)
+            self.tree.attach_host(node, part)
+
+    def _finish_load(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
+        for node in chain:
+            self.loading.pop(node.id, None)
+        if error is None:
+            return
+        # roll back: the device copies never became valid; requests that used them are failed
+        for node in reversed(chain):
+            slots = self.tree.detach_device(node, force=True)
+            self.device.free(slots, Owner.node(node.id), node=node.id, reason="load_failed")
+        for rid in op.users:
+            rec = self.requests.get(rid)
+            if rec is not None:
+                rec.failed = error
+
+    def _load_op_of(self, readiness: LayerReadiness, missing_ok: bool = False) -> CopyOp | None:
+        for op in self.ops.values():
+            if op.readiness is readiness:
+                return op
+        if missing_ok:
+            return None
+        raise KeyError("load op not found")
+
+    def _on_split(self, lower: Node, upper: Node) -> None:
+        """A split hands the upper part's slots to the new node; in-flight marks cover both halves."""
+        if upper.device is not None:
+            self.device.assign(upper.device, Owner.node(lower.id), Owner.node(upper.id), node=upper.id, reason="split")
+        if upper.host is not None and self.host is not None:
+            self.host.assign(upper.host, Owner.node(lower.id), Owner.node(upper.id), node=upper.id, reason="split")
+        if lower.id in self.backup_pending:
+            self.backup_pending[upper.id] = self.backup_pending[lower.id]
+        if lower.id in self.loading:
+            self.loading[upper.id] = self.loading[lower.id]
+
+    # -- helpers: allocation and eviction ----------------------------------------------------
+    def _alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
+        if pages == 0:
+            return EMPTY
+        short = pages - self.device.num_free_pages()
+        if short > 0:
+            self._evict_device(short)
+        short = pages - self.device.num_free_pages()
+        if short > 0:
+            raise CapacityError(f"{pages} device pages needed, {self.device.num_free_pages()} free after eviction")
+        return self.device.alloc(pages, owner, **ctx)
+
+    def _alloc_host(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray | None:
+        assert self.host is not None
+        short = pages - self.host.num_free_pages()
+        if short > 0:
+            self._evict_host(short)
+        if pages > self.host.num_free_pages():
+            return None
+        return self.host.alloc(pages, owner, **ctx)
+
+    def _evict_device(self, pages: int) -> None:
+        freed = 0
+        for node in self.tree.device_victims():
+            if freed >= pages:
+                break
+            if node.host is not None:
+                freed += node.num_tokens // self.page_size
+                self._drop_device(node)
+            elif self.host is not None and (self.config.write_policy == "write_back" or node.children):
+                # write back: the copy runs first; the device pages are freed at its ack
+                if self._maybe_backup(node, evict_after=True):
+                    self.stats["writeback_deferred"] += node.num_tokens
+                elif not node.children:
+                    freed += node.num_tokens // self.page_size
+                    self._delete(node)
+            elif not node.children:
+                freed += node.num_tokens // self.page_size
+                self._delete(node)
+
+    def _evict_host(self, pages: int) -> None:
+        freed = 0
+        for node in self.tree.host_victims():
+            if freed >= pages:
+                break
+            freed += node.num_tokens // self.page_size
+            self._delete(node)
+
+    def _drop_device(self, node: Node) -> None:
+        slots = self.tree.detach_device(node)
+        self.device.free(slots, Owner.node(node.id), node=node.id, reason="evict")
+        self._emit("evict", Tier.DEVICE, slots, node=node.id)
+        self.stats["device_evicted_tokens"] += len(slots)
+
+    def _delete(self, node: Node) -> None:
+        """Delete a childless unlocked node, then any ancestors left with no copy and no child."""
+        while True:
+            parent = node.parent
+            device, host = self.tree.delete_leaf(node)
+            if device is not None:
+                self.device.free(device, Owner.node(node.id), node=node.id, reason="evict")
+                self.stats["device_evicted_tokens"] += len(device)
+            if host is not None and self.host is not None:
+                self.host.free(host, Owner.node(node.id), node=node.id, reason="evict")
+                self.stats["host_evicted_tokens"] += len(host)
+            if (parent is None or parent.parent is None or parent.children or parent.device is not None
+                    or parent.host is not None or parent.lock_ref > 0):
+                return
+            node = parent
+
+    def _evictable_device_pages(self) -> int:
+        return self.tree.evictable_device_tokens // self.page_size
+
+    def _evictable_host_tokens(self) -> int:
+        # O(nodes): informational (available()), not on the hot path
+        return sum(len(n.host) for n in self.tree.nodes()
+                   if n.host is not None and n.device is None and n.host_protect == 0)
+
+    # -- helpers: validation -------------------------------------------------------------
+    def _record(self, rid: Hashable) -> RequestRecord:
+        rec = self.requests.get(rid)
+        if rec is None:
+            raise UnknownRequestError(f"unknown request {rid!r}")
+        return rec
+
+    def _check_tokens(self, tokens: Any) -> np.ndarray:
+        arr = np.asarray(tokens, dtype=np.int32)
+        if arr.ndim != 1 or len(arr) == 0:
+            raise LengthError("tokens must be a non-empty 1-D sequence of token ids")
+        if len(arr) > self.config.device_slots:
+            raise LengthError(f"{len(arr)} tokens exceed the device pool ({self.config.device_slots} slots)")
+        return arr
+
+    def _check_kv_tokens(self, rec: RequestRecord, tokens: Any) -> np.ndarray:
+        arr = self._check_tokens(tokens)
+        if len(arr) > rec.seq_len:
+            raise LengthError(f"{len(arr)} tokens given but request {rec.rid!r} has KV slots for {rec.seq_len}")
+        keep = min(len(arr), len(rec.tokens), rec.cached_len)
+        if keep and not np.array_equal(arr[:keep], rec.tokens[:keep]):
+            raise StateError(f"tokens of {rec.rid!r} do not extend its cached prefix")
+        return arr
+
+    def _emit(self, event: str, tier: Tier, slots: np.ndarray, **fields: Any) -> None:
+        if self.tracer is not None and self.tracer.active:
+            self.tracer.emit(event, tier.value, slots=slots, **fields)
+
+    # -- introspection for the invariant checker and stats --------------------------------------
+    def live_requests(self) -> Iterator[RequestRecord]:
+        return iter(self.requests.values())
