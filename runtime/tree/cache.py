@@ -137,21 +137,28 @@ class CacheCore:
         lock_node = host_nodes[-1] if host_nodes else (device_nodes[-1] if device_nodes else None)
         if lock_node is not None:
             self.tree.lock(lock_node)
+        own_pages = -(-(len(tokens) - cached) // ps)
+        try:
+            fresh = self._alloc_device(host_len // ps + own_pages, owner, rid=rid)
+        except CapacityError:
+            # write-back evictions may still be copying: nothing of this request stays behind
+            if lock_node is not None:
+                self.tree.unlock(lock_node)
+            raise
         readiness: list[LayerReadiness] = []
         for node in device_nodes:
             r = self.loading.get(node.id)
             if r is not None and r not in readiness:
                 readiness.append(r)
         if host_nodes:
-            load = self._start_load(host_nodes, host_len)
+            load = self._start_load(host_nodes, host_len, fresh[:host_len], owner)
             assert load.readiness is not None
             readiness.append(load.readiness)
         for r in readiness:
             self._load_op_of(r).users.add(rid)
-        prefix = np.concatenate([n.device for n in m.nodes[: len(device_nodes) + len(host_nodes)]]) if m.nodes else EMPTY
-        own_pages = -(-(len(tokens) - cached) // ps)
-        own = self._alloc_device(own_pages, owner, rid=rid)
-        slots = np.concatenate((prefix, own)) if len(prefix) else own
+        path = m.nodes[: len(device_nodes) + len(host_nodes)]
+        prefix = np.concatenate([n.device for n in path]) if path else EMPTY
+        slots = np.concatenate((prefix, fresh[host_len:]))
         rec = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens.copy(),
             slots=slots, seq_len=len(tokens), committed_len=cached, cached_len=cached,
@@ -352,17 +359,19 @@ class CacheCore:
         self.stats["backups_issued"] += 1
         return True
 
-    def _start_load(self, host_nodes: list[Node], host_len: int) -> CopyOp:
+    def _start_load(self, host_nodes: list[Node], host_len: int, device: np.ndarray, owner: Owner) -> CopyOp:
+        """Load the host-only chain into `device` slots (allocated by `owner`, handed to the nodes)."""
         assert self.host is not None
+        device = device.copy()  # the op's snapshot owns its arrays
         op_id = next(self._op_ids)
         readiness = LayerReadiness.pending(self.num_layers, op_id)
-        device_parts = []
+        offset = 0
         for node in host_nodes:
-            slots = self._alloc_device(node.num_tokens // self.page_size, Owner.node(node.id), node=node.id)
-            self.tree.attach_device(node, slots)
+            part = device[offset: offset + node.num_tokens]
+            offset += node.num_tokens
+            self.device.assign(part, owner, Owner.node(node.id), node=node.id)
+            self.tree.attach_device(node, part)
             self.loading[node.id] = readiness
-            device_parts.append(slots)
-        device = np.concatenate(device_parts)
         host = np.concatenate([n.host for n in host_nodes])
         deepest = host_nodes[-1]
         self.tree.lock(deepest)
