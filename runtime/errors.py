@@ -12,7 +12,11 @@ class HiCacheError(Exception):
     """Base of every error the runtime raises on purpose."""
 
 
-class ValidationError(HiCacheError):
+class CallerError(HiCacheError):
+    """An error about one call: it goes back to that caller and the actor lives on."""
+
+
+class ValidationError(CallerError):
     """Bad input or a call that is not allowed now; nothing was changed."""
 
 
@@ -52,7 +56,7 @@ class MailboxFull(HiCacheError):
     """Explicit back-pressure: the actor's mailbox is full; the message was not sent."""
 
 
-class TransferError(HiCacheError):
+class TransferError(CallerError):
     """A copy (device<->host, host<->storage) failed; its destination was rolled back."""
 
 

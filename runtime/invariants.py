@@ -81,7 +81,13 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
                   f"slots {len(rec.slots)}")
         if not (rec.cached_len <= rec.committed_len <= rec.seq_len) and rec.committed_len > rec.seq_len:
             _fail(f"request {rec.rid!r} committed {rec.committed_len} beyond seq {rec.seq_len}")
-        claim("device", rec.slots[rec.cached_len:], rec.owner, f"request {rec.rid!r}")
+        claim("device", rec.slots[rec.own_start:], rec.owner, f"request {rec.rid!r}")
+        if rec.session is not None:
+            sess = core.sessions.get(rec.session)
+            if sess is None or sess.turn != rec.rid:
+                _fail(f"turn {rec.rid!r} names session {rec.session!r} that does not run it")
+            if not np.array_equal(rec.slots[: rec.session_len], sess.slots):
+                _fail(f"turn {rec.rid!r} does not map its session's slots")
         # the cached prefix must be exactly the slots of the locked path
         path: list[Node] = []
         node = rec.last_node
@@ -89,9 +95,17 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             path.append(node)
             node = node.parent
         path.reverse()
-        held = np.concatenate([n.device for n in path if n.device is not None]) if path else np.zeros(0, np.int64)
+        parts = [n.device for n in path if n.device is not None]
+        held = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if rec.failed is not None:
+            continue  # its load failed and was rolled back: it maps nothing valid until released
         if len(held) < rec.cached_len or not np.array_equal(held[: rec.cached_len], rec.slots[: rec.cached_len]):
             _fail(f"request {rec.rid!r} cached prefix does not map its locked path's device slots")
+    for sess in core.sessions.values():
+        # seed 003: a session holds exactly the whole pages its tokens need, nothing past them
+        if len(sess.slots) != -(-sess.kv_len // ps) * ps:
+            _fail(f"session {sess.sid!r} holds {len(sess.slots)} slots for {sess.kv_len} tokens")
+        claim("device", sess.slots, sess.owner, f"session {sess.sid!r}")
     for op in core.ops.values():
         if op.direction is Direction.BACKUP:
             claim("host", op.host, op.host_owner, f"backup op {op.op_id} destination")

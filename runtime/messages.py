@@ -89,6 +89,7 @@ class Admit:
     rid: Hashable
     tokens: np.ndarray
     extra_key: Hashable = None
+    session: Hashable = None
     reply: "Reply[AdmitResult] | None" = field(default=None, compare=False)
 
 
@@ -117,6 +118,7 @@ class Cache:
 class Finish:
     rid: Hashable
     tokens: np.ndarray
+    finished_len: int | None = None
     reply: "Reply[int] | None" = field(default=None, compare=False)
 
 
@@ -124,6 +126,27 @@ class Finish:
 class Abort:
     rid: Hashable
     reply: "Reply[None] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Rewind:
+    rid: Hashable
+    new_len: int
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession:
+    sid: Hashable
+    extra_key: Hashable = None
+    reply: "Reply[None] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession:
+    sid: Hashable
+    insert: bool = False
+    reply: "Reply[int] | None" = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,5 +202,5 @@ class Inspect:
     reply: "Reply[Any] | None" = field(default=None, compare=False)
 
 
-TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | ReleaseAbandoned | MatchPrefix | CanAdmit
+TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned | MatchPrefix | CanAdmit
                | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck)

@@ -13,6 +13,7 @@ pending and later call raises `RuntimeFailed` and leaving the `async with` re-ra
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,14 +34,17 @@ from runtime.messages import (
     Available,
     Cache,
     CanAdmit,
+    CloseSession,
     Commit,
     Extend,
     Finish,
     Flush,
     Inspect,
     MatchPrefix,
+    OpenSession,
     Quiesce,
     ReleaseAbandoned,
+    Rewind,
     TreeStats,
 )
 from runtime.supervisor import State, Supervisor
@@ -151,10 +155,11 @@ class CacheRuntime:
 
     # -- request lifecycle ------------------------------------------------------------
     async def admit(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
-                    extra_key: Hashable = None) -> AdmitResult:
-        """Match the longest cached prefix, lock it, load its host part, allocate the rest."""
+                    extra_key: Hashable = None, *, session: Hashable = None) -> AdmitResult:
+        """Match the longest cached prefix, lock it, load its host part, allocate the rest.
+        With `session`, the turn appends to that session's KV instead (no tree match)."""
         reply: Reply[AdmitResult] = Reply(on_abandon=self._release_abandoned)
-        return await self._sup.ask(self._tree.mailbox, Admit(rid, _tokens(tokens), extra_key, reply))
+        return await self._sup.ask(self._tree.mailbox, Admit(rid, _tokens(tokens), extra_key, session, reply))
 
     async def extend(self, rid: Hashable, num_tokens: int) -> torch.Tensor:
         """Allocate device slots for `num_tokens` more tokens (evicting if needed)."""
@@ -168,9 +173,23 @@ class CacheRuntime:
         """Insert the page-aligned part of `tokens` (whose KV is computed) into the tree."""
         return await self._sup.ask(self._tree.mailbox, Cache(rid, _tokens(tokens), Reply()))
 
-    async def finish(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> int:
-        """Insert what is computed, unlock, free duplicates and the rest; the request ends."""
-        return await self._sup.ask(self._tree.mailbox, Finish(rid, _tokens(tokens), Reply()))
+    async def finish(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+                     finished_len: int | None = None) -> int:
+        """Keep prompt + `finished_len` tokens (all when None), insert what is computed (or hand it
+        to the turn's session), unlock, free duplicates and the rest; the request ends."""
+        return await self._sup.ask(self._tree.mailbox, Finish(rid, _tokens(tokens), finished_len, Reply()))
+
+    async def rewind(self, rid: Hashable, new_len: int) -> int:
+        """Forget tokens past `new_len` (a retraction); whole pages past it are freed."""
+        return await self._sup.ask(self._tree.mailbox, Rewind(rid, new_len, Reply()))
+
+    async def open_session(self, sid: Hashable, extra_key: Hashable = None) -> None:
+        """A streaming session: its turns (`admit(..., session=sid)`) keep KV across turns."""
+        return await self._sup.ask(self._tree.mailbox, OpenSession(sid, extra_key, Reply()))
+
+    async def close_session(self, sid: Hashable, *, insert: bool = False) -> int:
+        """Free the session's KV (inserting its page-aligned part into the tree first if asked)."""
+        return await self._sup.ask(self._tree.mailbox, CloseSession(sid, insert, Reply()))
 
     async def abort(self, rid: Hashable) -> None:
         """Release everything the request holds (the same release as `finish`, nothing inserted)."""
@@ -180,8 +199,8 @@ class CacheRuntime:
         """A scheduling step in one message: results per item, a `ValidationError` for a failed one.
 
         Build items with reply=None, e.g. `Admit(rid, tokens)`; token lists are converted here."""
-        fixed = [type(i)(i.rid, _tokens(i.tokens), *([i.extra_key] if isinstance(i, Admit) else []))
-                 if isinstance(i, (Admit, Cache, Finish)) else i for i in items]
+        fixed = [dataclasses.replace(i, tokens=_tokens(i.tokens)) if isinstance(i, (Admit, Cache, Finish)) else i
+                 for i in items]
         return await self._sup.ask_batch(self._tree.mailbox, fixed)
 
     # -- questions ------------------------------------------------------------------------

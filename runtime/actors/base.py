@@ -3,7 +3,7 @@
 An actor is an asyncio task with a private mailbox. Callers reach it through a public
 handle: `tell` (one-way) or `ask` (a message carrying a `Reply` that the actor completes
 with its handler's return value). Handlers are plain methods chosen by message type; they
-return the reply value. A `ValidationError` goes back to the caller and the actor lives
+return the reply value. A `CallerError` (a `ValidationError`, or a `TransferError` about that call) goes back to the caller and the actor lives
 on; any other exception escapes `run()` and the supervisor fails the whole runtime.
 
 The mailbox is an anyio memory object stream. Its buffer is unbounded underneath so that
@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from runtime.errors import MailboxFull, RuntimeClosed, ValidationError
+from runtime.errors import CallerError, MailboxFull, RuntimeClosed
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -226,7 +226,7 @@ class Actor(Generic[M]):
                         result = self.handlers[type(msg)](msg)
                         if asyncio.iscoroutine(result):
                             result = await result
-                    except ValidationError as exc:
+                    except CallerError as exc:
                         if reply is not None:
                             reply.set_exception(exc)
                         self.after_message(msg)
@@ -241,7 +241,7 @@ class Actor(Generic[M]):
             if asyncio.iscoroutine(result):
                 result = await result
             return result
-        except ValidationError as exc:
+        except CallerError as exc:
             return exc
 
     def after_message(self, msg: Any) -> None:

@@ -20,14 +20,17 @@ from runtime.messages import (
     Available,
     Cache,
     CanAdmit,
+    CloseSession,
     Commit,
     Extend,
     Finish,
     Flush,
     Inspect,
     MatchPrefix,
+    OpenSession,
     Quiesce,
     ReleaseAbandoned,
+    Rewind,
     TransferAck,
     TreeMessage,
     TreeStats,
@@ -53,6 +56,9 @@ class TreeActor(Actor[TreeMessage]):
             Cache: self.on_cache,
             Finish: self.on_finish,
             Abort: self.on_abort,
+            Rewind: self.on_rewind,
+            OpenSession: self.on_open_session,
+            CloseSession: self.on_close_session,
             ReleaseAbandoned: self.on_release_abandoned,
             MatchPrefix: self.on_match_prefix,
             CanAdmit: self.on_can_admit,
@@ -66,7 +72,7 @@ class TreeActor(Actor[TreeMessage]):
 
     # -- handlers ----------------------------------------------------------------
     def on_admit(self, msg: Admit) -> AdmitResult:
-        return self.core.admit(msg.rid, msg.tokens, msg.extra_key)
+        return self.core.admit(msg.rid, msg.tokens, msg.extra_key, msg.session)
 
     def on_extend(self, msg: Extend) -> Any:
         return self.core.extend(msg.rid, msg.num_tokens)
@@ -78,10 +84,19 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.cache(msg.rid, msg.tokens)
 
     def on_finish(self, msg: Finish) -> int:
-        return self.core.finish(msg.rid, msg.tokens)
+        return self.core.finish(msg.rid, msg.tokens, msg.finished_len)
 
     def on_abort(self, msg: Abort) -> None:
         self.core.abort(msg.rid)
+
+    def on_rewind(self, msg: Rewind) -> int:
+        return self.core.rewind(msg.rid, msg.new_len)
+
+    def on_open_session(self, msg: OpenSession) -> None:
+        self.core.open_session(msg.sid, msg.extra_key)
+
+    def on_close_session(self, msg: CloseSession) -> int:
+        return self.core.close_session(msg.sid, msg.insert)
 
     def on_release_abandoned(self, msg: ReleaseAbandoned) -> None:
         self.core.abort_if_live(msg.rid, msg.generation)

@@ -61,6 +61,29 @@ class RequestRecord:
     prompt_len: int
     readiness: tuple[LayerReadiness, ...] = ()
     failed: str | None = None
+    session: Hashable = None  # the streaming session this turn belongs to
+    session_len: int = 0  # leading slots the session owns (its whole pages)
+
+    @property
+    def own_start(self) -> int:
+        """Slots before this index belong to the tree (cached prefix) or to the session."""
+        return self.session_len if self.session is not None else self.cached_len
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """A streaming session's KV across turns: `kv_len` tokens in whole pages it owns."""
+
+    sid: Hashable
+    owner: Owner
+    extra_key: Hashable
+    tokens: np.ndarray
+    slots: np.ndarray
+    turn: Hashable = None  # rid of the running turn, if any
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.tokens)
 
 
 @dataclass(slots=True)
@@ -97,6 +120,7 @@ class CacheCore:
             SlotLedger(host_slots, config.page_size, Tier.HOST, tracer) if host_slots > 0 else None
         )
         self.requests: dict[Hashable, RequestRecord] = {}
+        self.sessions: dict[Hashable, SessionRecord] = {}
         self.generations: dict[Hashable, int] = {}
         self.ops: dict[int, CopyOp] = {}
         self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
@@ -112,10 +136,13 @@ class CacheCore:
         }
 
     # -- request lifecycle -------------------------------------------------------
-    def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None) -> AdmitResult:
+    def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
+              session: Hashable = None) -> AdmitResult:
         tokens = self._check_tokens(tokens)
         if rid in self.requests:
             raise DuplicateRequestError(f"request {rid!r} is still live")
+        if session is not None:
+            return self._admit_turn(rid, tokens, self._session(session))
         ps = self.page_size
         # the last token is always computed, so the model has its logits
         match_len = _aligned(len(tokens) - 1, ps)
@@ -201,18 +228,25 @@ class CacheCore:
     def cache(self, rid: Hashable, tokens: np.ndarray) -> int:
         """Insert the page-aligned part of `tokens` (whose KV is computed) and keep going."""
         rec = self._record(rid)
+        if rec.session is not None:
+            raise StateError(f"{rid!r} is a session turn: its KV stays in the session, not the tree")
         tokens = self._check_kv_tokens(rec, tokens)
         self._insert(rec, tokens)
         return rec.cached_len
 
-    def finish(self, rid: Hashable, tokens: np.ndarray) -> int:
-        """Insert the page-aligned computed prefix, unlock, free duplicates and the rest."""
+    def finish(self, rid: Hashable, tokens: np.ndarray, finished_len: int | None = None) -> int:
+        """Keep exactly prompt + `finished_len` tokens (speculative overshoot trimmed, seed 003),
+        insert their page-aligned part (or hand them to the session), unlock, free the rest."""
         rec = self._record(rid)
         if rec.failed is not None:
             self._release(rec)
             self.stats["requests_aborted"] += 1
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); it was released")
-        tokens = self._check_kv_tokens(rec, tokens)
+        tokens = self._trimmed(rec, tokens, finished_len)
+        if rec.session is not None:
+            self._finish_turn(rec, tokens)
+            self.stats["requests_finished"] += 1
+            return len(tokens)
         self._insert(rec, tokens)
         cached = rec.cached_len
         self._release(rec)
@@ -223,6 +257,87 @@ class CacheCore:
         rec = self._record(rid)
         self._release(rec)
         self.stats["requests_aborted"] += 1
+
+    def rewind(self, rid: Hashable, new_len: int) -> int:
+        """Forget the request's tokens past `new_len` (a retraction): frees whole pages past it."""
+        rec = self._record(rid)
+        floor = max(rec.cached_len, self.sessions[rec.session].kv_len if rec.session is not None else 0)
+        if not isinstance(new_len, int) or not floor <= new_len <= rec.seq_len:
+            raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
+        self._free_tail(rec, new_len)
+        rec.seq_len = new_len
+        rec.committed_len = min(rec.committed_len, new_len)
+        rec.tokens = rec.tokens[:new_len].copy()
+        return new_len
+
+    # -- streaming sessions ----------------------------------------------------------------
+    def open_session(self, sid: Hashable, extra_key: Hashable = None) -> None:
+        if sid in self.sessions:
+            raise DuplicateRequestError(f"session {sid!r} is already open")
+        self.sessions[sid] = SessionRecord(sid, Owner.session(sid), extra_key, np.zeros(0, np.int32), EMPTY)
+
+    def close_session(self, sid: Hashable, insert: bool = False) -> int:
+        """Free what the session holds; with `insert`, its page-aligned KV goes into the tree first."""
+        sess = self._session(sid)
+        if sess.turn is not None:
+            raise StateError(f"session {sid!r} has turn {sess.turn!r} running")
+        keep = _aligned(sess.kv_len, self.page_size) if insert else 0
+        if keep:
+            res = self.tree.insert(sess.tokens[:keep], sess.extra_key, sess.slots[:keep])
+            for node, slots in res.adopted:
+                self.device.assign(slots, sess.owner, Owner.node(node.id), node=node.id)
+            if len(res.duplicate_slots):
+                self.device.free(res.duplicate_slots, sess.owner, reason="duplicate")
+        rest = sess.slots[keep:]
+        if len(rest):
+            self.device.free(rest, sess.owner)
+        del self.sessions[sid]
+        return keep
+
+    def _admit_turn(self, rid: Hashable, tokens: np.ndarray, sess: SessionRecord) -> AdmitResult:
+        """A turn appends to the session's KV without matching the tree."""
+        if sess.turn is not None:
+            raise StateError(f"session {sess.sid!r} already runs turn {sess.turn!r}")
+        kv = sess.kv_len
+        if len(tokens) <= kv or not np.array_equal(tokens[:kv], sess.tokens):
+            raise StateError(f"turn {rid!r} must extend session {sess.sid!r}'s {kv} tokens")
+        session_len = len(sess.slots)
+        pages = -(-max(0, len(tokens) - session_len) // self.page_size)
+        if pages > self.device.num_free_pages() + self._evictable_device_pages():
+            raise CapacityError(f"turn {rid!r} needs {pages} device pages")
+        generation = self.generations.get(rid, 0) + 1
+        owner = Owner.request(rid, generation)
+        own = self._alloc_device(pages, owner, rid=rid)
+        self.generations[rid] = generation
+        slots = np.concatenate((sess.slots, own))
+        self.requests[rid] = RequestRecord(
+            rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens.copy(),
+            slots=slots, seq_len=len(tokens), committed_len=kv, cached_len=0, last_node=None,
+            prompt_len=len(tokens), session=sess.sid, session_len=session_len)
+        sess.turn = rid
+        self.stats["requests_admitted"] += 1
+        self.stats["tokens_device_hit"] += kv
+        self.stats["tokens_recomputed"] += len(tokens) - kv
+        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)].copy()), kv, 0, ())
+
+    def _finish_turn(self, rec: RequestRecord, tokens: np.ndarray) -> None:
+        """The session keeps exactly `tokens` of KV: the turn's pages up to them are handed over,
+        whole pages past them freed (a page holding kept tokens is never freed)."""
+        sess = self.sessions[rec.session]
+        self._free_tail(rec, len(tokens))
+        kept = rec.slots[rec.session_len:]
+        if len(kept):
+            self.device.assign(kept, rec.owner, sess.owner, rid=rec.rid, session=sess.sid)
+        sess.slots = rec.slots.copy()
+        sess.tokens = tokens.copy()
+        sess.turn = None
+        del self.requests[rec.rid]
+
+    def _session(self, sid: Hashable) -> SessionRecord:
+        sess = self.sessions.get(sid)
+        if sess is None:
+            raise UnknownRequestError(f"unknown session {sid!r}")
+        return sess
 
     def abort_if_live(self, rid: Hashable, generation: int) -> None:
         """The cancelled-caller path: release the request only if it is the same admission."""
@@ -324,8 +439,11 @@ class CacheCore:
                 self._maybe_backup(node)
 
     def _release(self, rec: RequestRecord) -> None:
-        """The one release path (finish, abort, cancelled caller): unlock, free owned pages."""
-        own = rec.slots[rec.cached_len:]
+        """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
+        A session turn's session keeps exactly its KV from before the turn."""
+        own = rec.slots[rec.own_start:]
+        if rec.session is not None:
+            self.sessions[rec.session].turn = None
         if len(own):
             self.device.free(own, rec.owner, rid=rec.rid)
         if rec.last_node is not None:
@@ -530,13 +648,33 @@ class CacheCore:
             raise LengthError(f"{len(arr)} tokens exceed the device pool ({self.config.device_slots} slots)")
         return arr
 
+    def _trimmed(self, rec: RequestRecord, tokens: Any, finished_len: int | None) -> np.ndarray:
+        """The tokens a finishing request keeps: prompt + `finished_len` (all when None)."""
+        arr = self._check_kv_tokens(rec, tokens)
+        if finished_len is None:
+            return arr
+        keep = rec.prompt_len + finished_len if isinstance(finished_len, int) and finished_len >= 0 else -1
+        if not rec.prompt_len <= keep <= len(arr):
+            raise LengthError(f"finished_len {finished_len!r} of {rec.rid!r} must keep between "
+                              f"{rec.prompt_len} and {len(arr)} tokens")
+        return arr[:keep]
+
+    def _free_tail(self, rec: RequestRecord, keep: int) -> None:
+        """Free the request's own pages past `keep` tokens. The start is aligned up to the next
+        page boundary: a page that still holds kept tokens is never freed."""
+        start = max(rec.own_start, -(-keep // self.page_size) * self.page_size)
+        tail = rec.slots[start:]
+        if len(tail):
+            self.device.free(tail, rec.owner, rid=rec.rid, reason="trim")
+            rec.slots = rec.slots[:start].copy()
+
     def _check_kv_tokens(self, rec: RequestRecord, tokens: Any) -> np.ndarray:
         arr = self._check_tokens(tokens)
         if len(arr) > rec.seq_len:
             raise LengthError(f"{len(arr)} tokens given but request {rec.rid!r} has KV slots for {rec.seq_len}")
-        keep = min(len(arr), len(rec.tokens), rec.cached_len)
+        keep = min(len(arr), len(rec.tokens))
         if keep and not np.array_equal(arr[:keep], rec.tokens[:keep]):
-            raise StateError(f"tokens of {rec.rid!r} do not extend its cached prefix")
+            raise StateError(f"tokens of {rec.rid!r} do not extend the tokens it was admitted or cached with")
         return arr
 
     def _emit(self, event: str, tier: Tier, slots: np.ndarray, **fields: Any) -> None:
