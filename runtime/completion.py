@@ -300,6 +300,13 @@ class LayerReadiness:
     def all_ready(self) -> bool:
         return all(self.ready(i) for i in range(len(self._futs)))
 
+    def error(self) -> BaseException | None:
+        """The failure of the first failed layer, if any layer failed."""
+        for f in self._futs:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                return f.exception()
+        return None
+
     def done(self) -> bool:
         """Every layer settled (ready or failed)."""
         return all(f.done() for f in self._futs)

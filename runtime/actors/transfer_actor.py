@@ -20,6 +20,7 @@ from typing import Any
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
 from runtime.completion import CompletionBridge, LayerReadiness, as_transfer_error
+from runtime.errors import RuntimeClosed, TransferError
 from runtime.messages import Direction, TransferAck, TransferPlan
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine
@@ -95,6 +96,7 @@ class TransferActor(Actor[TransferMessage]):
         try:
             await super().run()
         finally:
+            self._abandon_queued()
             await self.bridge.aclose()
             await asyncio.to_thread(self.engine.close)
 
@@ -177,7 +179,20 @@ class TransferActor(Actor[TransferMessage]):
             else:
                 self.counters["ops_failed"] += 1
                 log.warning("copy_failed", op=plan.op_id, direction=direction.value, error=entry.error)
-            entry.submit.ack_to.put_internal(TransferAck(plan.op_id, direction, entry.error))
+            try:
+                entry.submit.ack_to.put_internal(TransferAck(plan.op_id, direction, entry.error))
+            except RuntimeClosed:  # the requester stopped first (close without a drain): nobody to ack
+                log.warning("ack_undeliverable", op=plan.op_id, direction=direction.value)
+
+    def _abandon_queued(self) -> None:
+        """Stopping with copies still queued (close drains first, so normally none): they will
+        never start; fail their readiness so that no waiter hangs."""
+        for queue in self.waiting.values():
+            while queue:
+                submit = queue.popleft()
+                if submit.readiness is not None:
+                    submit.readiness.fail_all(TransferError(
+                        f"copy {submit.plan.op_id} never started: the transfer actor stopped"))
 
     def _maybe_drained(self) -> None:
         if self.drain_waiters and not self.inflight:

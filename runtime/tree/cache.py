@@ -37,7 +37,8 @@ from runtime.errors import (
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.messages import AdmitResult, Direction, PoolTransfer, TransferPlan
-from runtime.trace import SlotTracer
+from runtime.messages import OffloadAck, OffloadCommit, OffloadFinish, OffloadStarted  # decode offload
+from runtime.trace import SlotTracer, get_logger
 from runtime.tree.policies import policy_by_name
 from runtime.tree.radix import Node, RadixTree
 
@@ -134,6 +135,7 @@ class CacheCore:
             "backups_issued": 0, "loads_issued": 0, "copy_failures": 0,
             "device_evicted_tokens": 0, "host_evicted_tokens": 0, "writeback_deferred": 0,
         }
+        self._init_offload()  # decode offload state (section at the end of the class)
 
     # -- request lifecycle -------------------------------------------------------
     def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
@@ -155,11 +157,11 @@ class CacheCore:
                 f"request {rid!r} needs {need_pages} device pages; {self.device.num_free_pages()} free, "
                 f"{self._evictable_device_pages()} evictable")
 
-        m = self.tree.match(tokens[:match_len], extra_key, split=True, touch=True)
+        m = self.tree.settle(look)  # = match(split=True, touch=True), without a second walk
         generation = self.generations.get(rid, 0) + 1
         self.generations[rid] = generation
         owner = Owner.request(rid, generation)
-        device_nodes = [n for n in m.nodes if n.device is not None]
+        device_nodes = m.device_nodes  # device residency is prefix-closed
         host_nodes = [n for n in m.nodes if n.device is None] if host_len else []
         lock_node = host_nodes[-1] if host_nodes else (device_nodes[-1] if device_nodes else None)
         if lock_node is not None:
@@ -173,18 +175,21 @@ class CacheCore:
                 self.tree.unlock(lock_node)
             raise
         readiness: list[LayerReadiness] = []
-        for node in device_nodes:
-            r = self.loading.get(node.id)
-            if r is not None and r not in readiness:
-                readiness.append(r)
+        if self.loading:
+            for node in device_nodes:
+                r = self.loading.get(node.id)
+                if r is not None and r not in readiness:
+                    readiness.append(r)
         if host_nodes:
             load = self._start_load(host_nodes, host_len, fresh[:host_len], owner)
             assert load.readiness is not None
             readiness.append(load.readiness)
         for r in readiness:
             self._load_op_of(r).users.add(rid)
-        path = m.nodes[: len(device_nodes) + len(host_nodes)]
-        prefix = np.concatenate([n.device for n in path]) if path else EMPTY
+        if host_nodes:
+            prefix = np.concatenate([n.device for n in m.nodes[: len(device_nodes) + len(host_nodes)]])
+        else:
+            prefix = m.device_slots
         slots = np.concatenate((prefix, fresh[host_len:]))
         rec = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens.copy(),
@@ -195,7 +200,7 @@ class CacheCore:
         self.stats["tokens_device_hit"] += m.device_len
         self.stats["tokens_host_hit"] += host_len
         self.stats["tokens_recomputed"] += len(tokens) - cached
-        if self.config.write_policy == "write_through_selective":
+        if self.host is not None and self.config.write_policy == "write_through_selective":
             for node in device_nodes:
                 if node.hit_count >= self.config.write_through_threshold:
                     self._maybe_backup(node)
@@ -223,6 +228,8 @@ class CacheCore:
             raise LengthError(
                 f"commit of {rid!r} must lie in [{rec.committed_len}, {rec.seq_len}], got {committed_len!r}")
         rec.committed_len = committed_len
+        if self.config.decode_offload:
+            self._offload_note_commit(rec)
         return committed_len
 
     def cache(self, rid: Hashable, tokens: np.ndarray) -> int:
@@ -230,6 +237,9 @@ class CacheCore:
         rec = self._record(rid)
         if rec.session is not None:
             raise StateError(f"{rid!r} is a session turn: its KV stays in the session, not the tree")
+        self._note_failed_load(rec)
+        if rec.failed is not None:
+            raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); abort it")
         tokens = self._check_kv_tokens(rec, tokens)
         self._insert(rec, tokens)
         return rec.cached_len
@@ -238,6 +248,7 @@ class CacheCore:
         """Keep exactly prompt + `finished_len` tokens (speculative overshoot trimmed, seed 003),
         insert their page-aligned part (or hand them to the session), unlock, free the rest."""
         rec = self._record(rid)
+        self._note_failed_load(rec)
         if rec.failed is not None:
             self._release(rec)
             self.stats["requests_aborted"] += 1
@@ -247,6 +258,8 @@ class CacheCore:
             self._finish_turn(rec, tokens)
             self.stats["requests_finished"] += 1
             return len(tokens)
+        if self.config.decode_offload:
+            return self._offload_finish(rec, tokens)
         self._insert(rec, tokens)
         cached = rec.cached_len
         self._release(rec)
@@ -264,6 +277,8 @@ class CacheCore:
         floor = max(rec.cached_len, self.sessions[rec.session].kv_len if rec.session is not None else 0)
         if not isinstance(new_len, int) or not floor <= new_len <= rec.seq_len:
             raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
+        if self.config.decode_offload:
+            self._offload_rewind(rec, new_len)
         self._free_tail(rec, new_len)
         rec.seq_len = new_len
         rec.committed_len = min(rec.committed_len, new_len)
@@ -333,6 +348,16 @@ class CacheCore:
         sess.turn = None
         del self.requests[rec.rid]
 
+    def _note_failed_load(self, rec: RequestRecord) -> None:
+        """A load can fail before its ack reaches us (acks go in issue order): its readiness
+        already says so, and a request must not insert KV that never arrived."""
+        if rec.failed is None:
+            for r in rec.readiness:
+                err = r.error()
+                if err is not None:
+                    rec.failed = repr(err)
+                    return
+
     def _session(self, sid: Hashable) -> SessionRecord:
         sess = self.sessions.get(sid)
         if sess is None:
@@ -374,6 +399,8 @@ class CacheCore:
 
     # -- acks ----------------------------------------------------------------------
     def apply_ack(self, op_id: int, error: str | None) -> None:
+        if self.config.decode_offload and isinstance(self.ops.get(op_id), OffloadOp):
+            return self._offload_apply_ack(op_id, error)
         op = self.ops.pop(op_id)
         self.device.unpin(op.device, op_id)
         assert self.host is not None
@@ -417,20 +444,20 @@ class CacheCore:
         if n <= rec.cached_len:
             rec.tokens = tokens.copy()
             return
-        res = self.tree.insert(tokens[:n], rec.extra_key, rec.slots[:n])
+        # the walk starts at the request's locked cached prefix (its slots are the tree's)
+        start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
+        res = self.tree.insert(tokens[:n], rec.extra_key, rec.slots[:n], start=start)
         for node, slots in res.adopted:
             self.device.assign(slots, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
         duplicates = res.duplicate_slots
         if len(duplicates):
             self.device.free(duplicates, rec.owner, rid=rec.rid, reason="duplicate")
-        m = self.tree.match(tokens[:n], rec.extra_key, split=True, touch=False)
-        assert m.device_len == n, (m.device_len, n)
-        new_last = m.nodes[-1]
-        self.tree.lock(new_last)
-        if rec.last_node is not None:
-            self.tree.unlock(rec.last_node)
+            # the tree's slots replace the duplicates (the path's device slots are the tree's
+            # up to prefix_len, then the caller's, which the new nodes adopted)
+            rec.slots = np.concatenate((res.prefix_slots, rec.slots[res.prefix_len:]))
+        new_last = res.last_node  # the insert ends exactly at n (it splits where needed)
+        self.tree.relock(rec.last_node, new_last)
         rec.last_node = new_last
-        rec.slots = np.concatenate((m.device_slots, rec.slots[n:]))
         rec.cached_len = n
         rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
         rec.tokens = tokens.copy()
@@ -441,6 +468,9 @@ class CacheCore:
     def _release(self, rec: RequestRecord) -> None:
         """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
         A session turn's session keeps exactly its KV from before the turn."""
+        if self.config.decode_offload and rec.session is None:
+            self._offload_retire(rec, None)  # device slots freed once its offloads land (seed 000)
+            return
         own = rec.slots[rec.own_start:]
         if rec.session is not None:
             self.sessions[rec.session].turn = None
@@ -673,7 +703,7 @@ class CacheCore:
         if len(arr) > rec.seq_len:
             raise LengthError(f"{len(arr)} tokens given but request {rec.rid!r} has KV slots for {rec.seq_len}")
         keep = min(len(arr), len(rec.tokens))
-        if keep and not np.array_equal(arr[:keep], rec.tokens[:keep]):
+        if keep and arr[:keep].tobytes() != rec.tokens[:keep].tobytes():
             raise StateError(f"tokens of {rec.rid!r} do not extend the tokens it was admitted or cached with")
         return arr
 
@@ -684,3 +714,244 @@ class CacheCore:
     # -- introspection for the invariant checker and stats --------------------------------------
     def live_requests(self) -> Iterator[RequestRecord]:
         return iter(self.requests.values())
+
+    # -- decode offload --------------------------------------------------------------------
+    # With `config.decode_offload` (the decode node of a disaggregated setup) the offload
+    # actor asks for each running request's newly committed pages to be copied to host
+    # (`offload_start`). A finishing or aborted request is *retired*: it leaves `requests`
+    # (its rid may be admitted again, under a new generation) but keeps its device slots and
+    # its prefix lock in `offload_retired` until the offload actor, seeing it finished with
+    # no offload in flight, sends ReleaseOffloaded (`offload_release`, idempotent). Only then
+    # are its device slots freed, once (seed 000); its landed host chunks become host-only
+    # tree nodes under its prefix (finish) or are freed (abort). Offload copies are
+    # `OffloadOp`s in `self.ops` (node None: they lock no node), keyed by (rid, generation);
+    # their host slots belong to the request (its generation's owner) until that release.
+
+    def _init_offload(self) -> None:
+        self.offload_retired: dict[tuple[Hashable, int], RetiredRequest] = {}
+        self.offload_landed: dict[tuple[Hashable, int], list[tuple[int, int, np.ndarray]]] = {}
+        self.offload_inflight: dict[tuple[Hashable, int], set[int]] = {}
+        self.offload_outbox: list[Any] = []  # messages for the offload actor (tree actor sends them)
+        for name in ("offloads_issued", "offloads_skipped", "offloaded_tokens", "offload_releases",
+                     "offload_host_tokens_kept"):
+            self.stats.setdefault(name, 0)
+
+    def _offload_note_commit(self, rec: RequestRecord) -> None:
+        if rec.session is None:
+            self.offload_outbox.append(OffloadCommit(rec.rid, rec.generation, rec.committed_len, rec.cached_len))
+
+    def _offload_finish(self, rec: RequestRecord, tokens: np.ndarray) -> int:
+        """finish() with decode offload: nothing goes to the tree on device; the request is
+        retired until its offloads land (then released by the offload actor)."""
+        rec.tokens = tokens.copy()
+        self._offload_retire(rec, len(tokens))
+        self.stats["requests_finished"] += 1
+        return rec.cached_len
+
+    def _offload_retire(self, rec: RequestRecord, final_len: int | None) -> None:
+        """The request ends (finish: `final_len` tokens of valid KV; abort: None); its device
+        slots and prefix lock stay until `offload_release`."""
+        del self.requests[rec.rid]
+        for r in rec.readiness:
+            op = self._load_op_of(r, missing_ok=True)
+            if op is not None:
+                op.users.discard(rec.rid)
+        self.offload_retired[(rec.rid, rec.generation)] = RetiredRequest(rec, final_len)
+        self.offload_outbox.append(OffloadFinish(rec.rid, rec.generation, final_len, rec.cached_len))
+
+    def _offload_record(self, rid: Hashable, generation: int) -> tuple[RequestRecord | None, int]:
+        """The record of (rid, generation), live or retired, and how far it may be offloaded."""
+        rec = self.requests.get(rid)
+        if rec is not None and rec.generation == generation:
+            return rec, min(rec.committed_len, rec.seq_len)
+        z = self.offload_retired.get((rid, generation))
+        if z is None:
+            return None, 0
+        return z.rec, min(z.final_len or 0, z.rec.seq_len)
+
+    def offload_start(self, rid: Hashable, generation: int, start: int, end: int) -> OffloadStarted | None:
+        """Copy tokens [start, end) of the request to fresh host slots (owned by the request).
+        None, with nothing changed, when the request is gone or cannot offload that far any
+        more (abort, trim), or the host pool is full after host eviction."""
+        ps = self.page_size
+        if start % ps or end % ps or not 0 <= start < end:
+            raise RuntimeError(f"offload range [{start}, {end}) of {rid!r}#{generation} is not whole pages")
+        rec, limit = self._offload_record(rid, generation)
+        reason = None
+        if rec is None:
+            reason = "request released"
+        elif end > limit:
+            reason = f"only {limit} tokens may be offloaded"
+        elif self.host is None:
+            reason = "no host tier"
+        if reason is None:
+            assert rec is not None and self.host is not None
+            host = self._alloc_host((end - start) // ps, rec.owner, rid=rid, reason="offload")
+            if host is None:
+                reason = "host pool full"
+        if reason is not None:
+            self.stats["offloads_skipped"] += 1
+            _offload_log.info("offload_skipped", rid=str(rid), generation=generation, start=start, end=end,
+                              reason=reason)
+            return None
+        assert rec is not None and self.host is not None
+        op_id = next(self._op_ids)
+        device = rec.slots[start:end].copy()
+        self.device.pin(device, op_id)
+        self.host.pin(host, op_id)
+        self.ops[op_id] = OffloadOp(op_id, Direction.BACKUP, None, end - start, device, host, rec.owner,  # type: ignore[arg-type]
+                                    rid=rid, generation=generation, start=start)
+        self.offload_inflight.setdefault((rid, generation), set()).add(op_id)
+        self._emit("offload", Tier.HOST, host, rid=rid, op=op_id)
+        self.outbox.append((self._plan(op_id, Direction.BACKUP, device, host), None))
+        self.stats["offloads_issued"] += 1
+        self.stats["offloaded_tokens"] += end - start
+        return OffloadStarted(op_id, start, end)
+
+    def _offload_apply_ack(self, op_id: int, error: str | None) -> None:
+        op = self.ops.pop(op_id)
+        assert isinstance(op, OffloadOp) and self.host is not None
+        key = (op.rid, op.generation)
+        self.device.unpin(op.device, op_id)
+        self.host.unpin(op.host, op_id)
+        inflight = self.offload_inflight[key]
+        inflight.discard(op_id)
+        if not inflight:
+            del self.offload_inflight[key]
+        if error is None:
+            self.offload_landed.setdefault(key, []).append((op.start, op.start + op.length, op.host))
+        else:
+            self.host.free(op.host, op.host_owner, op=op_id, rid=op.rid, reason="offload_failed")
+            self.stats["copy_failures"] += 1
+        self.offload_outbox.append(OffloadAck(op.rid, op.generation, op_id, error is None))
+
+    def offload_release(self, rid: Hashable, generation: int) -> bool:
+        """Release a retired request once: its landed host chunks become tree nodes (finish) or
+        are freed (abort), its own device slots are freed and its prefix unlocked. A second
+        call changes nothing (returns False). Called with an offload in flight it raises:
+        that is a bug of the caller, and the runtime fails rather than free a slot a copy reads."""
+        key = (rid, generation)
+        z = self.offload_retired.get(key)
+        if z is None:
+            return False
+        self._offload_check_idle(key)
+        del self.offload_retired[key]
+        rec = z.rec
+        landed = sorted(self.offload_landed.pop(key, []), key=lambda chunk: chunk[0])
+        if z.final_len is not None:
+            self.stats["offload_host_tokens_kept"] += self._offload_insert_host(rec, z.final_len, landed)
+        else:
+            for _, _, host in landed:
+                self._free_request_host(host, rec, "aborted")
+        own = rec.slots[rec.own_start:]
+        if len(own):
+            self.device.free(own, rec.owner, rid=rid, reason="offload_release")
+        if rec.last_node is not None:
+            self.tree.unlock(rec.last_node)
+        self._emit("release", Tier.DEVICE, own, rid=rid, generation=generation)
+        self.stats["offload_releases"] += 1
+        return True
+
+    def _offload_check_idle(self, key: tuple[Hashable, int]) -> None:
+        if self.offload_inflight.get(key):
+            raise RuntimeError(f"release of {key[0]!r}#{key[1]} with offloads {sorted(self.offload_inflight[key])} "
+                               "in flight")
+
+    def _offload_rewind(self, rec: RequestRecord, new_len: int) -> None:
+        """Before a rewind: refuse one that would cut an offload in flight; drop landed chunks
+        that reach past the kept whole pages (their tokens will be regenerated)."""
+        key = (rec.rid, rec.generation)
+        keep = _aligned(new_len, self.page_size)
+        for op_id in self.offload_inflight.get(key, ()):
+            op = self.ops[op_id]
+            if op.start + op.length > keep:  # type: ignore[attr-defined]
+                raise StateError(f"rewind of {rec.rid!r} to {new_len}: its offload of tokens "
+                                 f"[{op.start}, {op.start + op.length}) is in flight")  # type: ignore[attr-defined]
+        landed = self.offload_landed.get(key)
+        if landed:
+            for chunk in [c for c in landed if c[1] > keep]:
+                landed.remove(chunk)
+                self._free_request_host(chunk[2], rec, "rewound")
+
+    def _free_request_host(self, host: np.ndarray, rec: RequestRecord, reason: str) -> None:
+        if len(host):
+            assert self.host is not None
+            self.host.free(host, rec.owner, rid=rec.rid, reason=reason)
+
+    def _offload_insert_host(self, rec: RequestRecord, final_len: int,
+                             landed: list[tuple[int, int, np.ndarray]]) -> int:
+        """Hand the contiguous run of landed chunks (up to the whole pages of `final_len`) to
+        the tree as host copies: nodes on the path without one adopt theirs, the rest becomes
+        a new host-only node under the request's prefix. Everything else is freed. Returns
+        the tokens the tree took."""
+        assert self.host is not None
+        end_all = _aligned(final_len, self.page_size)
+        parts: list[np.ndarray] = []
+        start = pos = landed[0][0] if landed else 0
+        for s, e, host in landed:
+            if s == pos and s < end_all:
+                take = min(e, end_all) - s
+                parts.append(host[:take])
+                self._free_request_host(host[take:], rec, "beyond_finish")
+                pos = s + take
+            else:
+                self._free_request_host(host, rec, "not_contiguous")
+        if not parts:
+            return 0
+        host = np.concatenate(parts)
+        tokens = rec.tokens[:pos]
+        if start:
+            # a node boundary at `start` (the path to it is the request's locked prefix)
+            m0 = self.tree.match(tokens[:start], rec.extra_key, split=True, touch=False)
+            if m0.matched_len < start:
+                self._free_request_host(host, rec, "prefix_gone")
+                return 0
+        m = self.tree.match(tokens, rec.extra_key, split=True, touch=False)
+        kept = 0
+        offset = 0
+        parent = self.tree.root(rec.extra_key)
+        for node in m.nodes:
+            lo, offset = offset, offset + node.num_tokens
+            if offset > start:
+                part = host[lo - start: offset - start]
+                if node.host is None and node.id not in self.backup_pending:
+                    self.tree.attach_host(node, part)
+                    self.host.assign(part, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
+                    kept += len(part)
+                else:
+                    self._free_request_host(part, rec, "duplicate")
+            parent = node
+        if m.matched_len < pos:
+            rest = host[m.matched_len - start:]
+            node = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
+            self.host.assign(rest, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
+            kept += len(rest)
+        return kept
+
+    def offload_stats(self) -> dict[str, int]:
+        return {
+            "inflight_offloads": sum(len(s) for s in self.offload_inflight.values()),
+            "offload_retired_requests": len(self.offload_retired),
+        }
+
+
+@dataclass(slots=True)
+class OffloadOp(CopyOp):
+    """An in-flight decode offload: tokens [start, start + length) of (rid, generation),
+    device slots snapshotted at issue; `node` is None (it locks no node)."""
+
+    rid: Hashable = None
+    generation: int = 0
+    start: int = 0
+
+
+@dataclass(slots=True)
+class RetiredRequest:
+    """A finished (`final_len` tokens of valid KV) or aborted (None) request whose device
+    slots wait for its offloads to land (decode offload)."""
+
+    rec: RequestRecord
+    final_len: int | None
+
+
+_offload_log = get_logger("hicache.offload")

@@ -1,0 +1,213 @@
+"""Transfer-actor throughput: backup (device->host) and load (host->device) through the actor.
+
+The candidate is the whole copy path a request sees: a requester actor (standing in for the
+tree actor) pins the plan's slots in its own ledgers, sends `SubmitCopy` to the
+`TransferActor` (copy engine + completion bridge + in-order acks) and replies to the caller
+when it applies the `TransferAck` (unpinning). The caller awaits that reply.
+
+Setup, baselines and timing are those of `bench_copy_engine.py` (imported, not copied): for
+each page size (1, 16, 64) and host layout (layer_first, page_first), one transfer of
+>= 256 MiB (``--quick``: 32 MiB) of pages scattered on both sides, interleaved with
+
+- ``index``: torch ``index_select`` + ``index_copy_`` of the same pages, per layer and K/V;
+- ``contig``: one contiguous ``copy_`` of the same byte count (the machine's limit),
+
+median of ``--repeats`` (>= 5) rounds. Targets: ``vs_index`` >= 0.9 everywhere and
+``vs_contig`` >= 0.5 for page sizes 16 and 64. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_copy_engine import git_commit, measure  # noqa: E402
+from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply  # noqa: E402
+from runtime.actors.transfer_actor import DrainCopies, SubmitCopy, TransferActor  # noqa: E402
+from runtime.completion import LayerReadiness  # noqa: E402
+from runtime.errors import TransferError  # noqa: E402
+from runtime.memory.ledger import SlotLedger  # noqa: E402
+from runtime.memory.owners import Owner, Tier  # noqa: E402
+from runtime.memory.pools import DevicePool, HostPool, KVShape  # noqa: E402
+from runtime.messages import Direction, TransferAck, TransferPlan  # noqa: E402
+from runtime.supervisor import Supervisor  # noqa: E402
+
+RESIDENT = Owner.node(0)
+
+
+class _Run:
+    """Ask the requester to run one plan; the reply comes with its ack."""
+
+    __slots__ = ("plan", "reply")
+
+    def __init__(self, plan: TransferPlan, reply: Reply[None]) -> None:
+        self.plan = plan
+        self.reply = reply
+
+
+class BenchRequester(Actor[Any]):
+    """Pins at issue, unpins at ack (the tree actor's side of a copy), replies to the caller."""
+
+    name = "bench-requester"
+
+    def __init__(self, transfer: Mailbox[Any], device: DevicePool, host: HostPool) -> None:
+        super().__init__(1024)
+        self.transfer = transfer
+        self.num_layers = device.shape.num_layers
+        self.ledgers = {
+            Tier.DEVICE: SlotLedger(device.num_slots, device.page_size, Tier.DEVICE),
+            Tier.HOST: SlotLedger(host.num_slots, host.page_size, Tier.HOST),
+        }
+        for led in self.ledgers.values():  # every page holds data of one owner: any page may be pinned
+            led.alloc(led.num_pages, RESIDENT)
+        self.waiting: dict[int, tuple[Reply[None], np.ndarray, np.ndarray]] = {}
+        self.handlers = {_Run: self.on_run, TransferAck: self.on_ack}
+
+    def on_run(self, msg: _Run) -> Any:
+        plan = msg.plan
+        t = plan.transfers[0]
+        # the requester's own arrays, never views of the plan's tensors (seed 001)
+        src = np.array(t.src.numpy(), dtype=np.int64, copy=True)
+        dst = np.array(t.dst.numpy(), dtype=np.int64, copy=True)
+        src_tier, dst_tier = ((Tier.DEVICE, Tier.HOST) if plan.direction is Direction.BACKUP
+                              else (Tier.HOST, Tier.DEVICE))
+        self.ledgers[src_tier].pin(src, plan.op_id)
+        self.ledgers[dst_tier].pin(dst, plan.op_id)
+        readiness = LayerReadiness.pending(self.num_layers, plan.op_id) if plan.direction is Direction.LOAD else None
+        self.waiting[plan.op_id] = (msg.reply, src, dst)
+        self.transfer.put_internal(SubmitCopy(plan, self.mailbox, readiness))
+        return DEFERRED
+
+    def on_ack(self, ack: TransferAck) -> None:
+        reply, src, dst = self.waiting.pop(ack.op_id)
+        src_tier, dst_tier = ((Tier.DEVICE, Tier.HOST) if ack.direction is Direction.BACKUP
+                              else (Tier.HOST, Tier.DEVICE))
+        self.ledgers[src_tier].unpin(src, ack.op_id)
+        self.ledgers[dst_tier].unpin(dst, ack.op_id)
+        if ack.error is None:
+            reply.set_result(None)
+        else:
+            reply.set_exception(TransferError(ack.error))
+
+
+def make_engine(pools: dict, **engine_kw: Any) -> Any:
+    if next(iter(pools.values()))[0].device.type == "cuda":
+        from runtime.transfer.cuda_engine import CudaCopyEngine
+
+        return CudaCopyEngine(pools)
+    from runtime.transfer.cpu_engine import CpuCopyEngine
+
+    return CpuCopyEngine(pools, **engine_kw)
+
+
+async def actor_candidate(pools: dict, **engine_kw: Any) -> tuple[Callable[[TransferPlan], Awaitable[None]],
+                                                                 Callable[[], Awaitable[None]]]:
+    """`bench_copy_engine` candidate: requester actor -> TransferActor -> engine, awaiting the ack."""
+    device, host = pools["kv"]
+    transfer = TransferActor(make_engine(pools, **engine_kw), max_inflight_loads=3, max_queued_backups=64,
+                             mailbox_capacity=1024, bytes_per_slot=device.shape.bytes_per_token)
+    requester = BenchRequester(transfer.mailbox, device, host)
+    sup = Supervisor([requester, transfer])
+    await sup.start()
+
+    async def run(plan: TransferPlan) -> None:
+        await sup.ask(requester.mailbox, _Run(plan, Reply()))
+
+    async def close() -> None:
+        await sup.ask_internal(transfer.mailbox, DrainCopies(Reply()))
+        await sup.stop()
+        sup.raise_if_failed()
+        assert not requester.waiting
+        for led in requester.ledgers.values():
+            assert int(led.snapshot().pins.sum()) == 0, "a pin outlived its copy"
+
+    return run, close
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="32 MiB per transfer, 5 repeats")
+    p.add_argument("--mib", type=int, default=None, help="MiB per transfer (default 256, quick 32)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds (median; default 7, quick 5; min 5)")
+    p.add_argument("--page-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    p.add_argument("--layouts", type=lambda s: s.split(","), default=["layer_first", "page_first"])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-threads", type=int, default=None, help="CpuCopyEngine copy_threads (default: engine default)")
+    p.add_argument("--load-groups", choices=["layer", "geometric"], default=None, help="CpuCopyEngine load_groups")
+    args = p.parse_args()
+    args.mib = args.mib or (32 if args.quick else 256)
+    args.repeats = max(5, args.repeats or (5 if args.quick else 7))
+    shape = KVShape(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    engine_kw = {k: v for k, v in (("copy_threads", args.copy_threads), ("load_groups", args.load_groups)) if v is not None}
+
+    async def factory(pools: dict):
+        return await actor_candidate(pools, **engine_kw)
+
+    with contextlib.suppress(ImportError):
+        import uvloop  # the design installs uvloop in benchmarks
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    print(f"transfer actor ({'cuda' if device.type == 'cuda' else 'cpu'} engine), {args.mib} MiB per transfer, "
+          f"median of {args.repeats}, torch threads {torch.get_num_threads()}", flush=True)
+    rows = asyncio.run(measure(args, shape, device, factory))
+    loop = type(asyncio.get_event_loop_policy()).__module__.split(".")[0]
+
+    min_index = min(r["vs_index"] for r in rows)
+    big = [r["vs_contig"] for r in rows if r["page_size"] >= 16]
+    min_contig = min(big) if big else None
+    print()
+    print(f"{'page':>4} {'layout':<11} {'dir':<6} {'MiB':>6} {'actor ms':>9} {'GB/s':>6} {'index ms':>9} "
+          f"{'contig ms':>9} {'vs_index':>8} {'vs_contig':>9}")
+    for r in rows:
+        print(f"{r['page_size']:>4} {r['layout']:<11} {r['direction']:<6} {r['mib']:>6} {r['candidate_ms']:>9.1f} "
+              f"{r['candidate_gbps']:>6.2f} {r['index_ms']:>9.1f} {r['contig_ms']:>9.1f} {r['vs_index']:>8.2f} "
+              f"{r['vs_contig']:>9.2f}")
+    summary = {
+        "min_vs_index": min_index,
+        "min_vs_contig_ps16_64": min_contig,
+        "target_vs_index": 0.9,
+        "target_vs_contig_ps16_64": 0.5,
+        "meets_targets": bool(min_index >= 0.9 and (min_contig is None or min_contig >= 0.5)),
+    }
+    print(f"min vs_index {min_index:.2f} (target 0.9), min vs_contig at ps 16/64 "
+          f"{'-' if min_contig is None else f'{min_contig:.2f}'} (target 0.5)", flush=True)
+    print(json.dumps({
+        "benchmark": "transfer",
+        "candidate": "requester actor -> TransferActor -> "
+                     + ("CudaCopyEngine" if device.type == "cuda" else "CpuCopyEngine") + ", awaiting the ack",
+        "baselines": ["index_select+index_copy_", "contiguous copy_"],
+        "shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+                  "dtype": args.dtype},
+        "bytes_per_token": shape.bytes_per_token,
+        "page_sizes": args.page_sizes,
+        "layouts": args.layouts,
+        "mib_per_transfer": args.mib,
+        "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "loop": loop,
+        "engine_options": engine_kw,
+        "git_commit": git_commit(),
+        "results": rows,
+        "summary": summary,
+    }))
+
+
+if __name__ == "__main__":
+    main()
