@@ -106,6 +106,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         if len(sess.slots) != -(-sess.kv_len // ps) * ps:
             _fail(f"session {sess.sid!r} holds {len(sess.slots)} slots for {sess.kv_len} tokens")
         claim("device", sess.slots, sess.owner, f"session {sess.sid!r}")
+    _check_offload(core, claim, roots, quiescent)
     for op in core.ops.values():
         if op.direction is Direction.BACKUP:
             claim("host", op.host, op.host_owner, f"backup op {op.op_id} destination")
@@ -146,6 +147,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
     locks: Counter[int] = Counter()
     holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in core.ops.values()]
+    holders += [z.rec.last_node for z in core.offload_retired.values()]  # decode offload: retired requests
     for holder in holders:
         node = holder
         while node is not None and node not in roots:
@@ -183,3 +185,82 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         for tier in ("device", "host"):
             if pins[tier]:
                 _fail(f"{tier} pins left at quiescence")
+
+
+# -- decode offload ---------------------------------------------------------------------------
+
+
+def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> None:
+    """Seed 000: a retired request (finished or aborted, device slots not yet released) keeps
+    owning its device slots and its prefix lock; every offload copy in flight reads slots
+    that its request, live or retired, still maps (so nothing it reads was freed); landed
+    host chunks belong to their request; the ranges of one request never overlap."""
+    from runtime.tree.cache import OffloadOp
+
+    retired = core.offload_retired
+    offload_ops = [op for op in core.ops.values() if isinstance(op, OffloadOp)]
+    if not (retired or offload_ops or core.offload_landed or core.offload_inflight):
+        return
+    ps = core.page_size
+    records = {(rec.rid, rec.generation): rec for rec in core.requests.values()}
+    for key, z in retired.items():
+        rec = z.rec
+        if key != (rec.rid, rec.generation):
+            _fail(f"retired request filed under {key!r} is {rec.rid!r}#{rec.generation}")
+        if key in records:
+            _fail(f"request {rec.rid!r}#{rec.generation} is both live and retired")
+        newer = core.requests.get(rec.rid)
+        if newer is not None and newer.generation <= rec.generation:
+            _fail(f"request {rec.rid!r} admitted again without a newer generation")
+        if rec.session is not None:
+            _fail(f"session turn {rec.rid!r} was retired for offload")
+        if not (rec.cached_len <= rec.seq_len <= len(rec.slots)) or rec.cached_len % ps:
+            _fail(f"retired request {rec.rid!r}#{rec.generation} lengths inconsistent")
+        if z.final_len is not None and not 0 <= z.final_len <= rec.seq_len:
+            _fail(f"retired request {rec.rid!r}#{rec.generation} final length {z.final_len} beyond {rec.seq_len}")
+        claim("device", rec.slots[rec.own_start:], rec.owner, f"retired request {rec.rid!r}#{rec.generation}")
+        path: list = []
+        node = rec.last_node
+        while node is not None and node not in roots:
+            path.append(node)
+            node = node.parent
+        parts = [n.device for n in reversed(path) if n.device is not None]
+        held = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if rec.failed is None and (len(held) < rec.cached_len
+                                   or not np.array_equal(held[: rec.cached_len], rec.slots[: rec.cached_len])):
+            _fail(f"retired request {rec.rid!r}#{rec.generation} cached prefix does not map its locked path")
+        records[key] = rec
+    ranges: dict = {}
+    inflight: dict = {}
+    for op in offload_ops:
+        key = (op.rid, op.generation)
+        rec = records.get(key)
+        if rec is None:
+            _fail(f"offload op {op.op_id} reads the device slots of {op.rid!r}#{op.generation}, which was "
+                  "released while the copy is in flight (seed 000)")
+        if op.node is not None or op.direction is not Direction.BACKUP or op.host_owner != rec.owner:
+            _fail(f"offload op {op.op_id} is not a device-to-host copy owned by its request")
+        if op.start % ps or op.length % ps or op.start + op.length > len(rec.slots):
+            _fail(f"offload op {op.op_id} range [{op.start}, {op.start + op.length}) is not whole pages of its request")
+        if not np.array_equal(rec.slots[op.start: op.start + op.length], op.device):
+            _fail(f"offload op {op.op_id} reads slots that {op.rid!r}#{op.generation} no longer maps")
+        inflight.setdefault(key, set()).add(op.op_id)
+        ranges.setdefault(key, []).append((op.start, op.start + op.length))
+    if inflight != {k: set(v) for k, v in core.offload_inflight.items()}:
+        _fail(f"offloads in flight per request {core.offload_inflight!r} != offload ops {inflight!r}")
+    for key, chunks in core.offload_landed.items():
+        rec = records.get(key)
+        if rec is None:
+            _fail(f"landed offload chunks of {key!r}, which is neither live nor retired")
+        for start, end, host in chunks:
+            if len(host) != end - start:
+                _fail(f"landed chunk [{start}, {end}) of {key!r} holds {len(host)} host slots")
+            claim("host", host, rec.owner, f"landed offload of {key!r}")
+            ranges.setdefault(key, []).append((start, end))
+    for key, spans in ranges.items():
+        spans.sort()
+        for (_, e0), (s1, _) in zip(spans, spans[1:]):
+            if s1 < e0:
+                _fail(f"offload ranges of {key!r} overlap: {spans}")
+    if quiescent and (retired or core.offload_landed or core.offload_inflight):
+        _fail(f"offload state left at quiescence: retired {list(retired)[:5]}, landed {list(core.offload_landed)[:5]}")

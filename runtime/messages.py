@@ -204,3 +204,91 @@ class Inspect:
 
 TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned | MatchPrefix | CanAdmit
                | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck)
+
+
+# -- decode offload (tree actor <-> offload actor) ----------------------------------------
+# Every request is named by (rid, generation): a rid reused while copies of its previous
+# holder are in flight is never confused with it.
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadCommit:
+    """Tree -> offload: a running request's committed length grew (decode_offload on).
+
+    `base` is where its offload starts (its cached prefix, page-aligned)."""
+
+    rid: Hashable
+    generation: int
+    committed_len: int
+    base: int
+    reply: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadFinish:
+    """Tree -> offload: the request finished (`final_len` = tokens with valid KV) or was
+    aborted (`final_len` None). Its device slots wait for `ReleaseOffloaded`."""
+
+    rid: Hashable
+    generation: int
+    final_len: int | None
+    base: int = 0
+    reply: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadStarted:
+    """Reply to `StartOffload`: the copy of tokens [start, end) is in flight as `op_id`."""
+
+    op_id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class StartOffload:
+    """Offload -> tree: copy the page-aligned tokens [start, end) of the request to host.
+
+    Reply: `OffloadStarted`, or None when nothing was started (host pool full, request gone)."""
+
+    rid: Hashable
+    generation: int
+    start: int
+    end: int
+    reply: "Reply[OffloadStarted | None] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadAck:
+    """Tree -> offload: the offload copy `op_id` completed (its pins are released)."""
+
+    rid: Hashable
+    generation: int
+    op_id: int
+    ok: bool
+    reply: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOffloaded:
+    """Offload -> tree: the request finished and has no offload in flight: free its device
+    slots now (idempotent: a second one changes nothing)."""
+
+    rid: Hashable
+    generation: int
+    reply: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadDrain:
+    """Façade -> offload (close): start no more offloads; reply once none is in flight."""
+
+    reply: "Reply[None] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadStatsQuery:
+    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+
+
+OffloadMessage = OffloadCommit | OffloadFinish | OffloadAck | OffloadDrain | OffloadStatsQuery

@@ -14,6 +14,7 @@ pending and later call raises `RuntimeFailed` and leaving the `async with` re-ra
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from runtime.actors.base import Reply
+from runtime.actors.offload_actor import OffloadActor
 from runtime.actors.transfer_actor import DrainCopies, TransferActor, TransferStatsQuery
 from runtime.actors.tree_actor import TreeActor
 from runtime.config import RuntimeConfig
@@ -47,6 +49,7 @@ from runtime.messages import (
     Rewind,
     TreeStats,
 )
+from runtime.messages import OffloadDrain, OffloadStatsQuery  # decode offload
 from runtime.supervisor import State, Supervisor
 from runtime.trace import JsonlSink, SlotTracer
 from runtime.transfer.engine import CopyEngine
@@ -57,6 +60,22 @@ def _tokens(tokens: Any) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         return tokens.detach().to("cpu", torch.int32).numpy().copy()
     return np.array(tokens, dtype=np.int32)
+
+
+_REBUILD: dict[type, tuple[Callable[[Any], tuple[Any, ...]], int]] = {}
+
+
+def _with_own_tokens(item: Any) -> Any:
+    """`dataclasses.replace(item, tokens=_tokens(item.tokens))`, faster (the batch hot path)."""
+    cls = type(item)
+    spec = _REBUILD.get(cls)
+    if spec is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        spec = _REBUILD[cls] = (operator.attrgetter(*names), names.index("tokens"))
+    get, at = spec
+    args = list(get(item))
+    args[at] = _tokens(args[at])
+    return cls(*args)
 
 
 EngineFactory = Callable[[Mapping[str, tuple[DevicePool, HostPool]]], CopyEngine]
@@ -112,9 +131,13 @@ class CacheRuntime:
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
             bytes_per_slot=config.bytes_per_token)
         self._core = CacheCore(config, self.tracer)
+        # decode offload: the offload actor and the tree actor know each other's mailbox
+        self._offload = OffloadActor(None, page_size=config.page_size, stride=config.stride,
+                                     mailbox_capacity=config.mailbox_capacity)
         self._tree = TreeActor(self._core, self._transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
-                               debug_invariants=config.debug_invariants)
-        self._sup = Supervisor([self._tree, self._transfer])
+                               debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox)
+        self._offload.tree_mailbox = self._tree.mailbox
+        self._sup = Supervisor([self._tree, self._transfer, self._offload])
 
     # -- lifecycle -----------------------------------------------------------------
     @classmethod
@@ -137,6 +160,8 @@ class CacheRuntime:
         if sup.state is State.OPEN:
             sup.state = State.CLOSING
             try:
+                # offloads first: no new ones, the last ones land and their requests are released
+                await sup.ask_internal(self._offload.mailbox, OffloadDrain(Reply()))
                 await sup.ask_internal(self._tree.mailbox, Quiesce(Reply()))
                 await sup.ask_internal(self._transfer.mailbox, DrainCopies(Reply()))
             except RuntimeFailed:
@@ -166,7 +191,9 @@ class CacheRuntime:
         return await self._sup.ask(self._tree.mailbox, Extend(rid, num_tokens, Reply()))
 
     async def commit(self, rid: Hashable, committed_len: int) -> int:
-        """Record the request's new total committed length (never smaller than before)."""
+        """Record the request's new total committed length (idempotent; smaller than before is a
+        `LengthError`). With `decode_offload` the tree actor tells the offload actor, which
+        offloads each new `offload_stride` of whole committed pages to host."""
         return await self._sup.ask(self._tree.mailbox, Commit(rid, committed_len, Reply()))
 
     async def cache(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> int:
@@ -199,8 +226,7 @@ class CacheRuntime:
         """A scheduling step in one message: results per item, a `ValidationError` for a failed one.
 
         Build items with reply=None, e.g. `Admit(rid, tokens)`; token lists are converted here."""
-        fixed = [dataclasses.replace(i, tokens=_tokens(i.tokens)) if isinstance(i, (Admit, Cache, Finish)) else i
-                 for i in items]
+        fixed = [_with_own_tokens(i) if isinstance(i, (Admit, Cache, Finish)) else i for i in items]
         return await self._sup.ask_batch(self._tree.mailbox, fixed)
 
     # -- questions ------------------------------------------------------------------------
@@ -223,6 +249,7 @@ class CacheRuntime:
         """Counters (schema in docs/API.md): tree, ledgers, copies, queue depths."""
         tree = await self._sup.ask(self._tree.mailbox, TreeStats(Reply()))
         transfer = await self._sup.ask(self._transfer.mailbox, TransferStatsQuery(Reply()))
+        transfer = {**transfer, **await self._sup.ask(self._offload.mailbox, OffloadStatsQuery(Reply()))}
         served = tree["tokens_device_hit"] + tree["tokens_host_hit"]
         total = served + tree["tokens_recomputed"]
         return {**tree, **transfer, "hit_rate": served / total if total else 0.0,

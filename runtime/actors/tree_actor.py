@@ -35,6 +35,8 @@ from runtime.messages import (
     TreeMessage,
     TreeStats,
 )
+from runtime.messages import OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
+from runtime.errors import CallerError
 from runtime.tree.cache import CacheCore
 
 
@@ -43,12 +45,13 @@ class TreeActor(Actor[TreeMessage]):
 
     # -- state -------------------------------------------------------------------
     def __init__(self, core: CacheCore, transfer_mailbox: Mailbox[Any], *, mailbox_capacity: int,
-                 debug_invariants: bool = False) -> None:
+                 debug_invariants: bool = False, offload_mailbox: Mailbox[Any] | None = None) -> None:
         super().__init__(mailbox_capacity)
         self.core = core
         self.transfer_mailbox = transfer_mailbox
         self.debug_invariants = debug_invariants
         self.quiesce_waiters: list[Reply[None]] = []
+        self.offload_mailbox = offload_mailbox  # decode offload: where OffloadCommit/Finish/Ack go
         self.handlers = {
             Admit: self.on_admit,
             Extend: self.on_extend,
@@ -69,6 +72,7 @@ class TreeActor(Actor[TreeMessage]):
             Inspect: self.on_inspect,
             TransferAck: self.on_transfer_ack,
         }
+        self.handlers.update({StartOffload: self.on_start_offload, ReleaseOffloaded: self.on_release_offloaded})
 
     # -- handlers ----------------------------------------------------------------
     def on_admit(self, msg: Admit) -> AdmitResult:
@@ -123,6 +127,7 @@ class TreeActor(Actor[TreeMessage]):
             "device_free_slots": core.device.num_free_slots(),
             "host_free_slots": core.host.num_free_slots() if core.host is not None else 0,
             "tree_mailbox_depth": self.mailbox.depth,
+            **core.offload_stats(),
         }
 
     def on_quiesce(self, msg: Quiesce) -> Any:
@@ -149,5 +154,30 @@ class TreeActor(Actor[TreeMessage]):
             for plan, readiness in outbox:
                 self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
             outbox.clear()
+        self._send_offload_notes()
         if self.debug_invariants:
             check_invariants(self.core)
+
+    # -- decode offload ------------------------------------------------------------
+    # Messages from the offload actor are internal: a caller error there is a bug of
+    # the runtime, never a caller's mistake, so it fails the runtime instead of vanishing.
+    def on_start_offload(self, msg: StartOffload) -> OffloadStarted | None:
+        try:
+            return self.core.offload_start(msg.rid, msg.generation, msg.start, msg.end)
+        except CallerError as exc:
+            raise RuntimeError(f"offload start refused: {exc}") from exc
+
+    def on_release_offloaded(self, msg: ReleaseOffloaded) -> None:
+        try:
+            self.core.offload_release(msg.rid, msg.generation)
+        except CallerError as exc:
+            raise RuntimeError(f"offload release failed: {exc}") from exc
+
+    def _send_offload_notes(self) -> None:
+        notes = self.core.offload_outbox
+        if notes:
+            mailbox = self.offload_mailbox
+            if mailbox is not None and not mailbox.closed:
+                for note in notes:
+                    mailbox.put_internal(note)
+            notes.clear()

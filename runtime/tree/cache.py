@@ -446,7 +446,9 @@ class CacheCore:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
-        res = self.tree.insert(tokens[:n], rec.extra_key, rec.slots[:n], start=start)
+        # a request's own leaf (its lock the only one, no copy in flight) grows in place
+        extend = start is not None and start.id not in self.backup_pending and start.id not in self.loading
+        res = self.tree.insert(tokens[:n], rec.extra_key, rec.slots[:n], start=start, extend_leaf=extend)
         for node, slots in res.adopted:
             self.device.assign(slots, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
         duplicates = res.duplicate_slots

@@ -38,6 +38,8 @@ from .policies import EvictionPolicy, LRUPolicy, policy_by_name
 
 _I4 = np.dtype("<i4")
 _I8 = np.dtype(np.int64)
+_EMPTY_I8 = np.empty(0, dtype=np.int64)
+_EMPTY_I8.flags.writeable = False
 
 
 class TreeError(ValidationError, ValueError):
@@ -49,6 +51,8 @@ class TreeError(ValidationError, ValueError):
 
 def encode(tokens) -> bytes:
     """Token ids -> int32 little-endian bytes (4 bytes per token), the tree's key form."""
+    if type(tokens) is np.ndarray and tokens.dtype is _I4 and tokens.ndim == 1:
+        return tokens.tobytes()  # the common case: an int32 array
     if isinstance(tokens, bytes):
         if len(tokens) & 3:
             raise TreeError(f"encoded tokens must be a multiple of 4 bytes, got {len(tokens)}")
@@ -152,9 +156,11 @@ class MatchResult:
       device nor host slots, e.g. storage-only ones).
     """
 
-    __slots__ = ("nodes", "device_len", "host_len", "device_slots", "last_device_node", "last_node", "matched_len")
+    __slots__ = ("nodes", "device_len", "host_len", "device_slots", "last_device_node", "last_node", "matched_len",
+                 "partial", "num_device_nodes", "extra_key")
 
-    def __init__(self, nodes, device_len, host_len, device_slots, last_device_node, last_node, matched_len):
+    def __init__(self, nodes, device_len, host_len, device_slots, last_device_node, last_node, matched_len,
+                 partial=0, num_device_nodes=None, extra_key=None):
         self.nodes: list[Node] = nodes
         self.device_len: int = device_len
         self.host_len: int = host_len
@@ -162,6 +168,17 @@ class MatchResult:
         self.last_device_node: Node = last_device_node
         self.last_node: Node = last_node
         self.matched_len: int = matched_len
+        # tokens matched in the last node when it was matched only partly (split=False), else 0
+        self.partial: int = partial
+        # the leading nodes with device slots (device residency is prefix-closed)
+        self.num_device_nodes: int = (
+            num_device_nodes if num_device_nodes is not None else sum(1 for nd in nodes if nd.device is not None))
+        self.extra_key = extra_key
+
+    @property
+    def device_nodes(self) -> list[Node]:
+        """Nodes of the device part, in order."""
+        return self.nodes[: self.num_device_nodes]
 
     @property
     def host_nodes(self) -> list[Node]:
@@ -195,13 +212,21 @@ class InsertResult:
     - ``prefix_len``: tokens that were already on device before this insert.
     """
 
-    __slots__ = ("duplicate_slots", "adopted", "last_node", "prefix_len")
+    __slots__ = ("duplicate_slots", "adopted", "last_node", "prefix_len", "_prefix_parts")
 
-    def __init__(self, duplicate_slots, adopted, last_node, prefix_len):
+    def __init__(self, duplicate_slots, adopted, last_node, prefix_len, prefix_parts=()):
         self.duplicate_slots: np.ndarray = duplicate_slots
         self.adopted: list[tuple[Node, np.ndarray]] = adopted
         self.last_node: Node = last_node
         self.prefix_len: int = prefix_len
+        self._prefix_parts = prefix_parts
+
+    @property
+    def prefix_slots(self) -> np.ndarray:
+        """The tree's device slots of the first ``prefix_len`` tokens (a new array): with the
+        caller's slots after them, the device slots of the whole inserted path."""
+        parts = self._prefix_parts
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 def _as_slots(slots, n: int | None = None) -> np.ndarray:
@@ -463,6 +488,32 @@ class RadixTree:
         self.device_leaves.discard(parent)
         return nd
 
+    def add_host_child(self, parent: Node, tokens, host_slots) -> Node:
+        """A new host-only node (host slots, no device slots) for ``tokens`` (whole pages)
+        under ``parent`` (a root or a live node, on device or not: host residency need not be
+        prefix-closed). No child of ``parent`` may start with the same page. Returns it."""
+        if parent.parent is not None or self._roots.get(parent.extra_key) is not parent:
+            self._check_node(parent)
+        key = encode(tokens)
+        pb = self._pb
+        if not key or len(key) % pb:
+            raise TreeError(f"host child of {len(key) >> 2} tokens is not a positive number of whole pages")
+        if key[:pb] in parent.children:
+            raise TreeError(f"node {parent.id} already has a child starting with that page")
+        s = _as_slots(host_slots, len(key) >> 2)
+        nd = Node(self._next_id, parent, key, parent.extra_key)
+        self._next_id += 1
+        self._n_nodes += 1
+        self._clock += 1
+        nd.last_access = self._clock
+        parent.children[key[:pb]] = nd
+        nd.host = s
+        self.total_host_tokens += len(s)
+        parent.n_host_children += 1
+        self._refresh(nd)
+        self._refresh(parent)
+        return nd
+
     def _set_device(self, node: Node, slots: np.ndarray) -> None:
         node.device = slots
         n = len(slots)
@@ -549,16 +600,56 @@ class RadixTree:
             for nd in nodes:
                 nd.last_access = c
                 nd.hit_count += 1
-        return MatchResult(nodes, device_len, host_len, device_slots, last_dev, last, pos >> 2)
+        return MatchResult(nodes, device_len, host_len, device_slots, last_dev, last, pos >> 2, partial, i, extra_key)
+
+    def settle(self, look: MatchResult, *, touch: bool = True) -> MatchResult:
+        """Turn a read-only look (``match(split=False)``) into ``match(split=True, touch=touch)``.
+
+        Valid only while the tree has not changed since the look: splits the partly matched
+        last node (if any) so the path ends exactly at the matched length, and touches the
+        path. Saves the second walk of a look-then-commit caller (admission).
+        """
+        nodes = look.nodes
+        if look.partial:
+            lower = nodes[-1]
+            upper = self._split(lower, look.partial)
+            nodes[-1] = upper
+            if look.last_device_node is lower:
+                look.last_device_node = upper
+            if look.last_node is lower:
+                look.last_node = upper
+            look.partial = 0
+        if touch and nodes:
+            self._clock += 1
+            c = self._clock
+            for nd in nodes:
+                nd.last_access = c
+                nd.hit_count += 1
+        return look
 
     # ------------------------------------------------------------------ insert
-    def insert(self, tokens, extra_key: Hashable, device_slots, *, priority: int = 0) -> InsertResult:
+    def insert(self, tokens, extra_key: Hashable, device_slots, *, priority: int = 0,
+               start: Node | None = None, extend_leaf: bool = False) -> InsertResult:
         """Insert ``tokens`` (whole pages) with the caller's device slots, one per token.
 
         Pages already on device yield their caller slots as ``duplicate_slots``; nodes on
         the path without device slots adopt the caller's slots (so device residency stays
         prefix-closed), and the rest becomes a new node. ``priority`` raises (never lowers)
         the priority of every node on the path.
+
+        ``start`` (optional): a live node on device in namespace ``extra_key`` whose path is
+        exactly the first tokens of ``tokens`` and whose device slots the caller passes
+        back as the first ``device_slots`` (it got them from a match or an insert, and holds
+        a lock on it, e.g. a request extending its cached prefix). The walk then starts
+        there: its ancestors are only touched (last access, priority), not compared again.
+        The result is the same as without ``start``.
+
+        ``extend_leaf`` (with ``start``; the caller holds exactly one lock on ``start``): when
+        the new pages would hang below ``start`` and ``start`` is a childless node on device,
+        without a host copy and with no lock but the caller's, they are appended to ``start``
+        itself instead of a new child (reported in ``adopted`` as ``(start, new slots)``).
+        A request growing its own prefix turn after turn then stays one node: a match walks
+        one node per shared prefix instead of one per turn.
         """
         key = encode(tokens)
         pb = self._pb
@@ -583,6 +674,21 @@ class RadixTree:
         dup_tree: list[np.ndarray] = []
         adopted: list[tuple[Node, np.ndarray]] = []
         prefix = 0  # bytes of the key that were already on device
+        if start is not None and start is not root:
+            if start.device is None:
+                raise TreeError(f"insert start node {start.id} is not on device")
+            cur = start
+            while cur.parent is not None:
+                cur.last_access = clock
+                if priority > cur.priority:
+                    cur.priority = priority
+                pos += len(cur.key)
+                cur = cur.parent
+            if cur is not root or pos > n:
+                raise TreeError(f"insert start node {start.id} is not a live prefix of the key in this namespace")
+            node = start
+            prefix = pos
+        skipped = pos
         while pos < n:
             child = node.children.get(key[pos : pos + pb])
             if child is None:
@@ -606,19 +712,31 @@ class RadixTree:
             node = child
             pos = end
         if pos < n:
-            s = slots[pos >> 2 :].copy()
-            node = self._new_child(node, key[pos:], s)
-            node.last_access = clock
-            node.priority = priority
-            adopted.append((node, s))
+            if (extend_leaf and node is start and node.lock_ref == 1 and not node.children
+                    and node.host is None and node.parent is not None):
+                s = slots[pos >> 2 :]
+                node.key += key[pos:]
+                node.device = np.concatenate((node.device, s))
+                s = node.device[len(node.device) - len(s) :]  # the node's own slots, not the caller's
+                k = len(s)
+                self.total_device_tokens += k
+                self.locked_device_tokens += k
+                adopted.append((node, s))
+            else:
+                s = slots[pos >> 2 :].copy()
+                node = self._new_child(node, key[pos:], s)
+                node.last_access = clock
+                node.priority = priority
+                adopted.append((node, s))
         if dup_tree:
-            c = slots[: prefix >> 2]
+            c = slots[skipped >> 2 : prefix >> 2]
             t = dup_tree[0] if len(dup_tree) == 1 else np.concatenate(dup_tree)
-            dup = c[c != t]
+            # usually the caller passes the tree's own slots back (they came from a match)
+            dup = _EMPTY_I8 if c.tobytes() == t.tobytes() else c[c != t]
         else:
-            dup = np.empty(0, dtype=np.int64)
-        prefix >>= 2
-        return InsertResult(dup, adopted, node, prefix)
+            t = dup = _EMPTY_I8
+        parts = (slots[: skipped >> 2], t) if skipped else (t,)
+        return InsertResult(dup, adopted, node, prefix >> 2, parts)
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: Node) -> None:
@@ -638,19 +756,54 @@ class RadixTree:
                 node.lock_ref += 1
             node = node.parent
 
+    def relock(self, old: Node | None, new: Node) -> None:
+        """``lock(new)`` then ``unlock(old)`` (``old`` may be None), in one pass when ``old``
+        is an ancestor of ``new`` (a request whose cached prefix grew): only the nodes below
+        ``old`` change, the shared ancestors keep their counts."""
+        if old is None:
+            self.lock(new)
+            return
+        if old is new:
+            return
+        path = []
+        cur = new
+        while cur is not old and cur.parent is not None:
+            path.append(cur)
+            cur = cur.parent
+        if cur is not old or old.lock_ref <= 0 and old.parent is not None:
+            self.lock(new)
+            self.unlock(old)
+            return
+        dl = self.device_leaves
+        for nd in path:
+            if nd.lock_ref == 0:
+                nd.lock_ref = 1
+                dl.discard(nd)
+                if nd.device is not None:
+                    self.locked_device_tokens += len(nd.device)
+            else:
+                nd.lock_ref += 1
+
     def unlock(self, node: Node) -> None:
         """Undo one :meth:`lock` of ``node``. Raises (changing nothing) below zero."""
         if node.parent is None:
             if self._roots.get(node.extra_key) is node:
                 return
             raise TreeError(f"unlock of node {node.id}, which is not in the tree")
-        cur = node
-        while cur.parent is not None:
-            if cur.lock_ref <= 0:
-                raise TreeError(f"unlock of node {node.id}: lock count of node {cur.id} would go below zero")
-            cur = cur.parent
+        # one pass; a count that would go below zero (a bug of the caller) undoes the pass
+        first = node
         while node.parent is not None:
             r = node.lock_ref - 1
+            if r < 0:
+                cur = first
+                while cur is not node:
+                    cur.lock_ref += 1
+                    if cur.lock_ref == 1:
+                        self.device_leaves.discard(cur)
+                        if cur.device is not None:
+                            self.locked_device_tokens += len(cur.device)
+                    cur = cur.parent
+                raise TreeError(f"unlock of node {first.id}: lock count of node {node.id} would go below zero")
             node.lock_ref = r
             if r == 0:
                 if node.device is not None:
