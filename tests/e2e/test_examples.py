@@ -1,0 +1,49 @@
+"""Every script in examples/ runs to completion with short settings, so none can rot.
+
+Each runs as a subprocess with ``--tiny --quick`` (scripts that take no options are run
+bare; they say so with "Takes no options." in their docstring).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+SHORT = ["--tiny", "--quick"]
+
+
+def args_for(script: Path) -> list[str]:
+    doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+    return [] if "Takes no options." in doc else SHORT
+
+
+def test_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"demo.py", "quickstart.py"} <= names
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(script: Path, tmp_path: Path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", str(tmp_path))}
+    args = args_for(script)
+    if script.name == "demo.py":
+        args += ["--trace", str(tmp_path / "trace.jsonl")]
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{script.name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    if script.name == "demo.py":
+        out = proc.stdout
+        assert "turn 2]" in out and "audit clean" in out, out[-3000:]
+        summary = re.search(r"^prompt tokens \d+: device (\d+) \| host (\d+)", out, re.M)
+        assert summary and int(summary[1]) > 0 and int(summary[2]) > 0, out[-3000:]  # hits from two tiers
+        assert (tmp_path / "trace.jsonl").stat().st_size > 0
