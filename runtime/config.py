@@ -12,6 +12,8 @@ from runtime.errors import ConfigError
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
 HOST_LAYOUTS = ("layer_first", "page_first")
+STORAGE_BACKENDS = ("none", "file", "mooncake")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 COPY_ENGINES = ("auto", "cpu", "cuda", "fake")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,6 +48,15 @@ class RuntimeConfig:
     # Decode offload (decode node of a disaggregated setup)
     decode_offload: bool = False
     offload_stride: int | None = None
+    # Storage tier (third tier; needs the host tier). "none" unless a backend is given to open()
+    storage_backend: str = "none"
+    storage_dir: str | None = None  # file backend directory
+    storage_cap_bytes: int | None = None  # file backend size cap (whole directory)
+    prefetch_policy: str = "wait_complete"
+    prefetch_threshold: int = 0  # tokens beyond the device + host hit below which no prefetch starts
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_1k_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
     # Actors
     mailbox_capacity: int = 4096
     # Debugging and tracing
@@ -91,6 +102,23 @@ class RuntimeConfig:
         if self.offload_stride is not None:
             need(isinstance(self.offload_stride, int) and self.offload_stride > 0 and self.offload_stride % ps == 0,
                  f"offload_stride must be a positive multiple of page_size ({ps}), got {self.offload_stride!r}")
+        need(self.storage_backend in STORAGE_BACKENDS,
+             f"storage_backend must be one of {STORAGE_BACKENDS}, got {self.storage_backend!r}")
+        if self.storage_backend == "file":
+            need(isinstance(self.storage_dir, str) and bool(self.storage_dir), "storage_backend 'file' needs storage_dir")
+        if self.storage_backend != "none":
+            need(self.host_slots > 0, "a storage tier needs the host tier (host_tokens/host_bytes/host_ratio > 0)")
+        if self.storage_cap_bytes is not None:
+            need(isinstance(self.storage_cap_bytes, int) and self.storage_cap_bytes > 0,
+                 f"storage_cap_bytes must be a positive int or None, got {self.storage_cap_bytes!r}")
+        need(self.prefetch_policy in PREFETCH_POLICIES,
+             f"prefetch_policy must be one of {PREFETCH_POLICIES}, got {self.prefetch_policy!r}")
+        need(isinstance(self.prefetch_threshold, int) and self.prefetch_threshold >= 0,
+             f"prefetch_threshold must be a non-negative int, got {self.prefetch_threshold!r}")
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_1k_s", "prefetch_timeout_max_s"):
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                 f"{name} must be a non-negative number, got {value!r}")
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
 
     # -- derived -------------------------------------------------------------------
@@ -113,6 +141,11 @@ class RuntimeConfig:
         else:
             slots = int(self.device_slots * self.host_ratio)
         return slots - slots % self.page_size
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds `admit` waits for a prefetch under the `timeout` policy."""
+        t = self.prefetch_timeout_base_s + self.prefetch_timeout_per_1k_s * num_tokens / 1000
+        return min(t, self.prefetch_timeout_max_s)
 
     @property
     def stride(self) -> int:

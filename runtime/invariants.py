@@ -114,6 +114,23 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             pins["device"][page] += 1
         for page in _pages(op.host, ps):
             pins["host"][page] += 1
+    # storage tier: every storage op pins its host pages; a read's pages belong to its prefetch
+    storage_ops = getattr(core, "storage_ops", {})
+    for sop in storage_ops.values():
+        for page in _pages(sop.host, ps):
+            pins["host"][page] += 1
+        pf = sop.prefetch
+        if pf is not None:
+            if pf.op_id != sop.op_id or not np.array_equal(pf.host, sop.host):
+                _fail(f"storage read {sop.op_id} does not match its prefetch of {pf.rid!r}")
+            claim("host", pf.host, pf.owner, f"prefetch {pf.rid!r}")
+            if not pf.cancelled and not pf.detached and getattr(core, "prefetches", {}).get(pf.rid) is not pf:
+                _fail(f"prefetch of {pf.rid!r} is in flight but not registered")
+        elif sop.node is not None and sop.node.host_protect <= 0:
+            _fail(f"storage write {sop.op_id}: node {sop.node.id} host copy not protected")
+    for rid, pf in getattr(core, "prefetches", {}).items():
+        if pf.rid != rid or storage_ops.get(pf.op_id) is None or pf.cancelled:
+            _fail(f"prefetch of {rid!r} has no storage read in flight")
 
     for tier, ledger in (("device", core.device), ("host", core.host)):
         if ledger is None:
@@ -180,6 +197,8 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     if quiescent:
         if core.ops:
             _fail(f"{len(core.ops)} copies still in flight at quiescence")
+        if getattr(core, "storage_ops", None) or getattr(core, "prefetches", None):
+            _fail("storage ops or prefetches still in flight at quiescence")
         if core.requests:
             _fail(f"requests still live at quiescence: {list(core.requests)[:5]}")
         for tier in ("device", "host"):

@@ -202,8 +202,29 @@ class Inspect:
     reply: "Reply[Any] | None" = field(default=None, compare=False)
 
 
+@dataclass(frozen=True, slots=True)
+class Prepare:
+    """Start reading from storage what it holds of `tokens` beyond the device and host hit."""
+
+    rid: Hashable
+    tokens: np.ndarray
+    extra_key: Hashable = None
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageAck:
+    """Outcome of one storage op: `pages` leading pages written or read (0 on `error`)."""
+
+    op_id: int
+    pages: int
+    error: str | None = None
+    ok: tuple[bool, ...] = ()  # a write: per page, stored or not
+    reply: None = None
+
+
 TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned | MatchPrefix | CanAdmit
-               | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck)
+               | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck | Prepare | StorageAck)
 
 
 # -- decode offload (tree actor <-> offload actor) ----------------------------------------

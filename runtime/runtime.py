@@ -27,7 +27,7 @@ from runtime.actors.offload_actor import OffloadActor
 from runtime.actors.transfer_actor import DrainCopies, TransferActor, TransferStatsQuery
 from runtime.actors.tree_actor import TreeActor
 from runtime.config import RuntimeConfig
-from runtime.errors import RuntimeFailed, TransferError
+from runtime.errors import ConfigError, RuntimeFailed, TransferError
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.messages import (
     Abort,
@@ -44,6 +44,7 @@ from runtime.messages import (
     Inspect,
     MatchPrefix,
     OpenSession,
+    Prepare,
     Quiesce,
     ReleaseAbandoned,
     Rewind,
@@ -114,10 +115,34 @@ def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostP
     return CpuCopyEngine(pools, workers_per_direction=config.copy_workers)
 
 
+def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]:
+    """The storage backend (given, or built from the config) and whether the runtime owns it."""
+    if storage is not None:
+        want = config.page_size * config.bytes_per_token
+        if getattr(storage, "page_bytes", None) != want:
+            raise ConfigError(f"storage backend pages are {getattr(storage, 'page_bytes', None)} bytes; "
+                              f"this config's pages are {want}")
+        return storage, False
+    if config.storage_backend == "none":
+        return None, False
+    page_bytes = config.page_size * config.bytes_per_token
+    if config.storage_backend == "file":
+        from runtime.storage.file_backend import FileBackend
+
+        assert config.storage_dir is not None
+        return FileBackend(config.storage_dir, page_bytes, cap_bytes=config.storage_cap_bytes), True
+    # mooncake: the cluster comes from the environment (MOONCAKE_MASTER, ... or MOONCAKE_CONFIG_PATH,
+    # see docs/STORAGE.md); or pass storage=MooncakeBackend(page_bytes, MooncakeConfig(...))
+    from runtime.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+
+    return MooncakeBackend(page_bytes, MooncakeConfig.from_env()), True
+
+
 class CacheRuntime:
     """Public handle of the runtime. Create it with `CacheRuntime.open(config)`."""
 
-    def __init__(self, config: RuntimeConfig, *, engine_factory: EngineFactory | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, *, engine_factory: EngineFactory | None = None,
+                 storage: Any = None) -> None:
         self.config = config
         shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype)
         self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
@@ -125,12 +150,17 @@ class CacheRuntime:
                           if config.host_slots > 0 else None)
         sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
         self.tracer = SlotTracer(config.page_size, sinks)
+        self.storage, self._own_storage = make_storage(config, storage)
+        if self.storage is not None and self.host_pool is None:
+            raise ConfigError("a storage tier needs the host tier")
         self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory)
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
-            bytes_per_slot=config.bytes_per_token)
+            bytes_per_slot=config.bytes_per_token, storage=self.storage, host_pool=self.host_pool)
         self._core = CacheCore(config, self.tracer)
+        if self.storage is not None:
+            self._core.enable_storage()
         # decode offload: the offload actor and the tree actor know each other's mailbox
         self._offload = OffloadActor(None, page_size=config.page_size, stride=config.stride,
                                      mailbox_capacity=config.mailbox_capacity)
@@ -142,11 +172,12 @@ class CacheRuntime:
     # -- lifecycle -----------------------------------------------------------------
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: RuntimeConfig | None = None, *, engine_factory: EngineFactory | None = None
-                   ) -> AsyncIterator["CacheRuntime"]:
+    async def open(cls, config: RuntimeConfig | None = None, *, engine_factory: EngineFactory | None = None,
+                   storage: Any = None) -> AsyncIterator["CacheRuntime"]:
         """Start the runtime in the running loop. `engine_factory(pools)` overrides the copy
-        engine (tests hold copies in flight with `FakeCopyEngine`)."""
-        rt = cls(config or RuntimeConfig(), engine_factory=engine_factory)
+        engine (tests hold copies in flight with `FakeCopyEngine`); `storage` is a storage
+        backend instance (overrides `config.storage_backend`; the caller closes it)."""
+        rt = cls(config or RuntimeConfig(), engine_factory=engine_factory, storage=storage)
         await rt._sup.start()
         try:
             yield rt
@@ -169,6 +200,8 @@ class CacheRuntime:
         if sup.state in (State.CLOSING, State.FAILED):
             await sup.stop()
             self.tracer.close()
+            if self._own_storage and self.storage is not None:
+                self.storage.close()
 
     @property
     def failed(self) -> bool:
@@ -185,6 +218,13 @@ class CacheRuntime:
         With `session`, the turn appends to that session's KV instead (no tree match)."""
         reply: Reply[AdmitResult] = Reply(on_abandon=self._release_abandoned)
         return await self._sup.ask(self._tree.mailbox, Admit(rid, _tokens(tokens), extra_key, session, reply))
+
+    async def prepare(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
+                      extra_key: Hashable = None) -> int:
+        """A request arrived: start reading from storage what it holds beyond the device and
+        host hit (returns the tokens being read; 0 without a storage tier or below
+        `prefetch_threshold`). `admit` ends it by `prefetch_policy`; `abort` cancels it."""
+        return await self._sup.ask(self._tree.mailbox, Prepare(rid, _tokens(tokens), extra_key, Reply()))
 
     async def extend(self, rid: Hashable, num_tokens: int) -> torch.Tensor:
         """Allocate device slots for `num_tokens` more tokens (evicting if needed)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -27,6 +28,7 @@ from runtime.errors import CallerError, MailboxFull, RuntimeClosed
 
 T = TypeVar("T")
 M = TypeVar("M")
+_Coroutine = types.CoroutineType
 
 
 class Reply(Generic[T]):
@@ -220,11 +222,22 @@ class Actor(Generic[M]):
                 self.messages_handled += 1
                 reply = msg.reply
                 if type(msg) is Batch:
-                    result: Any = tuple([await self._call_item(item) for item in msg.items])
+                    # inline (no coroutine per item): a batch is a whole scheduling step
+                    handlers = self.handlers
+                    out = []
+                    for item in msg.items:
+                        try:
+                            r = handlers[type(item)](item)
+                            if type(r) is _Coroutine:
+                                r = await r
+                        except CallerError as exc:
+                            r = exc
+                        out.append(r)
+                    result: Any = tuple(out)
                 else:
                     try:
                         result = self.handlers[type(msg)](msg)
-                        if asyncio.iscoroutine(result):
+                        if type(result) is _Coroutine or asyncio.iscoroutine(result):
                             result = await result
                     except CallerError as exc:
                         if reply is not None:

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
 from runtime.completion import CompletionBridge, LayerReadiness, as_transfer_error
 from runtime.errors import RuntimeClosed, TransferError
-from runtime.messages import Direction, TransferAck, TransferPlan
+from runtime.messages import Direction, StorageAck, TransferAck, TransferPlan
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine
 
@@ -57,7 +60,29 @@ class _CopyDone:
     reply: None = None
 
 
-TransferMessage = SubmitCopy | DrainCopies | TransferStatsQuery | _CopyDone
+@dataclass(frozen=True, slots=True)
+class SubmitStorage:
+    """A storage op on host pages the requester pinned: write them under `keys`, or read the
+    leading `keys` that storage holds into them. Acked to `ack_to` with a `StorageAck`."""
+
+    op_id: int
+    write: bool
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]  # host page indices, one per key
+    ack_to: Mailbox[Any]
+    reply: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageDone:
+    op_id: int
+    pages: int
+    ok: tuple[bool, ...]
+    error: str | None
+    reply: None = None
+
+
+TransferMessage = SubmitCopy | DrainCopies | TransferStatsQuery | _CopyDone | SubmitStorage | _StorageDone
 
 
 @dataclass(slots=True)
@@ -72,7 +97,8 @@ class TransferActor(Actor[TransferMessage]):
 
     # -- state -------------------------------------------------------------------
     def __init__(self, engine: CopyEngine, *, max_inflight_loads: int, max_queued_backups: int,
-                 mailbox_capacity: int, bytes_per_slot: int = 0) -> None:
+                 mailbox_capacity: int, bytes_per_slot: int = 0, storage: Any = None,
+                 host_pool: Any = None) -> None:
         super().__init__(mailbox_capacity)
         self.engine = engine
         self.bridge: CompletionBridge | None = None
@@ -84,11 +110,21 @@ class TransferActor(Actor[TransferMessage]):
         self.drain_waiters: list[Reply[None]] = []
         self.bytes_per_slot = bytes_per_slot
         self.counters = {"ops_done": 0, "ops_failed": 0, "bytes_device_to_host": 0, "bytes_host_to_device": 0}
+        # storage tier: backend calls run in worker threads, one batch per op
+        self.storage = storage
+        self.host_pool = host_pool
+        self.storage_inflight: dict[int, SubmitStorage] = {}
+        self._storage_pool: ThreadPoolExecutor | None = None
+        if storage is not None:
+            self.counters.update({"storage_ops_done": 0, "storage_ops_failed": 0, "storage_bytes_written": 0,
+                                  "storage_bytes_read": 0, "storage_errors": 0})
         self.handlers = {
             SubmitCopy: self.on_submit,
             _CopyDone: self.on_copy_done,
             DrainCopies: self.on_drain,
             TransferStatsQuery: self.on_stats,
+            SubmitStorage: self.on_submit_storage,
+            _StorageDone: self.on_storage_done,
         }
 
     async def run(self) -> None:
@@ -99,6 +135,8 @@ class TransferActor(Actor[TransferMessage]):
             self._abandon_queued()
             await self.bridge.aclose()
             await asyncio.to_thread(self.engine.close)
+            if self._storage_pool is not None:
+                self._storage_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- handlers ----------------------------------------------------------------
     def on_submit(self, msg: SubmitCopy) -> None:
@@ -117,6 +155,64 @@ class TransferActor(Actor[TransferMessage]):
         self._pump(direction)
         self._maybe_drained()
 
+    def on_submit_storage(self, msg: SubmitStorage) -> None:
+        if self._storage_pool is None:
+            self._storage_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-storage")
+        self.storage_inflight[msg.op_id] = msg
+        fut = asyncio.get_running_loop().run_in_executor(self._storage_pool, self._run_storage, msg)
+        fut.add_done_callback(lambda f, op_id=msg.op_id: self._on_storage_future(op_id, f))
+
+    def _run_storage(self, msg: SubmitStorage) -> tuple[int, tuple[bool, ...]]:
+        """In a worker thread: one batch call (a write), or existence then one batch read."""
+        backend, pool = self.storage, self.host_pool
+        if msg.write:
+            srcs = [pool.read_page(p) for p in msg.pages]
+            ok = tuple(bool(x) for x in backend.set_batch(list(msg.keys), srcs))
+            return sum(ok), ok
+        n = int(backend.exists_prefix(list(msg.keys)))
+        if n <= 0:
+            return 0, ()
+        shape = pool.shape
+        bufs = [torch.empty((shape.num_layers, 2, pool.page_size, shape.num_kv_heads, shape.head_dim),
+                            dtype=shape.dtype) for _ in range(n)]
+        got = backend.get_batch(list(msg.keys[:n]), bufs)
+        k = 0
+        while k < n and got[k]:  # a missing page ends the hit (presence is only a hint)
+            k += 1
+        for i in range(k):
+            pool.write_page(msg.pages[i], bufs[i])
+        return k, ()
+
+    def _on_storage_future(self, op_id: int, fut: Any) -> None:
+        if fut.cancelled():
+            done = _StorageDone(op_id, 0, (), "cancelled")
+        elif fut.exception() is not None:
+            done = _StorageDone(op_id, 0, (), repr(fut.exception()))
+        else:
+            pages, ok = fut.result()
+            done = _StorageDone(op_id, pages, ok, None)
+        try:
+            self.mailbox.put_internal(done)
+        except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
+            pass
+
+    def on_storage_done(self, msg: _StorageDone) -> None:
+        submit = self.storage_inflight.pop(msg.op_id)
+        page_bytes = self.bytes_per_slot * (self.host_pool.page_size if self.host_pool is not None else 0)
+        if msg.error is None:
+            self.counters["storage_ops_done"] += 1
+            key = "storage_bytes_written" if submit.write else "storage_bytes_read"
+            self.counters[key] += msg.pages * page_bytes
+        else:
+            self.counters["storage_ops_failed"] += 1
+            self.counters["storage_errors"] += 1
+            log.warning("storage_op_failed", op=msg.op_id, write=submit.write, error=msg.error)
+        try:
+            submit.ack_to.put_internal(StorageAck(msg.op_id, msg.pages, msg.error, msg.ok))
+        except RuntimeClosed:
+            log.warning("ack_undeliverable", op=msg.op_id, direction="storage")
+        self._maybe_drained()
+
     def on_drain(self, msg: DrainCopies) -> Any:
         if msg.reply is not None:
             self.drain_waiters.append(msg.reply)
@@ -131,6 +227,7 @@ class TransferActor(Actor[TransferMessage]):
             "queued_loads": len(self.waiting[Direction.LOAD]),
             "queued_backups": len(self.waiting[Direction.BACKUP]),
             "mailbox_depth": self.mailbox.depth,
+            **({"inflight_storage_ops": len(self.storage_inflight)} if self.storage is not None else {}),
         }
 
     # -- helpers -----------------------------------------------------------------
@@ -195,7 +292,7 @@ class TransferActor(Actor[TransferMessage]):
                         f"copy {submit.plan.op_id} never started: the transfer actor stopped"))
 
     def _maybe_drained(self) -> None:
-        if self.drain_waiters and not self.inflight:
+        if self.drain_waiters and not self.inflight and not self.storage_inflight:
             for reply in self.drain_waiters:
                 reply.set_result(None)
             self.drain_waiters.clear()

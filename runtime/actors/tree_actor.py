@@ -8,10 +8,12 @@ the whole state and fails the runtime on a violation.
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
-from runtime.actors.transfer_actor import SubmitCopy
+from runtime.actors.transfer_actor import SubmitCopy, SubmitStorage
 from runtime.invariants import check_invariants
 from runtime.messages import (
     Abort,
@@ -30,14 +32,24 @@ from runtime.messages import (
     OpenSession,
     Quiesce,
     ReleaseAbandoned,
+    Prepare,
     Rewind,
+    StorageAck,
     TransferAck,
     TreeMessage,
     TreeStats,
 )
 from runtime.messages import OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
-from runtime.errors import CallerError
+from runtime.errors import CallerError, StateError
 from runtime.tree.cache import CacheCore
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefetchTimeout:
+    """The `timeout` policy's deadline for the admits waiting on `prefetch`."""
+
+    prefetch: Any
+    reply: None = None
 
 
 class TreeActor(Actor[TreeMessage]):
@@ -73,10 +85,32 @@ class TreeActor(Actor[TreeMessage]):
             TransferAck: self.on_transfer_ack,
         }
         self.handlers.update({StartOffload: self.on_start_offload, ReleaseOffloaded: self.on_release_offloaded})
+        self.handlers.update({Prepare: self.on_prepare, StorageAck: self.on_storage_ack,
+                              _PrefetchTimeout: self.on_prefetch_timeout})
 
     # -- handlers ----------------------------------------------------------------
-    def on_admit(self, msg: Admit) -> AdmitResult:
-        return self.core.admit(msg.rid, msg.tokens, msg.extra_key, msg.session)
+    def on_admit(self, msg: Admit) -> Any:
+        core = self.core
+        if core.storage_on:
+            core.prefetched.discard(msg.rid)
+        if core.storage_on and msg.session is None and msg.rid not in core.requests:
+            # storage tier: wait for the request's prefetch by the policy (a batch item never waits)
+            policy = core.config.prefetch_policy
+            if policy == "best_effort" or msg.reply is None:
+                pf = core.prefetches.get(msg.rid)
+                if pf is not None:
+                    core._prefetch_detach(pf)
+            else:
+                pf = core.prefetches.get(msg.rid)
+                if pf is None and core.prepare(msg.rid, msg.tokens, msg.extra_key):
+                    pf = core.prefetches[msg.rid]
+                if pf is not None:
+                    pf.waiters.append(msg)
+                    if policy == "timeout":
+                        asyncio.get_running_loop().call_later(
+                            core.config.prefetch_timeout(len(msg.tokens)), self._post_timeout, pf)
+                    return DEFERRED
+        return core.admit(msg.rid, msg.tokens, msg.extra_key, msg.session)
 
     def on_extend(self, msg: Extend) -> Any:
         return self.core.extend(msg.rid, msg.num_tokens)
@@ -91,7 +125,12 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.finish(msg.rid, msg.tokens, msg.finished_len)
 
     def on_abort(self, msg: Abort) -> None:
+        pf = self.core.prefetches.get(msg.rid) if self.core.storage_on else None
         self.core.abort(msg.rid)
+        if pf is not None:
+            waiters, pf.waiters = pf.waiters, []
+            for w in waiters:
+                w.reply.set_exception(StateError(f"request {msg.rid!r} was aborted while its prefetch ran"))
 
     def on_rewind(self, msg: Rewind) -> int:
         return self.core.rewind(msg.rid, msg.new_len)
@@ -131,7 +170,7 @@ class TreeActor(Actor[TreeMessage]):
         }
 
     def on_quiesce(self, msg: Quiesce) -> Any:
-        if not self.core.ops:
+        if not self.core.ops and not self.core.storage_ops:
             return None
         if msg.reply is not None:
             self.quiesce_waiters.append(msg.reply)
@@ -142,7 +181,10 @@ class TreeActor(Actor[TreeMessage]):
 
     def on_transfer_ack(self, msg: TransferAck) -> None:
         self.core.apply_ack(msg.op_id, msg.error)
-        if not self.core.ops and self.quiesce_waiters:
+        self._maybe_quiesced()
+
+    def _maybe_quiesced(self) -> None:
+        if not self.core.ops and not self.core.storage_ops and self.quiesce_waiters:
             for reply in self.quiesce_waiters:
                 reply.set_result(None)
             self.quiesce_waiters.clear()
@@ -154,6 +196,11 @@ class TreeActor(Actor[TreeMessage]):
             for plan, readiness in outbox:
                 self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
             outbox.clear()
+        stores = self.core.storage_outbox
+        if stores:
+            for op_id, write, keys, pages in stores:
+                self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox))
+            stores.clear()
         self._send_offload_notes()
         if self.debug_invariants:
             check_invariants(self.core)
@@ -181,3 +228,36 @@ class TreeActor(Actor[TreeMessage]):
                 for note in notes:
                     mailbox.put_internal(note)
             notes.clear()
+
+    # -- storage tier ----------------------------------------------------------------
+    def on_prepare(self, msg: Prepare) -> int:
+        return self.core.prepare(msg.rid, msg.tokens, msg.extra_key)
+
+    def on_storage_ack(self, msg: StorageAck) -> None:
+        pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok)
+        if pf is not None:
+            self._release_waiters(pf)
+        self._maybe_quiesced()
+
+    def on_prefetch_timeout(self, msg: _PrefetchTimeout) -> None:
+        if msg.prefetch.waiters:
+            self.core._prefetch_detach(msg.prefetch)
+            self._release_waiters(msg.prefetch)
+
+    def _post_timeout(self, pf: Any) -> None:
+        if pf.waiters and not self.mailbox.closed:
+            try:
+                self.mailbox.put_internal(_PrefetchTimeout(pf))
+            except Exception:  # noqa: BLE001 - stopping: nobody waits any more
+                pass
+
+    def _release_waiters(self, pf: Any) -> None:
+        """Admit the requests that waited on `pf` (landed, failed or timed out)."""
+        waiters, pf.waiters = pf.waiters, []
+        for w in waiters:
+            try:
+                result = self.core.admit(w.rid, w.tokens, w.extra_key, w.session)
+            except CallerError as exc:
+                w.reply.set_exception(exc)
+            else:
+                w.reply.set_result(result)

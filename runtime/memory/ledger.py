@@ -43,7 +43,6 @@ __all__ = ["SlotLedger", "LedgerSnapshot"]
 _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 _I64 = np.dtype(np.int64)
-_SMALL = 64  # calls with at most this many pages validate with Python ints (faster than numpy ops)
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +117,14 @@ class SlotLedger:
         self._top = n
         # Scratch for O(k) duplicate detection (no sort): see `_pages`.
         self._scratch = np.zeros(n, dtype=np.int64)
+        self._arange = np.arange(n, dtype=np.int64)
         self._offsets = np.arange(self.page_size, dtype=np.int64)
+        # Lookup tables that make validation a couple of gathers (see `_pages`): the page of
+        # every slot and the slots of every page (page size 1: both are the identity).
+        ps = self.page_size
+        self._page_of_slot = np.arange(self.num_slots, dtype=np.int64) // ps if ps > 1 else self._arange
+        self._page_slots = np.arange(self.num_slots, dtype=np.int64).reshape(n, ps) if ps > 1 else None
+        self._pinned = 0  # total pin count over all pages: frees skip the pin check while it is 0
         # Owner interning.
         self._next_code = 1
         self._code_of: dict[Owner, int] = {}
@@ -184,25 +190,29 @@ class SlotLedger:
         if n == 0:
             slots = _EMPTY.copy()
         else:
-            pages = self._stack[top - n : top][::-1].copy()
+            pages = self._stack[top - n : top][::-1]
             self._top = top - n
-            code = self._intern(owner)
+            code = self._code_of.get(owner)
+            if code is None:
+                code = self._intern(owner)
             self._codes[pages] = code
             self._count[code] += n
-            slots = self._expand(pages)
+            ps_table = self._page_slots
+            slots = pages.copy() if ps_table is None else ps_table[pages].reshape(-1)
         t = self._tracer
         if t is not None and t.active:
             t.emit("alloc", self._tier_name, slots=slots, owner=owner, **ctx)
         return slots
 
-    def free(self, slots: np.ndarray, owner: Owner, **ctx: Any) -> None:
-        """Return pages of ``owner`` to the free stack. Pinned pages always raise."""
-        pages = self._pages(slots)
+    def free(self, slots: np.ndarray, owner: Owner, *, trusted: bool = False, **ctx: Any) -> None:
+        """Return pages of ``owner`` to the free stack. Pinned pages always raise.
+
+        ``trusted``: see `assign`."""
+        pages = self._trusted_pages(slots) if trusted else self._pages(slots)
         n = len(pages)
         if n:
             code = self._require_owner(pages, owner, "free")
-            pins = self._pins[pages]
-            if np.count_nonzero(pins):
+            if self._pinned and np.count_nonzero(pins := self._pins[pages]):
                 bad = int(pages[np.flatnonzero(pins)[0]])
                 raise PinnedSlotError(
                     f"{self._tier_name}: free of pinned page {bad} (slot {bad * self.page_size}, "
@@ -217,16 +227,24 @@ class SlotLedger:
         if t is not None and t.active:
             t.emit("free", self._tier_name, slots=slots, owner=owner, **ctx)
 
-    def assign(self, slots: np.ndarray, from_owner: Owner, to_owner: Owner, **ctx: Any) -> None:
-        """Hand pages from ``from_owner`` to ``to_owner``. Pins stay with the pages."""
+    def assign(self, slots: np.ndarray, from_owner: Owner, to_owner: Owner, *, trusted: bool = False,
+               **ctx: Any) -> None:
+        """Hand pages from ``from_owner`` to ``to_owner``. Pins stay with the pages.
+
+        ``trusted``: the caller built ``slots`` only from arrays this ledger's `alloc` returned,
+        cut at page boundaries, each page once (the tree actor's own request and node slot
+        arrays): the shape, range and duplicate checks are skipped (they cost as much as the
+        hand-over itself); the owner check always runs."""
         if not isinstance(to_owner, Owner):
             raise OwnershipError(f"assign needs an Owner to hand over to, got {to_owner!r}")
-        pages = self._pages(slots)
+        pages = self._trusted_pages(slots) if trusted else self._pages(slots)
         n = len(pages)
         if n:
             from_code = self._require_owner(pages, from_owner, "assign")
-            if to_owner != from_owner:
-                to_code = self._intern(to_owner)
+            to_code = self._code_of.get(to_owner)
+            if to_code != from_code:
+                if to_code is None:
+                    to_code = self._intern(to_owner)
                 self._codes[pages] = to_code
                 self._count[to_code] += n
                 self._uncount(from_code, n)
@@ -243,6 +261,7 @@ class SlotLedger:
                 bad = int(pages[np.flatnonzero(codes == 0)[0]])
                 raise OwnershipError(f"{self._tier_name}: pin (op {op_id}) of free page {bad}")
             self._pins[pages] += 1
+            self._pinned += len(pages)
         t = self._tracer
         if t is not None and t.active:
             t.emit("pin", self._tier_name, slots=slots, op=op_id, **ctx)
@@ -256,6 +275,7 @@ class SlotLedger:
                 bad = int(pages[np.flatnonzero(pins == 0)[0]])
                 raise StateError(f"{self._tier_name}: unpin (op {op_id}) of unpinned page {bad}")
             self._pins[pages] = pins - 1
+            self._pinned -= len(pages)
         t = self._tracer
         if t is not None and t.active:
             t.emit("unpin", self._tier_name, slots=slots, op=op_id, **ctx)
@@ -335,7 +355,7 @@ class SlotLedger:
     def _require_owner(self, pages: np.ndarray, owner: Owner, what: str) -> int:
         code = self._code_of.get(owner) if isinstance(owner, Owner) else None
         codes = self._codes[pages]
-        if code is None or np.count_nonzero(codes != code):
+        if code is None or codes.tobytes() != code.to_bytes(8, "little") * len(codes):
             idx = 0 if code is None else int(np.flatnonzero(codes != code)[0])
             bad = int(pages[idx])
             actual = self._owner_of.get(int(codes[idx]))
@@ -357,10 +377,21 @@ class SlotLedger:
             return pages
         return (pages[:, None] * self.page_size + self._offsets).reshape(-1)
 
+    def _trusted_pages(self, slots: np.ndarray) -> np.ndarray:
+        """Page indices of a whole-page slot array built from this ledger's own `alloc` results."""
+        if self.page_size == 1:
+            return slots
+        return self._page_of_slot[slots[:: self.page_size]] if len(slots) else _EMPTY
+
     def _pages(self, slots: Iterable[int] | np.ndarray, unique: bool = True) -> np.ndarray:
         """Validate page-aligned slot indices; return their page indices (int64, one per page).
 
-        O(len(slots)); tuned for request-sized calls (a handful of numpy ops, no sort).
+        O(len(slots)) with a constant number of numpy calls: the page of each page's first
+        slot is gathered from a slot->page table (an index past the pool raises; a negative
+        one wraps and is caught by the comparison below), the slots those pages really hold
+        are gathered from a page->slots table and compared byte for byte with the input
+        (so every slot is checked: aligned, consecutive, in range), and duplicates are found
+        by scattering positions into a scratch array and reading them back.
         """
         if type(slots) is not np.ndarray:
             slots = np.asarray(slots)
@@ -374,35 +405,35 @@ class SlotLedger:
         if slots.dtype is not _I64:
             if slots.dtype.kind not in "iu":
                 raise LengthError(f"slots must be integers, got dtype {slots.dtype}")
-            # uint64 values >= 2**63 wrap to negatives and fail the range check below.
+            # uint64 values >= 2**63 wrap to negatives and fail the comparison below.
             slots = slots.astype(np.int64)
         ps = self.page_size
-        if ps == 1:
-            pages = slots
-        else:
-            if k % ps:
-                raise LengthError(f"{k} slots is not a whole number of pages (page_size {ps})")
-            pages = slots[::ps] // ps
-            # Each page's slots must be exactly page*ps + 0..ps-1 (aligned and consecutive).
-            expected = (pages[:, None] * ps + self._offsets).reshape(-1)
-            if slots.tobytes() != expected.tobytes():
-                raise LengthError(f"slots are not whole pages (page_size {ps}, each page consecutive and aligned)")
-        n = len(pages)
-        if n <= _SMALL:
-            plist = pages.tolist()
-            if min(plist) < 0 or max(plist) >= self.num_pages:
-                raise LengthError(f"slot index outside [0, {self.num_slots})")
-            if unique and len(set(plist)) != n:
-                raise LengthError("the same page appears more than once in one call")
-            return pages
-        if pages.view(np.uint64).max() >= self.num_pages:  # negatives view as huge
+        try:
+            if ps == 1:
+                pages = self._page_of_slot[slots]  # the identity: a gather is cheaper than a reduction
+                ok = pages.tobytes() == slots.tobytes()
+            else:
+                if k % ps:
+                    raise LengthError(f"{k} slots is not a whole number of pages (page_size {ps})")
+                pages = self._page_of_slot[slots[::ps]]
+                ok = self._page_slots[pages].tobytes() == slots.tobytes()
+        except IndexError:
+            ok = False
+        if not ok:
+            if ps == 1 or (slots.min() >= 0 and slots.max() < self.num_slots):
+                if ps > 1:
+                    raise LengthError(
+                        f"slots are not whole pages (page_size {ps}, each page consecutive and aligned)")
             raise LengthError(f"slot index outside [0, {self.num_slots})")
-        if unique:
+        if unique and len(pages) > 1:
             # O(k) duplicate check without a sort: scatter positions, read back; a repeated page
             # reads back a later position.
-            pos = np.arange(n, dtype=np.int64)
-            self._scratch[pages] = pos
-            if np.count_nonzero(self._scratch[pages] != pos):
+            if len(pages) > self.num_pages:  # more pages than the pool has: some repeat
+                raise LengthError("the same page appears more than once in one call")
+            pos = self._arange[: len(pages)]
+            scratch = self._scratch
+            scratch[pages] = pos
+            if scratch[pages].tobytes() != pos.tobytes():
                 raise LengthError("the same page appears more than once in one call")
         return pages
 

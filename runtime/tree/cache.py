@@ -136,6 +136,7 @@ class CacheCore:
             "device_evicted_tokens": 0, "host_evicted_tokens": 0, "writeback_deferred": 0,
         }
         self._init_offload()  # decode offload state (section at the end of the class)
+        self._init_storage()  # storage tier state (section at the end of the class)
 
     # -- request lifecycle -------------------------------------------------------
     def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
@@ -188,9 +189,9 @@ class CacheCore:
             self._load_op_of(r).users.add(rid)
         if host_nodes:
             prefix = np.concatenate([n.device for n in m.nodes[: len(device_nodes) + len(host_nodes)]])
-        else:
-            prefix = m.device_slots
-        slots = np.concatenate((prefix, fresh[host_len:]))
+            slots = np.concatenate((prefix, fresh[host_len:]))
+        else:  # one copy: the cached prefix's per-node slots and the fresh pages together
+            slots = np.concatenate((*m.device_parts, fresh[host_len:]))
         rec = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens.copy(),
             slots=slots, seq_len=len(tokens), committed_len=cached, cached_len=cached,
@@ -267,6 +268,8 @@ class CacheCore:
         return cached
 
     def abort(self, rid: Hashable) -> None:
+        if self.storage_on and (self._prefetch_cancel(rid) or self._prefetch_landed(rid)) and rid not in self.requests:
+            return  # only a prefetch (prepare without admit): cancelled (slots freed at its ack) or landed
         rec = self._record(rid)
         self._release(rec)
         self.stats["requests_aborted"] += 1
@@ -450,7 +453,11 @@ class CacheCore:
         extend = start is not None and start.id not in self.backup_pending and start.id not in self.loading
         res = self.tree.insert(tokens[:n], rec.extra_key, rec.slots[:n], start=start, extend_leaf=extend)
         for node, slots in res.adopted:
-            self.device.assign(slots, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
+            # trusted: the request's own alloc'd slots, cut at page boundaries by the tree
+            to = node.owner
+            if to is None:
+                to = node.owner = Owner.node(node.id)
+            self.device.assign(slots, rec.owner, to, trusted=True, rid=rec.rid, node=node.id)
         duplicates = res.duplicate_slots
         if len(duplicates):
             self.device.free(duplicates, rec.owner, rid=rec.rid, reason="duplicate")
@@ -462,7 +469,8 @@ class CacheCore:
         rec.last_node = new_last
         rec.cached_len = n
         rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
-        rec.tokens = tokens.copy()
+        if len(tokens) != len(rec.tokens):  # equal length: the same tokens (checked by the caller)
+            rec.tokens = tokens.copy()
         if self.host is not None and self.config.write_policy == "write_through":
             for node, _ in res.adopted:
                 self._maybe_backup(node)
@@ -477,7 +485,7 @@ class CacheCore:
         if rec.session is not None:
             self.sessions[rec.session].turn = None
         if len(own):
-            self.device.free(own, rec.owner, rid=rec.rid)
+            self.device.free(own, rec.owner, trusted=True, rid=rec.rid)  # its own alloc'd pages
         if rec.last_node is not None:
             self.tree.unlock(rec.last_node)
         for r in rec.readiness:
@@ -553,6 +561,8 @@ class CacheCore:
             if node is not op.node:
                 self.host.assign(part, op.host_owner, Owner.node(node.id), node=node.id)
             self.tree.attach_host(node, part)
+        if self.storage_on:
+            self._storage_write(op)
 
     def _finish_load(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
         for node in chain:
@@ -957,3 +967,260 @@ class RetiredRequest:
 
 
 _offload_log = get_logger("hicache.offload")
+
+
+# -- storage tier --------------------------------------------------------------------------
+# With a storage backend (`enable_storage`), every host backup that lands is written through
+# to storage by page hash (`StorageOp`, write), and `prepare`/`admit` read what storage
+# holds beyond the device + host hit into fresh host pages (`StorageOp`, read, owned by a
+# `Prefetch` until it lands), which become host-only tree nodes; the normal host -> device
+# load follows. Storage ops live in `storage_ops` (not `ops`): they pin their host pages
+# (ledger pin keyed by the op id) and a write protects its chain's host copies
+# (`protect_host` over the recorded length, so a split keeps both halves protected). A
+# write's keys and host pages are a snapshot taken at issue: a split during the write
+# never shrinks what is written (seed 002, storage variant). Page hashes are computed
+# from the node's path tokens when an op is issued (the snapshot carries them).
+
+_storage_log = get_logger("hicache.storage")
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """A storage read for request `rid`: tokens [start, start + len(keys) * page_size)."""
+
+    rid: Hashable
+    owner: Owner  # Owner.prefetch(rid, generation): holds `host` until it lands
+    extra_key: Hashable
+    tokens: np.ndarray
+    start: int
+    op_id: int
+    host: np.ndarray
+    cancelled: bool = False
+    detached: bool = False  # admitted without waiting for it: it lands into the tree for whoever comes next
+    waiters: list[Any] = field(default_factory=list)  # admits deferred until it lands (tree actor)
+
+
+@dataclass(slots=True)
+class StorageOp:
+    op_id: int
+    write: bool
+    host: np.ndarray  # pinned host slots (whole pages), one page per key
+    keys: list[bytes]
+    node: Node | None = None  # a write: deepest node of the backed-up chain
+    length: int = 0  # a write: tokens of that chain (its protect_host length)
+    prefetch: Prefetch | None = None  # a read
+
+
+def _storage_key_ok(extra_key: Hashable) -> bool:
+    return extra_key is None or isinstance(extra_key, (str, bytes))
+
+
+def _init_storage(self: CacheCore) -> None:
+    self.storage_on = False
+    self.storage_ops: dict[int, StorageOp] = {}
+    self.storage_outbox: list[tuple[int, bool, tuple[bytes, ...], tuple[int, ...]]] = []
+    self.prefetches: dict[Hashable, Prefetch] = {}
+    self.storage_known: set[bytes] = set()  # page hashes this process wrote (skip rewriting them)
+    self._prefetch_gens = itertools.count(1)
+    self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
+    for name in ("storage_writes_issued", "storage_pages_written", "storage_write_failures",
+                 "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
+                 "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted"):
+        self.stats.setdefault(name, 0)
+
+
+def enable_storage(self: CacheCore) -> None:
+    from runtime.storage.hashing import KVIdentity
+
+    if self.host is None:
+        raise StateError("a storage tier needs the host tier")
+    self.identity = KVIdentity.from_config(self.config)
+    self.storage_on = True
+
+
+def _page_hashes(self: CacheCore, tokens: np.ndarray, extra_key: Hashable) -> list[bytes]:
+    from runtime.storage.hashing import page_hashes
+
+    return page_hashes(tokens, self.page_size, extra_key, self.identity)
+
+
+def _host_pages(self: CacheCore, host: np.ndarray) -> tuple[int, ...]:
+    ps = self.page_size
+    return tuple(int(x) // ps for x in host[::ps])
+
+
+def _storage_write(self: CacheCore, op: CopyOp) -> None:
+    """After a backup landed: write its chain's pages (not known stored yet) to storage."""
+    node = op.node
+    if not _storage_key_ok(node.extra_key) or self.host is None:
+        return
+    ps = self.page_size
+    path = self.tree.path_tokens(node)
+    first = (len(path) - op.length) // ps
+    hashes = self._page_hashes(path, node.extra_key)[first:]
+    pick = [i for i, h in enumerate(hashes) if h not in self.storage_known]
+    if not pick:
+        return
+    keys = [hashes[i] for i in pick]
+    host = np.concatenate([op.host[i * ps:(i + 1) * ps] for i in pick])
+    op_id = next(self._op_ids)
+    self.host.pin(host, op_id)
+    self.tree.protect_host(node, op.length)
+    self.storage_ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=op.length)
+    self.storage_outbox.append((op_id, True, tuple(keys), self._host_pages(host)))
+    self.stats["storage_writes_issued"] += 1
+
+
+def prepare(self: CacheCore, rid: Hashable, tokens: Any, extra_key: Hashable = None) -> int:
+    """Start reading from storage the pages of `tokens` beyond the device + host hit.
+    Returns the tokens being read (0: nothing started; bad tokens are left for `admit` to refuse)."""
+    if not self.storage_on:
+        return 0
+    try:
+        tokens = self._check_tokens(tokens)
+    except LengthError:
+        return 0
+    if (not self.storage_on or self.host is None or rid in self.prefetches or rid in self.requests
+            or not _storage_key_ok(extra_key)):
+        return 0
+    ps = self.page_size
+    match_len = _aligned(len(tokens) - 1, ps)
+    look = self.tree.match(tokens[:match_len], extra_key, split=False, touch=False)
+    start = look.device_len + look.host_len
+    if match_len - start < max(ps, self.config.prefetch_threshold):
+        return 0
+    keys = self._page_hashes(tokens[:match_len], extra_key)[start // ps:]
+    # a cap on host memory held by prefetches: half the host pool
+    held = sum(len(pf.host) for pf in self.prefetches.values()) // ps
+    room = self.host.num_pages // 2 - held
+    keys = keys[:max(0, room)]
+    owner = Owner.prefetch(rid, next(self._prefetch_gens))
+    host = self._alloc_host(len(keys), owner, rid=rid, reason="prefetch") if keys else None
+    if host is None:
+        self.stats["prefetch_skipped"] += 1
+        return 0
+    op_id = next(self._op_ids)
+    self.host.pin(host, op_id)
+    pf = Prefetch(rid, owner, extra_key, tokens[:start + len(keys) * ps].copy(), start, op_id, host)
+    self.prefetches[rid] = pf
+    self.storage_ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf)
+    self.storage_outbox.append((op_id, False, tuple(keys), self._host_pages(host)))
+    self.stats["storage_reads_issued"] += 1
+    return len(keys) * ps
+
+
+def _prefetch_cancel(self: CacheCore, rid: Hashable) -> bool:
+    pf = self.prefetches.pop(rid, None)
+    if pf is None:
+        return False
+    pf.cancelled = True
+    self.stats["prefetch_aborted"] += 1
+    return True
+
+
+def _prefetch_detach(self: CacheCore, pf: Prefetch) -> None:
+    """The request stops waiting (best_effort admit, timeout): the read goes on and lands into
+    the tree; an abort of the request no longer cancels it."""
+    if self.prefetches.get(pf.rid) is pf:
+        del self.prefetches[pf.rid]
+        pf.detached = True
+
+
+def _prefetch_landed(self: CacheCore, rid: Hashable) -> bool:
+    """Forget that `rid` was prepared (its landed pages are the tree's, nothing to release)."""
+    if rid in self.prefetched:
+        self.prefetched.discard(rid)
+        return True
+    return False
+
+
+def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None,
+                      ok: tuple[bool, ...] = ()) -> Prefetch | None:
+    """A storage op finished. A write marks its stored pages known; a read's leading `pages`
+    become host copies in the tree (the rest is freed). Returns the read's `Prefetch`."""
+    sop = self.storage_ops.pop(op_id)
+    assert self.host is not None
+    self.host.unpin(sop.host, op_id)
+    if sop.write:
+        assert sop.node is not None
+        self.tree.unprotect_host(sop.node, sop.length)
+        if error is not None:
+            ok = ()
+            _storage_log.warning("storage_write_failed", op=op_id, pages=len(sop.keys), error=error)
+        stored = [k for k, good in zip(sop.keys, ok) if good]
+        if error is None and len(stored) < len(sop.keys):
+            _storage_log.warning("storage_pages_not_written", op=op_id, failed=len(sop.keys) - len(stored))
+        if len(self.storage_known) > 1 << 20:  # a hint only: bound its memory
+            self.storage_known.clear()
+        self.storage_known.update(stored)
+        self.stats["storage_pages_written"] += len(stored)
+        self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
+        return None
+    pf = sop.prefetch
+    assert pf is not None
+    if self.prefetches.get(pf.rid) is pf:
+        del self.prefetches[pf.rid]
+    ps = self.page_size
+    if error is not None:
+        self.stats["storage_read_failures"] += 1
+        _storage_log.warning("storage_read_failed", op=op_id, rid=str(pf.rid), error=error)
+        pages = 0
+    if pf.cancelled:
+        pages = 0
+    else:
+        if not pf.detached and len(self.prefetched) < 65536:
+            self.prefetched.add(pf.rid)
+        self.storage_known.difference_update(sop.keys[pages:])  # gone (evicted elsewhere): rewrite it next time
+        self.stats["storage_read_misses"] += len(sop.keys) - pages
+        self.stats["storage_pages_read"] += pages
+    rest = pf.host[pages * ps:]
+    if len(rest):
+        self.host.free(rest, pf.owner, rid=pf.rid, reason="prefetch_unused")
+    if pages:
+        self.stats["tokens_storage_hit"] += self._prefetch_insert(pf, pf.host[:pages * ps])
+    return pf
+
+
+def _prefetch_insert(self: CacheCore, pf: Prefetch, host: np.ndarray) -> int:
+    """Hand the read pages to the tree as host copies (nodes on the path without one adopt
+    theirs; the rest becomes a host-only child). Returns the tokens the tree took."""
+    assert self.host is not None
+    start, end = pf.start, pf.start + len(host)
+    tokens = pf.tokens[:end]
+
+    def drop(part: np.ndarray, reason: str) -> None:
+        if len(part):
+            self.host.free(part, pf.owner, rid=pf.rid, reason=reason)
+
+    if start:
+        m0 = self.tree.match(tokens[:start], pf.extra_key, split=True, touch=False)
+        if m0.matched_len < start:
+            drop(host, "prefix_gone")
+            return 0
+    m = self.tree.match(tokens, pf.extra_key, split=True, touch=False)
+    kept = 0
+    offset = 0
+    parent = self.tree.root(pf.extra_key)
+    for node in m.nodes:
+        lo, offset = offset, offset + node.num_tokens
+        if offset > start:
+            part = host[lo - start: offset - start]
+            if node.host is None and node.id not in self.backup_pending:
+                self.tree.attach_host(node, part)
+                self.host.assign(part, pf.owner, Owner.node(node.id), rid=pf.rid, node=node.id)
+                kept += len(part)
+            else:
+                drop(part, "duplicate")
+        parent = node
+    if m.matched_len < end:
+        rest = host[m.matched_len - start:]
+        node = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
+        self.host.assign(rest, pf.owner, Owner.node(node.id), rid=pf.rid, node=node.id)
+        kept += len(rest)
+    return kept
+
+
+for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, prepare, _prefetch_cancel,
+            _prefetch_landed, _prefetch_detach, apply_storage_ack, _prefetch_insert):
+    setattr(CacheCore, _fn.__name__, _fn)
+del _fn

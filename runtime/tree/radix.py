@@ -100,6 +100,9 @@ class Node:
         # True while this node has an entry in the device / host eviction heap
         "_dq",
         "_hq",
+        # free for the tree's user (the cache core keeps the node's ledger owner here);
+        # the tree never reads it
+        "owner",
     )
 
     def __init__(self, id: int, parent: "Node | None", key: bytes, extra_key: Hashable) -> None:
@@ -119,6 +122,7 @@ class Node:
         self.n_host_children = 0
         self._dq = False
         self._hq = False
+        self.owner = None
 
     @property
     def num_tokens(self) -> int:
@@ -156,15 +160,23 @@ class MatchResult:
       device nor host slots, e.g. storage-only ones).
     """
 
-    __slots__ = ("nodes", "device_len", "host_len", "device_slots", "last_device_node", "last_node", "matched_len",
-                 "partial", "num_device_nodes", "extra_key")
+    __slots__ = ("nodes", "device_len", "host_len", "_device_slots", "device_parts", "last_device_node", "last_node",
+                 "matched_len", "partial", "num_device_nodes", "extra_key")
 
     def __init__(self, nodes, device_len, host_len, device_slots, last_device_node, last_node, matched_len,
                  partial=0, num_device_nodes=None, extra_key=None):
         self.nodes: list[Node] = nodes
         self.device_len: int = device_len
         self.host_len: int = host_len
-        self.device_slots: np.ndarray = device_slots
+        # ``device_slots`` may be given as the list of per-node arrays (``device_parts``):
+        # the concatenation is made on first use, so a caller that concatenates them with
+        # more slots (an admission) copies them once
+        if isinstance(device_slots, list):
+            self.device_parts: list[np.ndarray] = device_slots
+            self._device_slots: np.ndarray | None = None
+        else:
+            self.device_parts = [device_slots] if len(device_slots) else []
+            self._device_slots = device_slots
         self.last_device_node: Node = last_device_node
         self.last_node: Node = last_node
         self.matched_len: int = matched_len
@@ -174,6 +186,15 @@ class MatchResult:
         self.num_device_nodes: int = (
             num_device_nodes if num_device_nodes is not None else sum(1 for nd in nodes if nd.device is not None))
         self.extra_key = extra_key
+
+    @property
+    def device_slots(self) -> np.ndarray:
+        """A new int64 array: the device slots of the first ``device_len`` tokens."""
+        d = self._device_slots
+        if d is None:
+            parts = self.device_parts
+            d = self._device_slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return d
 
     @property
     def device_nodes(self) -> list[Node]:
@@ -576,11 +597,11 @@ class RadixTree:
         if partial and i == L:
             dev[-1] = dev[-1][:partial]
         if dev:
-            device_slots = np.concatenate(dev)
-            device_len = len(device_slots)
+            device_len = 0
+            for d in dev:
+                device_len += len(d)
             last_dev = nodes[i - 1]
         else:
-            device_slots = np.empty(0, dtype=np.int64)
             device_len = 0
             last_dev = root
         j = i
@@ -600,7 +621,7 @@ class RadixTree:
             for nd in nodes:
                 nd.last_access = c
                 nd.hit_count += 1
-        return MatchResult(nodes, device_len, host_len, device_slots, last_dev, last, pos >> 2, partial, i, extra_key)
+        return MatchResult(nodes, device_len, host_len, dev, last_dev, last, pos >> 2, partial, i, extra_key)
 
     def settle(self, look: MatchResult, *, touch: bool = True) -> MatchResult:
         """Turn a read-only look (``match(split=False)``) into ``match(split=True, touch=touch)``.
@@ -808,8 +829,12 @@ class RadixTree:
             if r == 0:
                 if node.device is not None:
                     self.locked_device_tokens -= len(node.device)
-                    if node.n_dev_children == 0:
-                        self._refresh(node)
+                    # now an evictable device leaf if no child is on device (`_is_device_leaf`;
+                    # on device, it cannot be a host leaf)
+                    if node.n_dev_children == 0 and node not in self.device_leaves:
+                        self.device_leaves.add(node)
+                        if not node._dq:
+                            self._push_dev(node)
             node = node.parent
 
     # ------------------------------------------------------------------ host protection

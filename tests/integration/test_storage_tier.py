@@ -1,0 +1,414 @@
+"""The storage tier through the runtime: write-through after host backups, prefetch on
+prepare/admit (policies), abort at each prefetch stage, faults, seed 002 storage variant,
+namespace/identity isolation and two processes sharing one directory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from runtime.errors import ConfigError, StateError
+from runtime.runtime import CacheRuntime
+from runtime.storage.backend import FaultPlan, FaultyBackend
+from runtime.storage.file_backend import FileBackend
+from runtime.storage.hashing import KVIdentity, page_hashes
+from tests.integration.support import bad_positions, compute, small_config
+
+N = 40  # tokens backed up (10 pages of 4)
+
+
+def toks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+
+
+def cfg(**changes):
+    base = dict(copy_engine="cpu", host_tokens=256)
+    base.update(changes)
+    return small_config(**base)
+
+
+def backend(path, config) -> FileBackend:
+    return FileBackend(path, config.page_size * config.bytes_per_token)
+
+
+async def settle_all(rt: CacheRuntime, timeout: float = 10.0) -> None:
+    """Until no copy and no storage op is in flight."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while await rt.inspect(lambda core: len(core.ops) + len(core.storage_ops)):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("copies or storage ops still in flight")
+        await asyncio.sleep(0.002)
+
+
+async def quiescent(rt: CacheRuntime) -> None:
+    from runtime.invariants import check_invariants
+
+    await settle_all(rt)
+    await rt.inspect(lambda core: check_invariants(core, quiescent=True))
+
+
+async def serve(rt: CacheRuntime, rid, tokens, extra_key=None) -> None:
+    """Admit, compute the fingerprint KV, finish with the first N tokens; wait for the backups."""
+    res = await rt.admit(rid, tokens, extra_key)
+    compute(rt, res.slots, tokens, extra_key)
+    await rt.finish(rid, tokens[:N])
+    await settle_all(rt)
+
+
+async def readmit_ok(rt: CacheRuntime, rid, tokens, extra_key=None) -> int:
+    """Admit again; check the cached prefix's device KV is the prefix's fingerprint; abort."""
+    res = await rt.admit(rid, tokens, extra_key)
+    for r in res.readiness:
+        await r.wait_all()
+    await settle_all(rt)
+    cached = res.cached
+    assert bad_positions(rt.device_pool, res.slots[:cached], tokens[:cached], extra_key) == []
+    await rt.abort(rid)
+    return cached
+
+
+def stored_pages(fb, config, tokens, extra_key=None) -> int:
+    keys = page_hashes(tokens[:N], config.page_size, extra_key, KVIdentity.from_config(config))
+    return fb.exists_prefix(keys)
+
+
+# -- round trip ------------------------------------------------------------------------------
+
+
+async def test_round_trip_through_storage(tmp_path):
+    config = cfg()
+    fb = backend(tmp_path, config)
+    a = toks(N + 1, 1)
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        await serve(rt, "a", a)
+        assert stored_pages(fb, config, a) == N // config.page_size
+        assert await rt.flush() > 0
+        assert await rt.match_prefix(a) == {"device": 0, "host": 0}
+        assert await readmit_ok(rt, "a2", a) == N  # wait_complete: the admit waits for storage
+        st = await rt.stats()
+        assert st["tokens_storage_hit"] == N
+        assert st["storage_pages_written"] == N // config.page_size
+        assert st["storage_bytes_written"] == N * config.bytes_per_token
+        assert st["storage_bytes_read"] == N * config.bytes_per_token
+        assert st["storage_write_failures"] == 0 and st["storage_errors"] == 0
+        await quiescent(rt)
+    fb.close()
+
+
+async def test_storage_from_config_file_backend(tmp_path):
+    config = cfg(storage_backend="file", storage_dir=str(tmp_path))
+    a = toks(N + 1, 2)
+    async with CacheRuntime.open(config) as rt:
+        await serve(rt, "a", a)
+        await rt.flush()
+        assert await readmit_ok(rt, "b", a) == N
+        await quiescent(rt)
+
+
+def test_storage_config_validation():
+    with pytest.raises(ConfigError):
+        cfg(storage_backend="disk")
+    with pytest.raises(ConfigError):
+        cfg(storage_backend="file")  # no directory
+    with pytest.raises(ConfigError):
+        cfg(storage_backend="file", storage_dir="/tmp/x", host_tokens=0)
+    with pytest.raises(ConfigError):
+        cfg(prefetch_policy="eager")
+    with pytest.raises(ConfigError):
+        cfg(prefetch_threshold=-1)
+    c = cfg()
+    assert c.prefetch_timeout(0) == 2.0 and c.prefetch_timeout(10_000) == 3.0
+    assert c.prefetch_timeout(10_000_000) == 30.0
+
+
+async def test_backend_page_size_must_match(tmp_path):
+    config = cfg()
+    with pytest.raises(ConfigError):
+        async with CacheRuntime.open(config, storage=FileBackend(tmp_path, 1234)):
+            pass
+
+
+# -- isolation -------------------------------------------------------------------------------
+
+
+async def test_namespace_and_identity_isolation(tmp_path):
+    config = cfg()
+    a = toks(N + 1, 3)
+    async with CacheRuntime.open(config, storage=backend(tmp_path, config)) as rt:
+        await serve(rt, "a", a)
+        await rt.flush()
+        assert await readmit_ok(rt, "x", a, extra_key="other") == 0
+        assert (await rt.stats())["tokens_storage_hit"] == 0
+        await quiescent(rt)
+    for other in (cfg(kv_dtype="float16"), cfg(weight_version="1")):
+        async with CacheRuntime.open(other, storage=backend(tmp_path, other)) as rt:
+            assert await readmit_ok(rt, "y", a) == 0
+            assert (await rt.stats())["tokens_storage_hit"] == 0
+            await quiescent(rt)
+
+
+# -- seed 002, storage variant ---------------------------------------------------------------
+
+
+async def test_seed002_split_during_storage_write_keeps_every_page(tmp_path):
+    config = cfg()
+    inner = backend(tmp_path, config)
+    fb = FaultyBackend(inner, FaultPlan(hold_at={1}, methods={"set_batch"}))
+    a = toks(N + 1, 4)
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        res = await rt.admit("a", a)
+        compute(rt, res.slots, a)
+        await rt.finish("a", a[:N])
+        assert await asyncio.to_thread(fb.wait_held, 1, 5.0)  # the storage write is held in flight
+        b = np.concatenate((a[:16], toks(20, 5)))
+        res_b = await rt.admit("b", b)
+        assert res_b.cached_device == 16  # the node was split at 16 during the write
+        n_nodes = await rt.inspect(lambda core: sum(1 for n in core.tree.nodes() if n.host_protect > 0))
+        assert n_nodes == 2  # both halves protected from host eviction while the write runs
+        fb.release()
+        await settle_all(rt)
+        assert stored_pages(inner, config, a) == N // config.page_size  # every original page landed
+        await rt.abort("b")
+        await rt.flush()
+        assert await readmit_ok(rt, "c", a) == N
+        await quiescent(rt)
+
+
+# -- prefetch policies -----------------------------------------------------------------------
+
+
+async def _stored(tmp_path, config, a) -> None:
+    async with CacheRuntime.open(config, storage=backend(tmp_path, config)) as rt:
+        await serve(rt, "w", a)
+
+
+async def test_best_effort_uses_what_has_arrived(tmp_path):
+    config = cfg(prefetch_policy="best_effort")
+    a = toks(N + 1, 6)
+    await _stored(tmp_path, config, a)
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        assert await rt.prepare("r", a) == N
+        assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+        res = await rt.admit("r", a)  # nothing arrived yet: no wait
+        assert res.cached == 0
+        await rt.abort("r")
+        fb.release()
+        await settle_all(rt)  # the read lands into the tree anyway
+        assert await rt.match_prefix(a) == {"device": 0, "host": N}
+        assert await readmit_ok(rt, "r2", a) == N
+        await quiescent(rt)
+
+
+async def test_wait_complete_waits_for_a_held_read(tmp_path):
+    config = cfg(prefetch_policy="wait_complete")
+    a = toks(N + 1, 7)
+    await _stored(tmp_path, config, a)
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        admit = asyncio.ensure_future(rt.admit("r", a))
+        assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+        await asyncio.sleep(0.05)
+        assert not admit.done()
+        fb.release()
+        res = await admit
+        assert res.loaded_host == N
+        await settle_all(rt)
+        assert bad_positions(rt.device_pool, res.slots[:N], a[:N]) == []
+        await rt.abort("r")
+        await quiescent(rt)
+
+
+async def test_timeout_policy_gives_up_then_lands(tmp_path):
+    config = cfg(prefetch_policy="timeout", prefetch_timeout_base_s=0.05, prefetch_timeout_per_1k_s=0.0)
+    a = toks(N + 1, 8)
+    await _stored(tmp_path, config, a)
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        t0 = asyncio.get_running_loop().time()
+        res = await rt.admit("r", a)
+        assert res.cached == 0 and asyncio.get_running_loop().time() - t0 < 2.0
+        fb.release()
+        await settle_all(rt)
+        await rt.abort("r")
+        assert await readmit_ok(rt, "r2", a) == N  # the late read still became a host copy
+        await quiescent(rt)
+
+
+async def test_threshold_skips_short_prefetches(tmp_path):
+    config = cfg(prefetch_threshold=N + 4)
+    a = toks(N + 1, 9)
+    await _stored(tmp_path, config, a)
+    async with CacheRuntime.open(config, storage=backend(tmp_path, config)) as rt:
+        assert await rt.prepare("r", a) == 0
+        assert await readmit_ok(rt, "r", a) == 0
+        await quiescent(rt)
+
+
+# -- abort at each stage ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["exists_prefix", "get_batch", "landed", "waiting_admit"])
+async def test_abort_at_each_prefetch_stage_leaks_nothing(tmp_path, stage):
+    config = cfg()
+    a = toks(N + 1, 10)
+    await _stored(tmp_path, config, a)
+    method = "get_batch" if stage in ("landed", "waiting_admit") else stage
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1, 2, 3}, methods={method}))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        for round_ in range(3):
+            rid = f"r{round_}"
+            if stage == "waiting_admit":
+                admit = asyncio.ensure_future(rt.admit(rid, a))
+                assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+                await rt.abort(rid)
+                with pytest.raises(StateError):
+                    await admit
+            else:
+                assert await rt.prepare(rid, a) == N
+                if stage == "landed":
+                    fb.release()
+                    await settle_all(rt)
+                    fb.rearm()
+                else:
+                    assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+                await rt.abort(rid)
+            fb.release()
+            await quiescent(rt)
+            fb.rearm()
+            await rt.flush()
+        fb.release()
+        assert await readmit_ok(rt, "after", a) == N  # prefetch still works afterwards
+        await quiescent(rt)
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["raise", "miss"])
+async def test_failing_backend_is_a_miss_and_leaks_nothing(tmp_path, mode):
+    config = cfg()
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(fail_rate=1.0, mode=mode, seed=3))
+    a = toks(N + 1, 11)
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        await serve(rt, "a", a)
+        st = await rt.stats()
+        assert st["storage_pages_written"] == 0 and st["storage_write_failures"] == N // config.page_size
+        await rt.flush()
+        assert await readmit_ok(rt, "b", a) == 0
+        assert not rt.failed
+        await quiescent(rt)
+
+
+async def test_flaky_pages_never_read_wrong(tmp_path):
+    config = cfg()
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(page_fail_rate=0.3, stall_rate=0.3, stall_s=0.01, seed=7))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        for i in range(6):
+            a = toks(N + 1, 100 + i)
+            await serve(rt, f"a{i}", a)
+            await rt.flush()
+            cached = await readmit_ok(rt, f"b{i}", a)  # checks the fingerprints of what came back
+            assert cached % config.page_size == 0
+        assert not rt.failed
+        await quiescent(rt)
+
+
+# -- two processes ---------------------------------------------------------------------------
+
+
+def test_two_processes_share_a_directory(tmp_path):
+    config = cfg(storage_backend="file", storage_dir=str(tmp_path))
+    a = toks(N + 1, 12)
+    script = textwrap.dedent(f"""
+        import asyncio, numpy as np
+        from runtime.runtime import CacheRuntime
+        from tests.integration.test_storage_tier import cfg, serve, toks
+        async def main():
+            config = cfg(storage_backend="file", storage_dir={str(tmp_path)!r})
+            async with CacheRuntime.open(config) as rt:
+                await serve(rt, "a", toks({N + 1}, 12))
+                st = await rt.stats()
+                assert st["storage_pages_written"] == {N // config.page_size}, st
+        asyncio.run(main())
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", script], cwd=root, check=True, timeout=120)
+
+    async def main():
+        async with CacheRuntime.open(config) as rt:
+            assert await readmit_ok(rt, "b", a) == N
+            assert (await rt.stats())["tokens_storage_hit"] == N
+            await quiescent(rt)
+
+    asyncio.run(main())
+
+
+# -- slot trace ------------------------------------------------------------------------------
+
+
+async def test_storage_slot_trace_audits_clean(tmp_path):
+    from runtime.trace import audit
+
+    path = tmp_path / "trace.jsonl"
+    config = cfg(trace_path=str(path))
+    a = toks(N + 1, 13)
+    fb = FaultyBackend(backend(tmp_path / "store", config), FaultPlan(hold_at={2}, methods={"get_batch"}))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        await serve(rt, "a", a)
+        await rt.flush()
+        assert await readmit_ok(rt, "b", a) == N  # get_batch call 1
+        await rt.flush()
+        assert await rt.prepare("c", a) == N  # call 2, held  # cancelled mid-read: its pages are freed at the ack
+        assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+        await rt.abort("c")
+        fb.release()
+        await quiescent(rt)
+    report = audit(str(path))
+    assert report.clean, report.summary()
+
+
+async def test_cancelled_waiting_admit_releases_everything(tmp_path):
+    config = cfg()
+    a = toks(N + 1, 14)
+    await _stored(tmp_path, config, a)
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        admit = asyncio.ensure_future(rt.admit("r", a))
+        assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+        admit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admit
+        fb.release()
+        await settle_all(rt)
+        for _ in range(100):  # the abandoned admission is released through the mailbox
+            if not await rt.inspect(lambda core: len(core.requests)):
+                break
+            await asyncio.sleep(0.005)
+        await quiescent(rt)
+        assert await readmit_ok(rt, "r", a) == N
+
+
+async def test_batch_admit_never_waits(tmp_path):
+    from runtime.messages import Admit
+
+    config = cfg()
+    a = toks(N + 1, 15)
+    await _stored(tmp_path, config, a)
+    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        assert await rt.prepare("r", a) == N
+        assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+        (res,) = await rt.step([Admit("r", a)])
+        assert res.cached == 0
+        await rt.abort("r")  # the detached read is not cancelled: it lands into the tree
+        fb.release()
+        await settle_all(rt)
+        assert await rt.match_prefix(a) == {"device": 0, "host": N}
+        await quiescent(rt)
