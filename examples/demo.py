@@ -12,8 +12,8 @@ slot-lifecycle trace it wrote.
     scripts/demo.sh --tiny          # a tiny random model, seconds; token ids instead of text
 
 The device pool is deliberately small (a few conversations' worth), so later turns show hits
-from more than one tier. The storage tier is not wired in yet: see `runtime_config` (its
-counts print as 0 until then).
+from more than one tier. Storage is a local file directory: see `runtime_config` (its
+setting `--storage-dir` to reuse a directory across runs).
 """
 
 from __future__ import annotations
@@ -91,10 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the converted SmolLM2 weights are kept (default ~/.cache/hicache)")
     p.add_argument("--trace", default=os.path.join(tempfile.gettempdir(), "hicache-demo-trace.jsonl"),
                    help="JSONL slot-lifecycle trace (default %(default)s)")
+    p.add_argument("--storage-dir", help="local file storage tier (default: a fresh temporary directory)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio even when uvloop is installed")
     args = p.parse_args(argv)
+    args.storage_dir = args.storage_dir or tempfile.mkdtemp(prefix="hicache-demo-storage-")
     args.users = args.users or 4
     args.turns = args.turns or (3 if args.quick else 4)
     args.max_new_tokens = args.max_new_tokens or (24 if args.quick else 48)
@@ -123,9 +125,10 @@ def runtime_config(model: Any, tok: Any, args: argparse.Namespace) -> RuntimeCon
 
     The device pool defaults to a quarter of the working set (all conversations at their
     longest; never less than the longest request plus two pages), so the users keep pushing
-    each other's history to the host tier while they think, and later turns load it back. Storage hook: when the runtime's storage tier lands, add its settings here (e.g. a
-    local file directory from a `--storage-dir` option); `ServingLoop` already reports its
-    counts per turn.
+    each other's history to the host tier while they think, and later turns load it back. The
+    host tier is twice the device pool, so older history falls through to local file storage
+    (`--storage-dir`; a fresh temporary directory by default: reuse one across runs and the
+    first turns already come from storage).
     """
     layers, kv_heads, head_dim = kv_geometry(model.config)
     page = 16
@@ -136,8 +139,8 @@ def runtime_config(model: Any, tok: Any, args: argparse.Namespace) -> RuntimeCon
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
         kv_dtype={torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[model.dtype],
         model_id="tiny-llama" if args.tiny else "SmolLM2-135M-Instruct", device="cpu", page_size=page,
-        device_slots=device, host_tokens=args.host_tokens or 4 * device, write_policy=args.write_policy,
-        trace_path=args.trace,
+        device_slots=device, host_tokens=args.host_tokens or 2 * device, write_policy=args.write_policy,
+        trace_path=args.trace, storage_backend="file", storage_dir=args.storage_dir,
     )
 
 
@@ -284,7 +287,7 @@ async def chat(args: argparse.Namespace) -> int:
     print(f"model: {what}, loaded in {t_loaded - t_start:.1f}s; event loop: {loop_name}; torch threads: "
           f"{torch.get_num_threads()}")
     print(f"runtime: device pool {cfg.device_slots} tokens, host tier {cfg.host_slots} tokens, page {cfg.page_size}, "
-          f"write policy {cfg.write_policy}, storage: not configured; trace -> {cfg.trace_path}")
+          f"write policy {cfg.write_policy}, storage: files in {cfg.storage_dir}; trace -> {cfg.trace_path}")
     names = list(USERS)[: args.users]
     print(f"{len(names)} users x {args.turns} turns, replies up to {args.max_new_tokens} tokens\n", flush=True)
 
@@ -324,7 +327,8 @@ async def chat(args: argparse.Namespace) -> int:
 async def final_ledgers(rt: CacheRuntime) -> Any:
     """Ledger snapshots once no copy is in flight (what the trace's replay must end with)."""
     for _ in range(2000):
-        if not (await rt.stats())["inflight_copies"]:
+        st = await rt.stats()
+        if not st["inflight_copies"] and not st["inflight_storage_ops"]:
             break
         await asyncio.sleep(0.005)
     try:

@@ -74,6 +74,7 @@ class AdmitResult:
     cached_device: int  # tokens whose KV was already on device
     loaded_host: int  # tokens being loaded from host (ready per layer through `readiness`)
     readiness: tuple["LayerReadiness", ...]  # every load the cached prefix waits on
+    loaded_storage: int = 0  # of `loaded_host`: tokens this request's prefetch brought from storage
 
     @property
     def cached(self) -> int:

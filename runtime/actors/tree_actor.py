@@ -162,6 +162,7 @@ class TreeActor(Actor[TreeMessage]):
             **core.stats,
             "live_requests": len(core.requests),
             "inflight_copies": len(core.ops),
+            "inflight_storage_ops": len(core.storage_ops),
             "tree_nodes": core.tree.num_nodes,
             "device_free_slots": core.device.num_free_slots(),
             "host_free_slots": core.host.num_free_slots() if core.host is not None else 0,

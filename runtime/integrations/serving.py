@@ -29,7 +29,7 @@ What it does, per scheduling step (one task, `ServingLoop._run`):
    tokens whose KV was written: the last sampled token never went through the model).
 
 Per-request metrics (:class:`TurnMetrics`): prompt tokens served from device / host / storage
-(0 until the storage tier lands: read from ``AdmitResult.loaded_storage`` when it exists) /
+(``AdmitResult.loaded_storage``) /
 recomputed, time to first token, decode tokens/s. The library never picks the event loop: the
 caller's ``main`` does (the demo uses uvloop when it is installed).
 """
@@ -328,10 +328,10 @@ class ServingLoop:
                 continue
             self._waiting.popleft()
             m = req.metrics
-            storage = int(getattr(res, "loaded_storage", 0))  # hook: the storage tier's count
-            cached = res.cached_device + res.loaded_host + storage
+            storage = res.loaded_storage  # part of loaded_host that this request's prefetch read from storage
+            cached = res.cached_device + res.loaded_host
             if req.admissions == 0:
-                m.device_tokens, m.host_tokens, m.storage_tokens = res.cached_device, res.loaded_host, storage
+                m.device_tokens, m.host_tokens, m.storage_tokens = res.cached_device, res.loaded_host - storage, storage
                 m.recomputed_tokens = len(ctx) - cached
                 m.queue_s = time.perf_counter() - req.t_arrival
             else:

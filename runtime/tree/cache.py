@@ -205,7 +205,9 @@ class CacheCore:
             for node in device_nodes:
                 if node.hit_count >= self.config.write_through_threshold:
                     self._maybe_backup(node)
-        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)].copy()), m.device_len, host_len, tuple(readiness))
+        from_storage = min(self.prefetch_landed.pop(rid, 0), host_len)
+        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)].copy()), m.device_len, host_len,
+                           tuple(readiness), from_storage)
 
     def extend(self, rid: Hashable, n: int) -> torch.Tensor:
         rec = self._record(rid)
@@ -1023,6 +1025,7 @@ def _init_storage(self: CacheCore) -> None:
     self.storage_known: set[bytes] = set()  # page hashes this process wrote (skip rewriting them)
     self._prefetch_gens = itertools.count(1)
     self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
+    self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
     for name in ("storage_writes_issued", "storage_pages_written", "storage_write_failures",
                  "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
                  "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted"):
@@ -1128,6 +1131,7 @@ def _prefetch_detach(self: CacheCore, pf: Prefetch) -> None:
 
 def _prefetch_landed(self: CacheCore, rid: Hashable) -> bool:
     """Forget that `rid` was prepared (its landed pages are the tree's, nothing to release)."""
+    self.prefetch_landed.pop(rid, None)
     if rid in self.prefetched:
         self.prefetched.discard(rid)
         return True
@@ -1177,7 +1181,10 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
     if len(rest):
         self.host.free(rest, pf.owner, rid=pf.rid, reason="prefetch_unused")
     if pages:
-        self.stats["tokens_storage_hit"] += self._prefetch_insert(pf, pf.host[:pages * ps])
+        taken = self._prefetch_insert(pf, pf.host[:pages * ps])
+        self.stats["tokens_storage_hit"] += taken
+        if not pf.detached and not pf.cancelled:
+            self.prefetch_landed[pf.rid] = taken
     return pf
 
 
