@@ -172,15 +172,23 @@ class TransferActor(Actor[TransferMessage]):
         n = int(backend.exists_prefix(list(msg.keys)))
         if n <= 0:
             return 0, ()
-        shape = pool.shape
-        bufs = [torch.empty((shape.num_layers, 2, pool.page_size, shape.num_kv_heads, shape.head_dim),
-                            dtype=shape.dtype) for _ in range(n)]
+        # page_first keeps a page contiguous in the canonical form: read straight into the pool
+        # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
+        direct = pool.layout == "page_first"
+        if direct:
+            bufs = [pool.read_page(p) for p in msg.pages[:n]]
+        else:
+            shape = pool.shape
+            stage = torch.empty((n, shape.num_layers, 2, pool.page_size, shape.num_kv_heads, shape.head_dim),
+                                dtype=shape.dtype)
+            bufs = list(stage)
         got = backend.get_batch(list(msg.keys[:n]), bufs)
         k = 0
         while k < n and got[k]:  # a missing page ends the hit (presence is only a hint)
             k += 1
-        for i in range(k):
-            pool.write_page(msg.pages[i], bufs[i])
+        if not direct:
+            for i in range(k):
+                pool.write_page(msg.pages[i], bufs[i])
         return k, ()
 
     def _on_storage_future(self, op_id: int, fut: Any) -> None:

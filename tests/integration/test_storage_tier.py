@@ -81,8 +81,9 @@ def stored_pages(fb, config, tokens, extra_key=None) -> int:
 # -- round trip ------------------------------------------------------------------------------
 
 
-async def test_round_trip_through_storage(tmp_path):
-    config = cfg()
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])  # page_first reads straight into the pool
+async def test_round_trip_through_storage(tmp_path, layout):
+    config = cfg(host_layout=layout)
     fb = backend(tmp_path, config)
     a = toks(N + 1, 1)
     async with CacheRuntime.open(config, storage=fb) as rt:
@@ -412,3 +413,199 @@ async def test_batch_admit_never_waits(tmp_path):
         await settle_all(rt)
         assert await rt.match_prefix(a) == {"device": 0, "host": N}
         await quiescent(rt)
+
+
+# -- two processes, one capped directory -----------------------------------------------------
+
+
+def dir_bytes(directory) -> int:
+    """Bytes of every page and temporary file in a file-backend directory (the state file aside)."""
+    total = 0
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            if name == ".hicache-state":
+                continue
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # evicted or renamed while walking
+                pass
+    return total
+
+
+class SamplingFileBackend(FileBackend):
+    """A FileBackend that, after each write, measures the whole directory under its lock."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.max_seen = 0
+        self.samples = 0
+
+    def set_batch(self, keys, srcs):
+        ok = super().set_batch(keys, srcs)
+        with self._lock():
+            self.max_seen = max(self.max_seen, dir_bytes(self.directory))
+            self.samples += 1
+        return ok
+
+
+CAP_PAGES = 6  # the cap holds six page files of the small config
+
+
+def _cap_child(directory: str, cap: int, seed: int, go: str, out: str) -> None:
+    """One process: its own runtime on the shared capped directory, serving 3-page prefixes."""
+    import json
+    import time
+
+    async def main():
+        config = cfg()
+        fb = SamplingFileBackend(directory, config.page_size * config.bytes_per_token, cap_bytes=cap)
+        while not os.path.exists(go):  # start together with the other process
+            time.sleep(0.005)
+        async with CacheRuntime.open(config, storage=fb) as rt:
+            for i in range(24):
+                a = toks(13, seed * 1000 + i)
+                res = await rt.admit(i, a)
+                compute(rt, res.slots, a)
+                await rt.finish(i, a[:12])
+                await settle_all(rt)
+                await rt.flush()
+            st = await rt.stats()
+            await quiescent(rt)
+        s = fb.stats()
+        with open(out, "w") as f:
+            json.dump({"max_seen": fb.max_seen, "samples": fb.samples, "written": st["storage_pages_written"],
+                       "evicted": s["evicted_pages"], "used": s["used_bytes"]}, f)
+        fb.close()
+
+    asyncio.run(main())
+
+
+def test_file_cap_holds_across_two_processes(tmp_path):
+    import json
+    import threading
+    import time
+
+    config = cfg()
+    page_bytes = config.page_size * config.bytes_per_token
+    store = tmp_path / "store"
+    probe = FileBackend(store, page_bytes)  # creates the directory; learns the file size
+    file_bytes = probe.stats()["file_bytes"]
+    cap = CAP_PAGES * file_bytes + file_bytes // 2
+    go = tmp_path / "go"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    procs = [subprocess.Popen([sys.executable, "-c",
+                               "from tests.integration.test_storage_tier import _cap_child; "
+                               f"_cap_child({str(store)!r}, {cap}, {seed}, {str(go)!r}, {str(tmp_path / f'out{seed}')!r})"],
+                              cwd=root) for seed in (1, 2)]
+    seen, stop = [0], threading.Event()
+
+    def watch():  # a third observer: the directory under the backends' lock, all the time
+        while not stop.is_set():
+            with probe._lock():
+                seen[0] = max(seen[0], dir_bytes(store))
+            time.sleep(0.001)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    go.touch()
+    try:
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:
+        stop.set()
+        t.join()
+    results = [json.loads((tmp_path / f"out{seed}").read_text()) for seed in (1, 2)]
+    for r in results:
+        assert r["samples"] > 0 and r["written"] > 0
+        assert r["max_seen"] <= cap, (r, cap)
+    assert seen[0] <= cap, (seen[0], cap)
+    assert sum(r["written"] for r in results) > CAP_PAGES  # more than fits: eviction had to make room
+    assert sum(r["evicted"] for r in results) > 0
+    assert dir_bytes(store) <= cap and probe.used_bytes() <= cap
+    probe.close()
+
+
+# -- a writer killed mid-write ---------------------------------------------------------------
+
+KILL_TOKENS = 256  # 16 pages of 256 KiB per request: long enough writes to be killed inside
+
+
+def kill_cfg():
+    return cfg(num_layers=8, num_kv_heads=4, head_dim=64, page_size=16, device_slots=1024, host_tokens=1024)
+
+
+def _kill_child(directory: str, progress: str) -> None:
+    """Serve request after request (write-through to storage) until killed; log each one started."""
+
+    async def main():
+        config = kill_cfg()
+        fb = FileBackend(directory, config.page_size * config.bytes_per_token)
+        async with CacheRuntime.open(config, storage=fb) as rt:
+            for i in range(10_000):
+                a = toks(KILL_TOKENS + 1, 5000 + i)
+                with open(progress, "a") as f:
+                    f.write(f"{i}\n")
+                res = await rt.admit(i, a)
+                compute(rt, res.slots, a)
+                await rt.finish(i, a[:KILL_TOKENS])
+                await settle_all(rt, timeout=60)
+                await rt.flush()
+
+    asyncio.run(main())
+
+
+def test_writer_killed_mid_write_leaves_no_readable_partial_page(tmp_path):
+    import signal
+    import time
+
+    config = kill_cfg()
+    store = tmp_path / "store"
+    store.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    served = 0
+    tmp_left = 0
+    for attempt in range(3):
+        progress = tmp_path / f"progress{attempt}"
+        p = subprocess.Popen([sys.executable, "-c",
+                              "from tests.integration.test_storage_tier import _kill_child; "
+                              f"_kill_child({str(store)!r}, {str(progress)!r})"], cwd=root)
+        deadline = time.monotonic() + 60
+        killed = False
+        try:
+            while time.monotonic() < deadline and p.poll() is None:
+                # kill once a page write is under way (a temporary file exists) and a few requests are in
+                if progress.exists() and len(progress.read_text().split()) >= 3 + attempt and \
+                        any(n.endswith(".tmp") for _r, _d, fs in os.walk(store) for n in fs):
+                    os.kill(p.pid, signal.SIGKILL)
+                    killed = True
+                    break
+        finally:
+            if not killed and p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        assert killed, "the writer never got to a storage write"
+        tmp_left += sum(1 for _r, _d, fs in os.walk(store) for n in fs if n.endswith(".tmp"))
+        served = max(served, len(progress.read_text().split()))
+    assert tmp_left > 0  # at least one kill landed inside a page write
+
+    async def main():
+        fb = FileBackend(store, config.page_size * config.bytes_per_token, cleanup_on_open=False)
+        assert any(n.endswith(".tmp") for _r, _d, fs in os.walk(store) for n in fs) or tmp_left
+        hits = 0
+        async with CacheRuntime.open(config, storage=fb) as rt:
+            for i in range(served):
+                a = toks(KILL_TOKENS + 1, 5000 + i)
+                cached = await readmit_ok(rt, f"r{i}", a)  # whole pages or misses; fingerprints right
+                assert cached % config.page_size == 0
+                hits += cached
+                await rt.flush()
+            assert (await rt.stats())["tokens_storage_hit"] == hits
+            await quiescent(rt)
+        assert hits > 0  # pages written before the kills are read back
+        s = fb.stats()
+        assert s["pages_read"] == hits // config.page_size
+        fb.cleanup()  # the dead writers' temporary files go
+        assert not any(n.endswith(".tmp") for _r, _d, fs in os.walk(store) for n in fs)
+        fb.close()
+
+    asyncio.run(main())

@@ -1,0 +1,425 @@
+"""Storage-tier throughput through the runtime, against raw baselines on the same bytes.
+
+Shape: SmolLM2-135M (30 layers, 3 KV heads, head dim 64, bf16), 64-token pages
+(1,474,560 bytes per page), host pool page_first, CPU copy engine.
+
+Candidate (per backend), one `CacheRuntime.open(config, storage=backend)` per run:
+
+- **write**: a request of ``pages * 64 + 1`` tokens is admitted, its KV written (fingerprints),
+  then ``finish`` backs it up to host and the tree writes it through to storage. Timed from
+  the first ``set_batch`` call (the host backup has acked) until the runtime has applied the
+  storage ack (no storage op left in the tree actor). ``e2e_write`` also reports
+  ``finish`` -> storage ack, host backup included.
+- **read**: after ``flush()`` (device and host empty), ``admit`` of the same tokens with the
+  ``wait_complete`` policy: existence check, batch read into canonical pages, copy into the
+  host pool, ack into the tree. Timed from the ``admit`` call until it returns (the host ->
+  device load has been issued, not waited for). Fingerprints are checked afterwards.
+
+Baselines, measured in the same process and run on the same page bytes, interleaved with the
+candidate (order alternates per repeat), median of ``--repeats`` (>= 5):
+
+- file: one file per page written to a temporary name and renamed, same fsync policy as the
+  backend, read back with ``readinto`` into a preallocated buffer (page cache warm for both).
+- mooncake: the raw ``MooncakeDistributedStore`` client's ``batch_put_from`` /
+  ``batch_get_into`` from/to registered memory, batches of ``--batch`` pages. The Mooncake
+  part runs in a child process inside a private network namespace (Mooncake clients listen on
+  every interface), launched like the tests' `netns_run`, with a local cluster.
+
+Targets: file >= 0.8x its baseline, Mooncake >= 0.9x. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import emit_json, git_commit, median  # noqa: E402
+from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.fingerprint import write_fingerprints  # noqa: E402
+from runtime.runtime import CacheRuntime  # noqa: E402
+from runtime.storage.file_backend import FileBackend  # noqa: E402
+from runtime.storage.hashing import KVIdentity, page_hashes  # noqa: E402
+
+L, H, D, PS = 30, 3, 64, 64
+PB = L * 2 * PS * H * D * 2  # bf16 bytes per 64-token page
+MODEL = "SmolLM2-135M (30 layers, 3 KV heads, head dim 64, bf16)"
+TARGETS = {"file": 0.8, "mooncake": 0.9}
+
+
+def make_config(pages: int) -> RuntimeConfig:
+    tokens = pages * PS
+    return RuntimeConfig(num_layers=L, num_kv_heads=H, head_dim=D, kv_dtype="bfloat16",
+                         model_id="HuggingFaceTB/SmolLM2-135M", page_size=PS,
+                         device_slots=tokens + 2 * PS, host_tokens=2 * tokens + 4 * PS, host_layout="page_first",
+                         write_policy="write_through", copy_engine="cpu", prefetch_policy="wait_complete")
+
+
+class Probe:
+    """Pass-through backend that records when the runtime first calls set_batch / exists_prefix."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.t_set: float | None = None
+        self.t_exists: float | None = None
+        self.t_set_end = self.t_get_end = 0.0
+
+    @property
+    def page_bytes(self) -> int:
+        return self.inner.page_bytes
+
+    def exists_prefix(self, keys):
+        if self.t_exists is None:
+            self.t_exists = time.perf_counter()
+        return self.inner.exists_prefix(keys)
+
+    def get_batch(self, keys, dests):
+        try:
+            return self.inner.get_batch(keys, dests)
+        finally:
+            self.t_get_end = time.perf_counter()
+
+    def set_batch(self, keys, srcs):
+        if self.t_set is None:
+            self.t_set = time.perf_counter()
+        try:
+            return self.inner.set_batch(keys, srcs)
+        finally:
+            self.t_set_end = time.perf_counter()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def run_tokens(pages: int, run: int) -> np.ndarray:
+    rng = np.random.default_rng(1000 + run)
+    return rng.integers(0, 49152, pages * PS + 1, dtype=np.int32)
+
+
+class Candidate:
+    """One runtime over a storage backend; `prepare` fills the device, `write`/`read` are timed."""
+
+    def __init__(self, rt: CacheRuntime, probe: Probe, pages: int) -> None:
+        self.rt, self.probe, self.pages = rt, probe, pages
+        self.n = pages * PS
+
+    async def prepare(self, tokens: np.ndarray, rid: str) -> torch.Tensor:
+        """Admit and write the KV; return the canonical page bytes ``[pages, PB]`` (the baseline's source)."""
+        res = await self.rt.admit(rid, tokens)
+        assert res.cached == 0, res.cached
+        write_fingerprints(self.rt.device_pool, np.asarray(res.slots), tokens)
+        kv = self.rt.device_pool.read_slots(np.asarray(res.slots[: self.n]))  # [L, 2, n, H, D]
+        src = torch.empty((self.pages, PB), dtype=torch.uint8)
+        for i in range(self.pages):
+            src[i].copy_(kv[:, :, i * PS:(i + 1) * PS].contiguous().view(torch.uint8).reshape(-1))
+        return src
+
+    async def _no_storage_op(self) -> None:
+        while await self.rt.inspect(lambda core: len(core.storage_ops) + len(core.ops)):
+            await asyncio.sleep(0.002)  # coarse: a busy poll would compete with the worker for the GIL
+
+    async def write(self, tokens: np.ndarray, rid: str) -> tuple[float, float, float]:
+        """(storage part, finish -> storage ack, backend calls alone) seconds."""
+        before = (await self.rt.stats())["storage_pages_written"]
+        self.probe.t_set = None
+        t0 = time.perf_counter()
+        await self.rt.finish(rid, tokens[: self.n])
+        while self.probe.t_set is None:
+            await asyncio.sleep(0.002)  # coarse: a busy poll would compete with the worker for the GIL
+        await self._no_storage_op()
+        t1 = time.perf_counter()
+        st = await self.rt.stats()
+        assert st["storage_pages_written"] - before == self.pages, (st["storage_pages_written"], before)
+        return t1 - self.probe.t_set, t1 - t0, self.probe.t_set_end - self.probe.t_set
+
+    async def read(self, tokens: np.ndarray, rid: str, src: torch.Tensor) -> tuple[float, float]:
+        """(admit call -> admit returns, first exists_prefix -> last get_batch returns) seconds."""
+        await self.rt.flush()
+        assert await self.rt.match_prefix(tokens) == {"device": 0, "host": 0}
+        before = (await self.rt.stats())["tokens_storage_hit"]
+        self.probe.t_exists = None
+        t0 = time.perf_counter()
+        res = await self.rt.admit(rid, tokens)
+        t1 = time.perf_counter()
+        assert res.cached == self.n, res.cached
+        for r in res.readiness:
+            await r.wait_all()
+        await self._no_storage_op()
+        assert (await self.rt.stats())["tokens_storage_hit"] - before == self.n
+        kv = self.rt.device_pool.read_slots(np.asarray(res.slots[: self.n]))  # bf16 fingerprints are lossy:
+        for i in range(self.pages):  # compare with the bytes written instead
+            page = kv[:, :, i * PS:(i + 1) * PS].contiguous().view(torch.uint8).reshape(-1)
+            assert torch.equal(page, src[i]), f'page {i} read back wrong'
+        await self.rt.abort(rid)
+        await self.rt.flush()
+        return t1 - t0, self.probe.t_get_end - self.probe.t_exists
+
+    def keys(self, tokens: np.ndarray) -> list[bytes]:
+        return page_hashes(tokens[: self.n], PS, None, KVIdentity.from_config(self.rt.config))
+
+
+def ordered(run: int, a, b):
+    return (a, b) if run % 2 == 0 else (b, a)
+
+
+# -- file ------------------------------------------------------------------------------------
+
+
+async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str) -> dict[str, list[float]]:
+    res: dict[str, list[float]] = {k: [] for k in ("cand_w", "cand_e2e_w", "cand_call_w", "base_w", "cand_r", "cand_call_r", "base_r")}
+    root = tempfile.mkdtemp(prefix="bench-storage-", dir=base_dir)
+    try:
+        fb = FileBackend(os.path.join(root, "fb"), PB, fsync=fsync)
+        bdir = os.path.join(root, "baseline")
+        os.makedirs(bdir)
+        probe = Probe(fb)
+        dst = torch.empty((pages, PB), dtype=torch.uint8)
+        dst.fill_(1)  # pre-touched, like a host pool
+        async with CacheRuntime.open(make_config(pages), storage=probe) as rt:
+            cand = Candidate(rt, probe, pages)
+            for run in range(repeats + 1):  # run 0 warms up (allocator, page cache, threads); not counted
+                tokens = run_tokens(pages, run)
+                src = await cand.prepare(tokens, f"w{run}")
+                keys = cand.keys(tokens)
+                sv, dv = src.numpy(), dst.numpy()
+
+                def base_w() -> float:
+                    t = time.perf_counter()
+                    for i in range(pages):
+                        final = os.path.join(bdir, keys[i].hex())
+                        tmp = final + ".tmp"
+                        with open(tmp, "wb", buffering=0) as f:
+                            f.write(memoryview(sv[i]))
+                            if fsync != "none":
+                                os.fsync(f.fileno())
+                        os.rename(tmp, final)
+                    if fsync == "dir":
+                        dfd = os.open(bdir, os.O_RDONLY)
+                        os.fsync(dfd)
+                        os.close(dfd)
+                    return time.perf_counter() - t
+
+                def base_r() -> float:
+                    t = time.perf_counter()
+                    for i in range(pages):
+                        with open(os.path.join(bdir, keys[i].hex()), "rb", buffering=0) as f:
+                            f.readinto(memoryview(dv[i]))
+                    return time.perf_counter() - t
+
+                times: dict[str, float] = {}
+                for who in ordered(run, "cand", "base"):
+                    os.sync()
+                    if who == "cand":
+                        times["cand_w"], times["cand_e2e_w"], times["cand_call_w"] = await cand.write(tokens, f"w{run}")
+                    else:
+                        times["base_w"] = base_w()
+                for who in ordered(run, "cand", "base"):
+                    if who == "cand":
+                        times["cand_r"], times["cand_call_r"] = await cand.read(tokens, f"r{run}", src)
+                    else:
+                        times["base_r"] = base_r()
+                assert torch.equal(dst, src)
+                if run > 0:
+                    for k, v in times.items():
+                        res[k].append(v)
+                for k in keys:
+                    os.unlink(os.path.join(bdir, k.hex()))
+                    os.unlink(fb._path(k)[2])
+                fb.cleanup()
+        fb.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+# -- mooncake (child process, private network namespace) -------------------------------------
+
+
+async def mooncake_runs(pages: int, repeats: int, batch: int) -> dict[str, list[float]]:
+    from runtime.storage.mooncake_backend import LocalMooncakeCluster, MooncakeBackend
+
+    res: dict[str, list[float]] = {k: [] for k in ("cand_w", "cand_e2e_w", "cand_call_w", "base_w", "cand_r", "cand_call_r", "base_r")}
+    seg = max(1 << 30, 4 * pages * PB + (256 << 20))
+    with LocalMooncakeCluster() as cl:
+        mb = MooncakeBackend(PB, cl.config(global_segment_size=seg, local_buffer_size=max(256 << 20, batch * PB * 2)),
+                             staging_bytes=batch * PB)
+        st = mb._store
+        probe = Probe(mb)
+        src_reg = torch.empty((pages, PB), dtype=torch.uint8)
+        dst = torch.ones((pages, PB), dtype=torch.uint8)
+        mb.register_buffer(src_reg)
+        mb.register_buffer(dst)
+        sp, dp = src_reg.data_ptr(), dst.data_ptr()
+        # warm the segment: fill it once and remove everything (cold segment memory is ~20x slower)
+        wk = [f"warm/{i}" for i in range(seg // PB - 8)]
+        for s0 in range(0, len(wk), batch):
+            ks = wk[s0:s0 + batch]
+            st.batch_put_from(ks, [sp + (i % pages) * PB for i in range(len(ks))], [PB] * len(ks))
+        for k in wk:
+            st.remove(k, True)
+        async with CacheRuntime.open(make_config(pages), storage=probe) as rt:
+            mb.register_buffer(rt.host_pool.buffer)  # zero-copy writes from the page_first host pool
+            cand = Candidate(rt, probe, pages)
+            for run in range(repeats + 1):
+                tokens = run_tokens(pages, run)
+                src = await cand.prepare(tokens, f"w{run}")
+                src_reg.copy_(src)
+                keys = cand.keys(tokens)
+                raw_keys = [f"bench-raw/{k.hex()}" for k in keys]
+
+                def base_w() -> float:
+                    t = time.perf_counter()
+                    for s0 in range(0, pages, batch):
+                        n = min(batch, pages - s0)
+                        r = st.batch_put_from(raw_keys[s0:s0 + n], [sp + (s0 + i) * PB for i in range(n)], [PB] * n)
+                        assert all(x == 0 for x in r), r
+                    return time.perf_counter() - t
+
+                def base_r() -> float:
+                    t = time.perf_counter()
+                    for s0 in range(0, pages, batch):
+                        n = min(batch, pages - s0)
+                        r = st.batch_get_into(raw_keys[s0:s0 + n], [dp + (s0 + i) * PB for i in range(n)], [PB] * n)
+                        assert all(x == PB for x in r), r
+                    return time.perf_counter() - t
+
+                times: dict[str, float] = {}
+                for who in ordered(run, "cand", "base"):
+                    if who == "cand":
+                        times["cand_w"], times["cand_e2e_w"], times["cand_call_w"] = await cand.write(tokens, f"w{run}")
+                    else:
+                        times["base_w"] = base_w()
+                for who in ordered(run, "cand", "base"):
+                    if who == "cand":
+                        times["cand_r"], times["cand_call_r"] = await cand.read(tokens, f"r{run}", src)
+                    else:
+                        times["base_r"] = base_r()
+                assert torch.equal(dst, src)
+                if run > 0:
+                    for k, v in times.items():
+                        res[k].append(v)
+                time.sleep(cl.lease_ttl_ms / 1000 + 0.1)  # read leases expire, then free the space
+                for k in mb._keys(keys) + raw_keys:
+                    st.remove(k, True)
+        mb.close()
+    return res
+
+
+def mooncake_in_netns(args: argparse.Namespace) -> tuple[dict[str, list[float]] | None, str]:
+    """Run the Mooncake part in a child inside a private network namespace; (results, note)."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return None, "mooncake not installed (scripts/install_mooncake.sh)"
+    from tests.unit.storage.conftest import _BOOTSTRAP
+
+    argv = [sys.executable, "-c", _BOOTSTRAP, sys.executable, os.path.abspath(__file__), "--mooncake-child",
+            "--pages", str(args.pages), "--repeats", str(args.repeats), "--batch", str(args.batch)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=args.mooncake_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"mooncake child timed out after {args.mooncake_timeout}s"
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        return None, f"mooncake child failed (rc {p.returncode}): " + " | ".join(tail)
+    return json.loads(p.stdout.strip().splitlines()[-1]), ""
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def summarize(res: dict[str, list[float]], pages: int) -> dict[str, Any]:
+    gib = pages * PB / 2**30
+    out: dict[str, Any] = {}
+    for op, c, b in (("write", "cand_w", "base_w"), ("read", "cand_r", "base_r")):
+        mc, mb = median(res[c]), median(res[b])
+        out[op] = {"candidate_GiBps": round(gib / mc, 3), "baseline_GiBps": round(gib / mb, 3),
+                   "ratio": round(mb / mc, 3), "candidate_ms": round(mc * 1e3, 2), "baseline_ms": round(mb * 1e3, 2)}
+    out["write_e2e_GiBps"] = round(gib / median(res["cand_e2e_w"]), 3)
+    out["backend_call_GiBps"] = {"write": round(gib / median(res["cand_call_w"]), 3),
+                                 "read": round(gib / median(res["cand_call_r"]), 3)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="32 pages, 5 repeats")
+    ap.add_argument("--pages", type=int, default=128, help="64-token pages per request (default 128 = 180 MiB)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=32, help="raw Mooncake baseline batch size (pages)")
+    ap.add_argument("--fsync", default="none", choices=("none", "file", "dir"))
+    ap.add_argument("--backends", default="file,mooncake")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the file backend and baseline write")
+    ap.add_argument("--mooncake-timeout", type=int, default=400)
+    ap.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.quick:
+        args.pages, args.repeats = 32, 5
+    if args.repeats < 5:
+        ap.error("--repeats must be >= 5")
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    if args.mooncake_child:
+        print(json.dumps(run(mooncake_runs(args.pages, args.repeats, args.batch))))
+        return
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    results: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    if "file" in backends:
+        results["file"] = summarize(run(file_runs(args.pages, args.repeats, args.fsync, args.dir)), args.pages)
+    if "mooncake" in backends:
+        raw, note = mooncake_in_netns(args)
+        if raw is None:
+            notes["mooncake"] = note
+        else:
+            results["mooncake"] = summarize(raw, args.pages)
+
+    print(f"storage throughput through the runtime: {MODEL}, {PS}-token pages ({PB} B), {args.pages} pages "
+          f"({args.pages * PB / 2**20:.0f} MiB) per op, median of {args.repeats}, fsync={args.fsync}, "
+          f"commit {git_commit()}")
+    print(f"{'backend':<9} {'op':<6} {'runtime GiB/s':>14} {'baseline GiB/s':>15} {'ratio':>6} {'target':>7} met")
+    for be, r in results.items():
+        for op in ("write", "read"):
+            x = r[op]
+            print(f"{be:<9} {op:<6} {x['candidate_GiBps']:>14.2f} {x['baseline_GiBps']:>15.2f} {x['ratio']:>6.2f} "
+                  f"{TARGETS[be]:>7.1f} {'yes' if x['ratio'] >= TARGETS[be] else 'NO'}")
+        print(f"{be:<9} write incl. host backup (finish -> storage ack): {r['write_e2e_GiBps']:.2f} GiB/s; "
+              f"backend calls alone: write {r['backend_call_GiBps']['write']:.2f}, "
+              f"read (exists + get) {r['backend_call_GiBps']['read']:.2f} GiB/s")
+    for be, note in notes.items():
+        print(f"{be}: skipped: {note}")
+    emit_json({"benchmark": "bench_storage", "model_shape": {"num_layers": L, "num_kv_heads": H, "head_dim": D,
+                                                              "dtype": "bfloat16", "model": "SmolLM2-135M"},
+               "page_size": PS, "page_bytes": PB, "pages": args.pages, "repeats": args.repeats, "fsync": args.fsync,
+               "results": results, "targets": TARGETS, "skipped": notes,
+               "met": {be: all(r[op]["ratio"] >= TARGETS[be] for op in ("write", "read")) for be, r in results.items()}})
+
+
+if __name__ == "__main__":
+    main()
