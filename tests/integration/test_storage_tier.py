@@ -118,7 +118,7 @@ def test_storage_config_validation():
     with pytest.raises(ConfigError):
         cfg(storage_backend="file")  # no directory
     with pytest.raises(ConfigError):
-        cfg(storage_backend="file", storage_dir="/tmp/x", host_tokens=0)
+        cfg(storage_backend="file", storage_dir="kv-store", host_tokens=0)
     with pytest.raises(ConfigError):
         cfg(prefetch_policy="eager")
     with pytest.raises(ConfigError):
