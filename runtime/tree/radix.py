@@ -672,9 +672,12 @@ class RadixTree:
         A request growing its own prefix turn after turn then stays one node: a match walks
         one node per shared prefix instead of one per turn.
         """
-        key = encode(tokens)
+        if type(tokens) is np.ndarray and tokens.dtype is _I4 and tokens.ndim == 1:
+            arr, key, n = tokens, None, len(tokens) << 2  # encoded below, from where the walk starts
+        else:
+            arr, key = None, encode(tokens)
+            n = len(key)
         pb = self._pb
-        n = len(key)
         if n % pb:
             raise TreeError(f"insert of {n >> 2} tokens is not a whole number of pages (page_size {self.page_size})")
         slots = device_slots
@@ -688,43 +691,53 @@ class RadixTree:
         root = self._roots.get(extra_key)
         if root is None:
             root = self.root(extra_key)
-        self._clock += 1
-        clock = self._clock
         node = root
-        pos = 0
-        dup_tree: list[np.ndarray] = []
-        adopted: list[tuple[Node, np.ndarray]] = []
-        prefix = 0  # bytes of the key that were already on device
+        base = 0  # bytes of the key already known to be on the path (from ``start``)
         if start is not None and start is not root:
             if start.device is None:
                 raise TreeError(f"insert start node {start.id} is not on device")
             cur = start
             while cur.parent is not None:
+                base += len(cur.key)
+                cur = cur.parent
+            if cur is not root or base > n:
+                raise TreeError(f"insert start node {start.id} is not a live prefix of the key in this namespace")
+            node = start
+        self._clock += 1
+        clock = self._clock
+        if base:
+            cur = start
+            while cur.parent is not None:
                 cur.last_access = clock
                 if priority > cur.priority:
                     cur.priority = priority
-                pos += len(cur.key)
                 cur = cur.parent
-            if cur is not root or pos > n:
-                raise TreeError(f"insert start node {start.id} is not a live prefix of the key in this namespace")
-            node = start
-            prefix = pos
-        skipped = pos
-        while pos < n:
+        # the rest of the key, from where the walk starts (positions below are relative to it):
+        # a request extending its own prefix encodes only its new tokens
+        if arr is not None:
+            key = arr[base >> 2 :].tobytes()
+        elif base:
+            key = key[base:]
+        rn = n - base
+        pos = 0
+        dup_tree: list[np.ndarray] = []
+        adopted: list[tuple[Node, np.ndarray]] = []
+        prefix = base  # bytes of the whole key that were already on device
+        while pos < rn:
             child = node.children.get(key[pos : pos + pb])
             if child is None:
                 break
             ck = child.key
             end = pos + len(ck)
-            if end > n or not key.startswith(ck, pos):
-                end = pos + self._common_bytes(ck, key, pos, n)
+            if end > rn or not key.startswith(ck, pos):
+                end = pos + self._common_bytes(ck, key, pos, rn)
                 child = self._split(child, (end - pos) >> 2)
             d = child.device
             if d is not None:
                 dup_tree.append(d)
-                prefix = end
+                prefix = base + end
             else:
-                s = slots[pos >> 2 : end >> 2].copy()
+                s = slots[(base + pos) >> 2 : (base + end) >> 2].copy()
                 self._set_device(child, s)
                 adopted.append((child, s))
             child.last_access = clock
@@ -732,10 +745,10 @@ class RadixTree:
                 child.priority = priority
             node = child
             pos = end
-        if pos < n:
+        if pos < rn:
             if (extend_leaf and node is start and node.lock_ref == 1 and not node.children
                     and node.host is None and node.parent is not None):
-                s = slots[pos >> 2 :]
+                s = slots[(base + pos) >> 2 :]
                 node.key += key[pos:]
                 node.device = np.concatenate((node.device, s))
                 s = node.device[len(node.device) - len(s) :]  # the node's own slots, not the caller's
@@ -744,19 +757,19 @@ class RadixTree:
                 self.locked_device_tokens += k
                 adopted.append((node, s))
             else:
-                s = slots[pos >> 2 :].copy()
+                s = slots[(base + pos) >> 2 :].copy()
                 node = self._new_child(node, key[pos:], s)
                 node.last_access = clock
                 node.priority = priority
                 adopted.append((node, s))
         if dup_tree:
-            c = slots[skipped >> 2 : prefix >> 2]
+            c = slots[base >> 2 : prefix >> 2]
             t = dup_tree[0] if len(dup_tree) == 1 else np.concatenate(dup_tree)
             # usually the caller passes the tree's own slots back (they came from a match)
             dup = _EMPTY_I8 if c.tobytes() == t.tobytes() else c[c != t]
         else:
             t = dup = _EMPTY_I8
-        parts = (slots[: skipped >> 2], t) if skipped else (t,)
+        parts = (slots[: base >> 2], t) if base else (t,)
         return InsertResult(dup, adopted, node, prefix >> 2, parts)
 
     # ------------------------------------------------------------------ locks

@@ -1,0 +1,335 @@
+"""Tree benchmark: a multi-turn chat trace through the cache, requests/s and hit rate.
+
+Trace and schedule come from the peers' own generator, `../shared/peerbench/trace_gen.py`
+(imported at run time, never copied), so every implementation sees the same requests:
+200 sessions x 8 turns, one shared 1024-token system prompt, user messages and replies of
+~100 tokens (normal, sd 25), vocab 32000, 32 sessions active at once in waves, a device pool
+of 131072 slots, page sizes 1 and 16. `--deep`: 64 sessions x 80 turns (~17k-token
+contexts), 16 active at once, a 524288-slot pool (32 active 17k contexts would not fit
+131072 slots; the pool still forces eviction of finished sessions).
+
+Per request, in the peers' order (`sglang_radix_bench.py`): a wave first admits every
+request (match, lock, allocate with eviction) and inserts its prompt (`cache`, as after
+prefill), then, for each request, extends for the reply and finishes (insert prompt+reply,
+unlock, free duplicates and the partial last page). Three ways to drive the same ops:
+
+- `sync`:    `CacheCore` alone, plain method calls (the in-process baseline);
+- `actor`:   through `CacheRuntime`, one awaited call per op (4 round trips per request);
+- `batched`: through `CacheRuntime.step`, one message per wave step (2 per wave, all
+  active sessions in each).
+
+Configuration: no host tier (`host_tokens=0`: the trace measures the device tree, and the
+peers have no host tier either), KV shape 1 layer x 1 head x dim 1 (the pool's tensor is
+tiny; nothing here touches KV data), LRU, tracing at its production default (a
+`SlotTracer` with no sink and debug logging off; no `trace_path`). Benchmarks run on uvloop.
+
+Hit rate = device-hit tokens / prompt tokens over all admits, the peers' definition; on the
+default trace it must be 0.9449 (page 1) and 0.9413 (page 16), as for every peer. Our
+`admit` matches at most `len(prompt) - 1` tokens (the last token is always computed);
+on this trace that never changes a match, since every prompt ends with >= 1 new user token.
+
+`--peers PYTHON` (e.g. /work/peer-venv/bin/python, set up per ../shared/peerbench/README.md)
+also runs SGLang's RadixCache, UnifiedRadixCache (Rust core) and vLLM's KVCacheManager in
+subprocesses on the same trace, alternating with our repeats (median of `--peer-repeats`).
+
+    .venv/bin/python benchmarks/bench_tree.py [--quick] [--deep] [--peers /work/peer-venv/bin/python]
+
+Last stdout line: one JSON object (DESIGN.md, "Benchmarks"): per page size the batched
+actor req/s (measured), the sync core req/s (baseline), their ratio, the single-call actor
+figures, hit rates, and the peers' medians when run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from benchmarks._common import ROOT, emit_json  # noqa: E402
+from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.messages import Admit, Cache, Extend, Finish  # noqa: E402
+from runtime.runtime import CacheRuntime  # noqa: E402
+from runtime.trace import SlotTracer  # noqa: E402
+from runtime.tree.cache import CacheCore  # noqa: E402
+
+PEERBENCH = ROOT.parent / "shared" / "peerbench"
+EXPECTED_HIT = {1: 0.9449, 16: 0.9413}  # the peers' hit rates on the default trace
+DEFAULT = dict(sessions=200, turns=8, sys_len=1024, turn_len=200, vocab=32000, conc=32, pool=131072, seed=0)
+DEEP = dict(DEFAULT, sessions=64, turns=80, conc=16, pool=524288)
+QUICK = dict(DEFAULT, sessions=60)
+QUICK_DEEP = dict(DEEP, sessions=16, turns=40, conc=8, pool=131072)
+
+
+def load_trace_gen(peerbench: Path) -> Any:
+    path = peerbench / "trace_gen.py"
+    if not path.is_file():
+        sys.exit(f"bench_tree: {path} not found. The trace comes from the peers' generator in "
+                 f"../shared/peerbench/ (next to the repository root); pass --peerbench DIR if it lives elsewhere.")
+    spec = importlib.util.spec_from_file_location("peerbench_trace_gen", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Workload:
+    """The trace as waves of (rid, prompt, prompt+reply, reply length), token arrays int32."""
+
+    def __init__(self, tg: Any, p: dict[str, int]) -> None:
+        trace = tg.build_trace(p["sessions"], p["turns"], p["sys_len"], p["turn_len"], p["vocab"], p["seed"])
+        waves = tg.schedule(trace, p["conc"], p["seed"])
+        rid_of = {}
+        reqs = []
+        for sid, sess in enumerate(trace):
+            for t, (prompt, reply) in enumerate(sess):
+                rid_of[sid, t] = len(reqs)
+                pr = np.asarray(prompt, dtype=np.int32)
+                full = np.concatenate((pr, np.asarray(reply, dtype=np.int32)))
+                reqs.append((len(reqs), pr, full, len(reply)))
+        self.waves = [[reqs[rid_of[st]] for st in wave] for wave in waves]
+        self.num_requests = len(reqs)
+        self.prompt_tokens = sum(len(r[1]) for r in reqs)
+        self.max_len = max(len(r[2]) for r in reqs)
+
+
+def make_config(page_size: int, pool: int) -> RuntimeConfig:
+    return RuntimeConfig(num_layers=1, num_kv_heads=1, head_dim=1, page_size=page_size, device_slots=pool,
+                         host_tokens=0, eviction_policy="lru")
+
+
+def _hit(stats: dict[str, int]) -> float:
+    served = stats["tokens_device_hit"] + stats["tokens_host_hit"]
+    return served / (served + stats["tokens_recomputed"])
+
+
+# -- the three drivers ----------------------------------------------------------------
+def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+    core = CacheCore(cfg, SlotTracer(cfg.page_size))
+    assert core.tracer is not None and not core.tracer.active, "tracing must be at its production default"
+    admit, cache, extend, finish = core.admit, core.cache, core.extend, core.finish
+    gc.collect()
+    t0 = time.perf_counter()
+    for wave in w.waves:
+        for rid, prompt, _full, _n in wave:
+            admit(rid, prompt)
+            cache(rid, prompt)
+        for rid, _prompt, full, n in wave:
+            extend(rid, n)
+            finish(rid, full)
+    wall = time.perf_counter() - t0
+    assert not core.requests
+    return wall, _hit(core.stats)
+
+
+async def _actor(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+    async with CacheRuntime.open(cfg) as rt:
+        assert not rt.tracer.active, "tracing must be at its production default"
+        admit, cache, extend, finish = rt.admit, rt.cache, rt.extend, rt.finish
+        gc.collect()
+        t0 = time.perf_counter()
+        for wave in w.waves:
+            for rid, prompt, _full, _n in wave:
+                await admit(rid, prompt)
+                await cache(rid, prompt)
+            for rid, _prompt, full, n in wave:
+                await extend(rid, n)
+                await finish(rid, full)
+        wall = time.perf_counter() - t0
+        stats = await rt.stats()
+        assert stats["live_requests"] == 0
+    return wall, stats["hit_rate"]
+
+
+def _check(results: tuple[Any, ...]) -> None:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+    async with CacheRuntime.open(cfg) as rt:
+        assert not rt.tracer.active, "tracing must be at its production default"
+        step = rt.step
+        gc.collect()
+        t0 = time.perf_counter()
+        for wave in w.waves:
+            items: list[Any] = []
+            for rid, prompt, _full, _n in wave:
+                items.append(Admit(rid, prompt))
+                items.append(Cache(rid, prompt))
+            _check(await step(items))
+            items = []
+            for rid, _prompt, full, n in wave:
+                items.append(Extend(rid, n))
+                items.append(Finish(rid, full))
+            _check(await step(items))
+        wall = time.perf_counter() - t0
+        stats = await rt.stats()
+        assert stats["live_requests"] == 0
+    return wall, stats["hit_rate"]
+
+
+def _loop_run(coro: Any) -> Any:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency of the benchmarks
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+MODES = {
+    "sync": run_sync,
+    "actor": lambda cfg, w: _loop_run(_actor(cfg, w)),
+    "batched": lambda cfg, w: _loop_run(_batched(cfg, w)),
+}
+
+
+# -- peers --------------------------------------------------------------------------------
+def peer_commands(py: str, peerbench: Path, p: dict[str, int], pages: list[int]) -> dict[str, list[str]]:
+    common = ["--sessions", str(p["sessions"]), "--turns", str(p["turns"]), "--sys-len", str(p["sys_len"]),
+              "--turn-len", str(p["turn_len"]), "--vocab", str(p["vocab"]), "--conc", str(p["conc"]),
+              "--pool", str(p["pool"]), "--seed", str(p["seed"])]
+    ps = ",".join(map(str, pages))
+    sg = str(peerbench / "sglang_radix_bench.py")
+    return {
+        "sglang_radix": [py, sg, "--backend", "radix", "--page-sizes", ps, *common],
+        "sglang_unified_rust": [py, sg, "--backend", "unified", "--core", "rust", "--page-sizes", ps, *common],
+        "vllm": [py, str(peerbench / "vllm_prefix_bench.py"), "--block-sizes", ps, "--hash", "sha256", *common],
+    }
+
+
+def run_peer(cmd: list[str], cwd: Path) -> dict[int, dict[str, Any]]:
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"peer run failed ({' '.join(cmd[1:4])}): {out.stderr[-2000:]}")
+    res = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            res[int(d.get("page_size", d.get("block_size")))] = d
+    return res
+
+
+# -- main -----------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller trace (no hit-rate cross-check)")
+    ap.add_argument("--deep", action="store_true", help="deep conversations: 80 turns, ~17k-token contexts")
+    ap.add_argument("--repeats", type=int, default=5, help="repeats per mode (median; >= 5)")
+    ap.add_argument("--page-sizes", default="1,16")
+    ap.add_argument("--modes", default="sync,actor,batched")
+    ap.add_argument("--peers", default=None, metavar="PYTHON", help="python of the peer venv: also run the peers")
+    ap.add_argument("--peer-repeats", type=int, default=3)
+    ap.add_argument("--peerbench", default=str(PEERBENCH), help="directory of the peers' bench scripts")
+    for k in DEFAULT:
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+    a = ap.parse_args()
+
+    peerbench = Path(a.peerbench).resolve()
+    tg = load_trace_gen(peerbench)
+    params = dict((QUICK_DEEP if a.deep else QUICK) if a.quick else (DEEP if a.deep else DEFAULT))
+    for k in DEFAULT:
+        v = getattr(a, k)
+        if v is not None:
+            params[k] = v
+    pages = [int(x) for x in a.page_sizes.split(",")]
+    modes = [m for m in a.modes.split(",") if m]
+    t0 = time.perf_counter()
+    w = Workload(tg, params)
+    print(f"# trace {params} -> {w.num_requests} requests, {len(w.waves)} waves, {w.prompt_tokens} prompt tokens, "
+          f"max context {w.max_len}; built in {time.perf_counter() - t0:.2f}s", flush=True)
+    if w.max_len > params["pool"]:
+        sys.exit("bench_tree: a context is longer than the pool")
+
+    cfgs = {ps: make_config(ps, params["pool"]) for ps in pages}
+    walls: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
+    hits: dict[tuple[int, str], set[float]] = {(ps, m): set() for ps in pages for m in modes}
+    peer_res: dict[str, dict[int, list[dict[str, Any]]]] = {}
+    peer_cmds = peer_commands(a.peers, peerbench, params, pages) if a.peers else {}
+    for rep in range(a.repeats):
+        # interleave: every repeat runs every mode at every page size, order rotated
+        order = [(ps, m) for ps in pages for m in modes]
+        k = rep % len(order)
+        for ps, m in order[k:] + order[:k]:
+            wall, hit = MODES[m](cfgs[ps], w)
+            walls[ps, m].append(wall)
+            hits[ps, m].add(round(hit, 6))
+            print(f"# rep {rep} page {ps} {m:8s} {w.num_requests / wall:10.0f} req/s  hit {hit:.4f}", flush=True)
+        if rep < a.peer_repeats:
+            for name, cmd in peer_cmds.items():
+                for ps, d in run_peer(cmd, peerbench).items():
+                    peer_res.setdefault(name, {}).setdefault(ps, []).append(d)
+                    print(f"# rep {rep} page {ps} {name:20s} {d['req_per_s']:10.0f} req/s  hit {d['hit_rate']:.4f}",
+                          flush=True)
+
+    default_trace = all(params[k] == DEFAULT[k] for k in DEFAULT)
+    results = []
+    for ps in pages:
+        row: dict[str, Any] = {"page_size": ps}
+        for m in modes:
+            ws = walls[ps, m]
+            (hit,) = hits[ps, m] if len(hits[ps, m]) == 1 else (sorted(hits[ps, m]),)
+            row[m] = {"req_per_s": round(w.num_requests / statistics.median(ws), 1),
+                      "req_per_s_runs": [round(w.num_requests / x) for x in ws], "hit_rate": hit}
+        if "sync" in modes:
+            base = row["sync"]["req_per_s"]
+            for m in ("actor", "batched"):
+                if m in modes:
+                    row[f"ratio_{m}_vs_sync"] = round(row[m]["req_per_s"] / base, 3)
+            if "batched" in modes:
+                row["measured_req_per_s"] = row["batched"]["req_per_s"]
+                row["baseline_req_per_s"] = base
+                row["ratio"] = row["ratio_batched_vs_sync"]
+        if default_trace and ps in EXPECTED_HIT:
+            row["hit_rate_expected"] = EXPECTED_HIT[ps]
+            row["hit_rate_ok"] = all(round(row[m]["hit_rate"], 4) == EXPECTED_HIT[ps] for m in modes
+                                     if not isinstance(row[m]["hit_rate"], list))
+        if peer_res:
+            peers = {}
+            for name, by_ps in peer_res.items():
+                runs = by_ps.get(ps)
+                if runs:
+                    peers[name] = {"req_per_s": round(statistics.median(d["req_per_s"] for d in runs), 1),
+                                   "req_per_s_runs": [d["req_per_s"] for d in runs],
+                                   "hit_rate": runs[0]["hit_rate"], "impl": runs[0].get("impl")}
+            row["peers"] = peers
+            rust = peers.get("sglang_unified_rust")
+            if rust:
+                for m in ("sync", "actor", "batched"):
+                    if m in modes:
+                        row[f"ratio_{m}_vs_rust"] = round(row[m]["req_per_s"] / rust["req_per_s"], 2)
+        results.append(row)
+
+    emit_json({
+        "bench": "tree",
+        "variant": "deep" if a.deep else "default",
+        "quick": a.quick,
+        "trace": params,
+        "requests": w.num_requests,
+        "waves": len(w.waves),
+        "repeats": a.repeats,
+        "peer_repeats": min(a.peer_repeats, a.repeats) if a.peers else 0,
+        "measured": "batched actor API (CacheRuntime.step, 2 messages per wave), requests/s",
+        "baseline": "synchronous CacheCore in the same process, requests/s",
+        "model_shape": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "kv_dtype": "float32"},
+        "host_tier": False,
+        "tracing": "production default (no trace_path, debug logging off)",
+        "loop": "uvloop",
+        "results": results,
+    })
+
+
+if __name__ == "__main__":
+    main()
