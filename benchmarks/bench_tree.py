@@ -30,7 +30,12 @@ on this trace that never changes a match, since every prompt ends with >= 1 new 
 
 `--peers PYTHON` (e.g. /work/peer-venv/bin/python, set up per ../shared/peerbench/README.md)
 also runs SGLang's RadixCache, UnifiedRadixCache (Rust core) and vLLM's KVCacheManager in
-subprocesses on the same trace, alternating with our repeats (median of `--peer-repeats`).
+subprocesses on the same trace, alternating with our repeats (median of `--peer-repeats`);
+vLLM at block size 16 only unless `--vllm-page-sizes 1,16` (at 1 it hashes every token).
+
+Tree shape note: a request that grows its own unshared leaf (prompt, then reply, turn after
+turn) keeps it one node (`RadixTree.insert(extend_leaf=True)`), where the peers add a node per
+insert; evicting such a leaf frees the whole session chain at once. Hit rates are unchanged.
 
     .venv/bin/python benchmarks/bench_tree.py [--quick] [--deep] [--peers /work/peer-venv/bin/python]
 
@@ -197,17 +202,22 @@ MODES = {
 
 
 # -- peers --------------------------------------------------------------------------------
-def peer_commands(py: str, peerbench: Path, p: dict[str, int], pages: list[int]) -> dict[str, list[str]]:
+def peer_commands(py: str, peerbench: Path, p: dict[str, int], pages: list[int],
+                  vllm_pages: list[int]) -> dict[str, list[str]]:
     common = ["--sessions", str(p["sessions"]), "--turns", str(p["turns"]), "--sys-len", str(p["sys_len"]),
               "--turn-len", str(p["turn_len"]), "--vocab", str(p["vocab"]), "--conc", str(p["conc"]),
               "--pool", str(p["pool"]), "--seed", str(p["seed"])]
     ps = ",".join(map(str, pages))
     sg = str(peerbench / "sglang_radix_bench.py")
-    return {
+    cmds = {
         "sglang_radix": [py, sg, "--backend", "radix", "--page-sizes", ps, *common],
         "sglang_unified_rust": [py, sg, "--backend", "unified", "--core", "rust", "--page-sizes", ps, *common],
-        "vllm": [py, str(peerbench / "vllm_prefix_bench.py"), "--block-sizes", ps, "--hash", "sha256", *common],
     }
+    vps = [x for x in vllm_pages if x in pages]
+    if vps:
+        cmds["vllm"] = [py, str(peerbench / "vllm_prefix_bench.py"), "--block-sizes", ",".join(map(str, vps)),
+                        "--hash", "sha256", *common]
+    return cmds
 
 
 def run_peer(cmd: list[str], cwd: Path) -> dict[int, dict[str, Any]]:
@@ -232,6 +242,8 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,actor,batched")
     ap.add_argument("--peers", default=None, metavar="PYTHON", help="python of the peer venv: also run the peers")
     ap.add_argument("--peer-repeats", type=int, default=3)
+    ap.add_argument("--vllm-page-sizes", default="16",
+                    help="block sizes for vLLM (its default is 16; at 1 it hashes every token: ~200 req/s)")
     ap.add_argument("--peerbench", default=str(PEERBENCH), help="directory of the peers' bench scripts")
     for k in DEFAULT:
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
@@ -257,7 +269,8 @@ def main() -> None:
     walls: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     hits: dict[tuple[int, str], set[float]] = {(ps, m): set() for ps in pages for m in modes}
     peer_res: dict[str, dict[int, list[dict[str, Any]]]] = {}
-    peer_cmds = peer_commands(a.peers, peerbench, params, pages) if a.peers else {}
+    vllm_pages = [int(x) for x in a.vllm_page_sizes.split(",") if x]
+    peer_cmds = peer_commands(a.peers, peerbench, params, pages, vllm_pages) if a.peers else {}
     for rep in range(a.repeats):
         # interleave: every repeat runs every mode at every page size, order rotated
         order = [(ps, m) for ps in pages for m in modes]

@@ -179,9 +179,10 @@ class SlotLedger:
 
     def alloc(self, num_pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
         """Take ``num_pages`` free pages for ``owner``; returns their slots (int64)."""
-        if isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer)) or num_pages < 0:
+        if type(num_pages) is not int and (
+                isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer))) or num_pages < 0:
             raise LengthError(f"num_pages must be a non-negative int, got {num_pages!r}")
-        if not isinstance(owner, Owner):
+        if type(owner) is not Owner and not isinstance(owner, Owner):
             raise OwnershipError(f"alloc needs an Owner, got {owner!r}")
         n = int(num_pages)
         top = self._top

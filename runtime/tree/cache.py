@@ -153,7 +153,8 @@ class CacheCore:
         host_len = look.host_len if self.host is not None else 0
         cached = look.device_len + host_len
         need_pages = (host_len // ps) + -(-(len(tokens) - cached) // ps)
-        if need_pages > self.device.num_free_pages() + self._evictable_device_pages():
+        free_pages = self.device.num_free_pages()
+        if need_pages > free_pages and need_pages > free_pages + self._evictable_device_pages():
             raise CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {self.device.num_free_pages()} free, "
                 f"{self._evictable_device_pages()} evictable")
@@ -219,7 +220,8 @@ class CacheCore:
         missing = total - len(rec.slots)
         if missing > 0:
             pages = -(-missing // self.page_size)
-            if pages > self.device.num_free_pages() + self._evictable_device_pages():
+            free_pages = self.device.num_free_pages()
+            if pages > free_pages and pages > free_pages + self._evictable_device_pages():
                 raise CapacityError(f"extend of {rid!r} needs {pages} device pages")
             rec.slots = np.concatenate((rec.slots, self._alloc_device(pages, rec.owner, rid=rid)))
         start, rec.seq_len = rec.seq_len, total
