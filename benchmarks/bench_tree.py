@@ -28,7 +28,7 @@ default trace it must be 0.9449 (page 1) and 0.9413 (page 16), as for every peer
 `admit` matches at most `len(prompt) - 1` tokens (the last token is always computed);
 on this trace that never changes a match, since every prompt ends with >= 1 new user token.
 
-`--peers PYTHON` (e.g. /work/peer-venv/bin/python, set up per ../shared/peerbench/README.md)
+`--peers PYTHON` (e.g. ../peer-venv/bin/python, set up per ../shared/peerbench/README.md)
 also runs SGLang's RadixCache, UnifiedRadixCache (Rust core) and vLLM's KVCacheManager in
 subprocesses on the same trace, alternating with our repeats (median of `--peer-repeats`);
 vLLM at block size 16 only unless `--vllm-page-sizes 1,16` (at 1 it hashes every token).
@@ -37,7 +37,7 @@ Tree shape note: a request that grows its own unshared leaf (prompt, then reply,
 turn) keeps it one node (`RadixTree.insert(extend_leaf=True)`), where the peers add a node per
 insert; evicting such a leaf frees the whole session chain at once. Hit rates are unchanged.
 
-    .venv/bin/python benchmarks/bench_tree.py [--quick] [--deep] [--peers /work/peer-venv/bin/python]
+    .venv/bin/python benchmarks/bench_tree.py [--quick] [--deep] [--peers ../peer-venv/bin/python]
 
 Last stdout line: one JSON object (DESIGN.md, "Benchmarks"): per page size the batched
 actor req/s (measured), the sync core req/s (baseline), their ratio, the single-call actor

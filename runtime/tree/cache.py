@@ -915,32 +915,45 @@ class CacheCore:
         if not parts:
             return 0
         host = np.concatenate(parts)
-        tokens = rec.tokens[:pos]
+        return self._adopt_host_run(rec.tokens[:pos], rec.extra_key, start, host, rec.owner, rec.rid)
+
+    def _adopt_host_run(self, tokens: np.ndarray, extra_key: Hashable, start: int, host: np.ndarray,
+                        owner: Owner, rid: Hashable) -> int:
+        """Hand host pages holding tokens[start:] (owned by `owner`) to the tree: nodes on the path
+        without a host copy adopt theirs, the rest becomes a host-only child; pages the tree
+        cannot take are freed. Used by decode offload and by storage prefetch. Returns tokens kept."""
+        assert self.host is not None
+        end = len(tokens)
+
+        def drop(part: np.ndarray, reason: str) -> None:
+            if len(part):
+                self.host.free(part, owner, rid=rid, reason=reason)
+
         if start:
-            # a node boundary at `start` (the path to it is the request's locked prefix)
-            m0 = self.tree.match(tokens[:start], rec.extra_key, split=True, touch=False)
+            # a node boundary at `start` (the path to it is the caller's locked or matched prefix)
+            m0 = self.tree.match(tokens[:start], extra_key, split=True, touch=False)
             if m0.matched_len < start:
-                self._free_request_host(host, rec, "prefix_gone")
+                drop(host, "prefix_gone")
                 return 0
-        m = self.tree.match(tokens, rec.extra_key, split=True, touch=False)
+        m = self.tree.match(tokens, extra_key, split=True, touch=False)
         kept = 0
         offset = 0
-        parent = self.tree.root(rec.extra_key)
+        parent = self.tree.root(extra_key)
         for node in m.nodes:
             lo, offset = offset, offset + node.num_tokens
             if offset > start:
                 part = host[lo - start: offset - start]
                 if node.host is None and node.id not in self.backup_pending:
                     self.tree.attach_host(node, part)
-                    self.host.assign(part, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
+                    self.host.assign(part, owner, Owner.node(node.id), rid=rid, node=node.id)
                     kept += len(part)
                 else:
-                    self._free_request_host(part, rec, "duplicate")
+                    drop(part, "duplicate")
             parent = node
-        if m.matched_len < pos:
+        if m.matched_len < end:
             rest = host[m.matched_len - start:]
             node = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
-            self.host.assign(rest, rec.owner, Owner.node(node.id), rid=rec.rid, node=node.id)
+            self.host.assign(rest, owner, Owner.node(node.id), rid=rid, node=node.id)
             kept += len(rest)
         return kept
 
@@ -1191,42 +1204,8 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
 
 
 def _prefetch_insert(self: CacheCore, pf: Prefetch, host: np.ndarray) -> int:
-    """Hand the read pages to the tree as host copies (nodes on the path without one adopt
-    theirs; the rest becomes a host-only child). Returns the tokens the tree took."""
-    assert self.host is not None
-    start, end = pf.start, pf.start + len(host)
-    tokens = pf.tokens[:end]
-
-    def drop(part: np.ndarray, reason: str) -> None:
-        if len(part):
-            self.host.free(part, pf.owner, rid=pf.rid, reason=reason)
-
-    if start:
-        m0 = self.tree.match(tokens[:start], pf.extra_key, split=True, touch=False)
-        if m0.matched_len < start:
-            drop(host, "prefix_gone")
-            return 0
-    m = self.tree.match(tokens, pf.extra_key, split=True, touch=False)
-    kept = 0
-    offset = 0
-    parent = self.tree.root(pf.extra_key)
-    for node in m.nodes:
-        lo, offset = offset, offset + node.num_tokens
-        if offset > start:
-            part = host[lo - start: offset - start]
-            if node.host is None and node.id not in self.backup_pending:
-                self.tree.attach_host(node, part)
-                self.host.assign(part, pf.owner, Owner.node(node.id), rid=pf.rid, node=node.id)
-                kept += len(part)
-            else:
-                drop(part, "duplicate")
-        parent = node
-    if m.matched_len < end:
-        rest = host[m.matched_len - start:]
-        node = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
-        self.host.assign(rest, pf.owner, Owner.node(node.id), rid=pf.rid, node=node.id)
-        kept += len(rest)
-    return kept
+    """Hand the read pages to the tree as host copies. Returns the tokens the tree took."""
+    return self._adopt_host_run(pf.tokens[: pf.start + len(host)], pf.extra_key, pf.start, host, pf.owner, pf.rid)
 
 
 for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, prepare, _prefetch_cancel,
