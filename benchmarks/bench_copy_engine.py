@@ -13,9 +13,6 @@ measured on the same bytes in the same process:
 Median of ``--repeats`` (>= 5) rounds; each round runs candidate, index, contig in turn.
 The last stdout line is one JSON object with every figure, baseline and ratio.
 
-``--crossover`` instead times the engine's two kernels alone (slice copies per run vs the
-gathered index path) per page size and layer-group size, to place ``slice_min_bytes``.
-
 A later candidate (through the transfer actor) plugs in with ``--candidate module:factory``
 where ``factory(pools) -> (async fn(plan) -> None, async close())``.
 """
@@ -44,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.completion import CompletionBridge  # noqa: E402
 from runtime.memory.pools import DevicePool, HostPool, KVShape  # noqa: E402
 from runtime.messages import Direction, PoolTransfer, TransferPlan  # noqa: E402
-from runtime.transfer.engine import chunk_pages_for, copy_layers, resolve, row_bytes_of, split_runs  # noqa: E402
 
 Candidate = Callable[[TransferPlan], Awaitable[None]]
 CandidateFactory = Callable[[dict], Awaitable[tuple[Candidate, Callable[[], Awaitable[None]]]]]
@@ -231,57 +227,6 @@ async def measure(args, shape: KVShape, device: torch.device, factory: Candidate
 
 
 # ---------------------------------------------------------------------------------------
-# crossover: the engine's two kernels alone
-# ---------------------------------------------------------------------------------------
-
-
-def crossover(args, shape: KVShape) -> list[dict]:
-    out = []
-    for ps in args.crossover_page_sizes:
-        dev, host, dev_slots, host_slots, tokens = setup(shape, ps, "layer_first", args.mib, torch.device("cpu"), args.seed)
-        plan = TransferPlan(0, Direction.LOAD, (PoolTransfer("kv", host_slots, dev_slots),))
-        rt = resolve(plan, ps).transfers[0]
-        rb = row_bytes_of(dev)
-        chunk = chunk_pages_for(rb)
-        src_rows, dst_rows = host.page_rows(), dev.page_rows()
-        for group in (1, shape.num_layers):
-            sl = split_runs(rt, rb, group, 0)
-            ix = split_runs(rt, rb, group, 1 << 62)
-            layer_slices = [slice(i, i + group) for i in range(0, shape.num_layers, group)]
-
-            def go(split, layer_slices=layer_slices):
-                for s in layer_slices:
-                    copy_layers(src_rows, dst_rows, s, split, chunk)
-
-            t = {"slice": [], "index": []}
-            go(sl)
-            go(ix)
-            for _ in range(args.repeats):
-                for k, split in (("slice", sl), ("index", ix)):
-                    t0 = time.perf_counter()
-                    go(split)
-                    t[k].append(time.perf_counter() - t0)
-            call_bytes = 2 * group * rb * float(np.mean(rt.runs[:, 2]))
-            row = {
-                "page_size": ps,
-                "layers_per_call": group,
-                "bytes_per_slice_call": int(call_bytes),
-                "slice_ms": round(_ms(t["slice"]), 2),
-                "index_ms": round(_ms(t["index"]), 2),
-            }
-            row["winner"] = "slice" if row["slice_ms"] <= row["index_ms"] else "index"
-            out.append(row)
-            print(
-                f"ps={ps:<3} layers/call={group:<3} bytes/slice-call={row['bytes_per_slice_call']:>8}  "
-                f"slice {row['slice_ms']:8.1f} ms  index {row['index_ms']:8.1f} ms  -> {row['winner']}",
-                flush=True,
-            )
-        del dev, host
-        gc.collect()
-    return out
-
-
-# ---------------------------------------------------------------------------------------
 
 
 def git_commit() -> str:
@@ -310,8 +255,6 @@ def main() -> None:
     p.add_argument("--candidate", default=None, help="module:factory (default: copy engine + bridge)")
     p.add_argument("--copy-threads", type=int, default=None, help="CpuCopyEngine copy_threads (default: engine default)")
     p.add_argument("--load-groups", choices=["layer", "geometric"], default=None, help="CpuCopyEngine load_groups")
-    p.add_argument("--crossover", action="store_true", help="time slice vs index kernels instead")
-    p.add_argument("--crossover-page-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
     args = p.parse_args()
     args.mib = args.mib or (32 if args.quick else 256)
     args.repeats = max(5, args.repeats or (5 if args.quick else 7))
@@ -328,10 +271,6 @@ def main() -> None:
         "mib_per_transfer": args.mib,
         "engine_options": {"copy_threads": args.copy_threads, "load_groups": args.load_groups},
     }
-    if args.crossover:
-        rows = crossover(args, shape)
-        print(json.dumps({**meta, "mode": "crossover", "page_sizes": args.crossover_page_sizes, "results": rows}))
-        return
     with contextlib.suppress(ImportError):
         import uvloop  # the design installs uvloop in benchmarks
 

@@ -88,8 +88,8 @@ def _slots_array(slots: np.ndarray | torch.Tensor | list[int], num_slots: int) -
 def _page_rows(buffer: torch.Tensor, *, page_first: bool, shape: KVShape, page_size: int) -> np.ndarray:
     """Zero-copy numpy view ``[2, L, P, W]``: row ``[kv, layer, page]`` is one page of one layer's K or V.
 
-    Rows are ``W`` machine words (uint64 when the row size allows): numpy releases the GIL
-    only for copies of more than 500 items, so rows are never single opaque items.
+    Rows are ``W`` machine words (uint64 when the row size allows), the unit the CPU copy
+    kernel (`runtime.transfer.row_kernel`) moves.
     """
     if buffer.device.type != "cpu":
         raise TypeError("page_rows() needs a CPU buffer (the CUDA engine copies tensor slices)")

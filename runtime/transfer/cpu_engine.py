@@ -1,11 +1,10 @@
-"""CPU copy engine: worker threads copy page rows with numpy (GIL released), reporting per layer.
+"""CPU copy engine: worker threads copy page rows with a compiled kernel (GIL released), reporting per layer.
 
 Workers: one single-thread executor per direction: copies of one direction run in
 submission order, and a load never waits behind a large backup (the CPU analogue of
 separate load and write-back CUDA streams). ``copy_threads`` (default 2) splits each
-copy step by pages over the worker plus shared helper threads: scattered page copies are
-bound by memory latency, and two streams of requests overlap it (small slice calls, bound
-by Python overhead, stay on the worker).
+copy step by pages over the worker plus shared helper threads (`shard_pages`); a step
+smaller than ``SHARD_MIN_BYTES`` per thread stays on the worker.
 
 Completions: a LOAD reports per layer, layer ``i`` no later than layer ``i + 1``; a BACKUP
 copies all layers at once and shares one completion for every layer. Completions are
@@ -31,28 +30,26 @@ from runtime.errors import ConfigError, RuntimeClosed, ValidationError
 from runtime.memory.pools import DevicePool, HostPool
 from runtime.messages import Direction, TransferPlan
 from runtime.transfer.engine import (
-    DEFAULT_INDEX_CHUNK_BYTES,
-    DEFAULT_SLICE_MIN_BYTES,
     CopyHandle,
     FutureCompletion,
     ResolvedPlan,
     check_bounds,
-    chunk_pages_for,
     copy_layers,
     layer_count,
     pool_pair,
     resolve,
     row_bytes_of,
-    split_runs,
+    shard_pages,
 )
+from runtime.transfer.row_kernel import RowView
 
 __all__ = ["CpuCopyEngine", "check_pool_pairs", "layer_groups"]
 
 FaultHook = Callable[[int, int], None]
 
-# With copy_threads > 1, only slice calls moving at least this much take the slice path
-# (the copy, not the Python overhead, dominates them, so they spread over the threads).
-HEAVY_SLICE_CALL_BYTES = 64 << 10
+# A thread hand-off costs tens of microseconds: split a copy step only when every thread
+# gets at least this much to copy.
+SHARD_MIN_BYTES = 256 << 10
 
 
 def check_pool_pairs(pools: Mapping[str, tuple[DevicePool, HostPool]]) -> None:
@@ -73,8 +70,6 @@ class CpuCopyEngine:
         pools: Mapping[str, tuple[DevicePool, HostPool]],
         *,
         workers_per_direction: int = 1,
-        slice_min_bytes: int = DEFAULT_SLICE_MIN_BYTES,
-        index_chunk_bytes: int = DEFAULT_INDEX_CHUNK_BYTES,
         copy_threads: int | None = None,
         load_groups: str = "geometric",
         fault: FaultHook | None = None,
@@ -94,10 +89,8 @@ class CpuCopyEngine:
             cf.ThreadPoolExecutor(copy_threads - 1, thread_name_prefix="hicache-copy-helper") if copy_threads > 1 else None
         )
         self._pools = dict(pools)
-        self._rows = {name: (d.page_rows(), h.page_rows()) for name, (d, h) in self._pools.items()}
+        self._rows = {name: (RowView(d.page_rows()), RowView(h.page_rows())) for name, (d, h) in self._pools.items()}
         self._page_sizes = {name: d.page_size for name, (d, _) in self._pools.items()}
-        self._slice_min_bytes = slice_min_bytes
-        self._chunk_bytes = index_chunk_bytes
         self._fault = fault
         self._executors = {
             d: cf.ThreadPoolExecutor(workers_per_direction, thread_name_prefix=f"hicache-copy-{d.name.lower()}")
@@ -149,32 +142,24 @@ class CpuCopyEngine:
             self._inflight.pop(op_id, None)
 
     def _jobs(self, resolved: ResolvedPlan, layers_per_call: int) -> list:
+        """Per pool: (src rows, dst rows, page shards), for copy steps of ``layers_per_call`` layers."""
         jobs = []
         for rt in resolved.transfers:
-            device, host = self._pools[rt.pool]
+            device, _ = self._pools[rt.pool]
             dev_rows, host_rows = self._rows[rt.pool]
             src_rows, dst_rows = (dev_rows, host_rows) if resolved.direction is Direction.BACKUP else (host_rows, dev_rows)
-            rb = row_bytes_of(device)
-            # With several copy threads the index path runs in parallel, while a slice call's
-            # Python overhead does not (GIL): only calls heavy enough to be spread over the
-            # threads take the slice path.
-            heavy = HEAVY_SLICE_CALL_BYTES if self._helpers is not None else 0
-            split = split_runs(rt, rb, min(layers_per_call, device.shape.num_layers), self._slice_min_bytes, heavy)
-            shards = split.shards(self._copy_threads) if self._helpers is not None else [split]
-            jobs.append((src_rows, dst_rows, device.shape.num_layers, shards, chunk_pages_for(rb, self._chunk_bytes)))
+            step_bytes_per_page = 2 * min(layers_per_call, device.shape.num_layers) * row_bytes_of(device)
+            min_pages = -(-SHARD_MIN_BYTES // step_bytes_per_page)
+            jobs.append((src_rows, dst_rows, shard_pages(rt.src_pages, rt.dst_pages, self._copy_threads, min_pages)))
         return jobs
 
     def _copy(self, jobs: list, layers: slice) -> None:
-        """Copy ``layers`` of every job, shards in parallel."""
+        """Copy ``layers`` of every job, shards in parallel (the first on this thread)."""
         inline = []
         remote = []
-        for src_rows, dst_rows, n, shards, chunk in jobs:
-            lo, hi, _ = layers.indices(n)
-            if lo >= hi:
-                continue
-            for i, shard in enumerate(shards):
-                args = (src_rows, dst_rows, slice(lo, hi), shard, chunk)
-                (inline if i == 0 else remote).append(args)
+        for src_rows, dst_rows, shards in jobs:
+            for i, (sp, dp) in enumerate(shards):
+                (inline if i == 0 else remote).append((src_rows, dst_rows, layers, sp, dp))
         futs = [self._helpers.submit(copy_layers, *a) for a in remote] if remote else []  # type: ignore[union-attr]
         try:
             for a in inline:

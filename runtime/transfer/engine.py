@@ -9,14 +9,9 @@ new, read-only arrays; the plan's tensors are never modified or replaced, and no
 derived shares storage with them. The tree may keep referencing the plan's tensors.
 
 CPU kernel (`copy_layers`): data is copied as *page rows* (one page of one layer's K or V,
-contiguous in both host layouts, see `runtime.memory.pools`). A run of pages adjacent on
-both sides is one slice assignment per layer group covering its K and V rows of every layer
-in the group (rows viewed as machine words, so numpy releases the GIL: it keeps it for
-copies of <= 500 items). Runs too small for that (`slice_threshold`) go through a
-gather/scatter of page rows per (K/V, layer), rows viewed as opaque void items (one memcpy
-each), chunked so that the gathered temporary stays in L2 and a call that keeps the GIL
-moves at most ~0.5 MiB. The kernels are numpy, not torch: torch's OpenMP-parallel index
-ops slow down by 10-20x when another process competes for the cores.
+contiguous in both host layouts, see `runtime.memory.pools`) by a compiled one-pass loop
+(`runtime.transfer.row_kernel`) that releases the GIL; `shard_pages` splits a copy over
+threads.
 """
 
 from __future__ import annotations
@@ -31,6 +26,7 @@ import torch
 
 from runtime.errors import LengthError, ValidationError
 from runtime.messages import Direction, TransferPlan
+from runtime.transfer.row_kernel import RowView, copy_rows
 
 __all__ = [
     "Completion",
@@ -41,27 +37,13 @@ __all__ = [
     "ResolvedPlan",
     "resolve",
     "check_bounds",
-    "SplitRuns",
-    "split_runs",
-    "slice_threshold",
-    "chunk_pages_for",
     "row_bytes_of",
     "pool_pair",
     "copy_layers",
+    "shard_pages",
     "layer_count",
-    "DEFAULT_SLICE_MIN_BYTES",
-    "DEFAULT_INDEX_CHUNK_BYTES",
 ]
 
-# Crossover between one slice assignment per run and the gathered index path (measured with
-# `benchmarks/bench_copy_engine.py --crossover`): a slice call costs ~2 us of Python
-# and numpy overhead; the index path costs ~100 ns per page row plus a second pass over the
-# bytes. A run goes to the slice path when one call would move at least
-#     slice_min_bytes * R / (R + ROW_OVERHEAD_BYTES)        (R = bytes of one page row)
-# i.e. ~36 KiB for large rows and ~6 KiB for 384-byte rows.
-DEFAULT_SLICE_MIN_BYTES = 36 << 10
-ROW_OVERHEAD_BYTES = 1792
-DEFAULT_INDEX_CHUNK_BYTES = 512 << 10
 
 
 @runtime_checkable
@@ -234,121 +216,26 @@ def layer_count(pools: Mapping[str, Any], resolved: ResolvedPlan) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# CPU kernel: page rows
+# CPU kernel: page rows (`runtime.transfer.row_kernel`)
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)
-class SplitRuns:
-    """Runs copied by slices (Python lists, ready for a loop) and pages for the index path."""
-
-    slice_runs: list[tuple[int, int, int]]
-    idx_src: np.ndarray
-    idx_dst: np.ndarray
-
-    @property
-    def num_pages(self) -> int:
-        return sum(n for _, _, n in self.slice_runs) + int(self.idx_src.size)
-
-    def shards(self, k: int, *, spread_slices: bool = True) -> list["SplitRuns"]:
-        """Split into up to ``k`` parts of about equal pages (for parallel copy threads).
-
-        ``spread_slices=False`` keeps every slice run in part 0 (small slice calls are bound
-        by Python overhead, which threads do not parallelize and GIL ping-pong slows down)
-        and splits only the index pages evenly.
-        """
-        if k <= 1 or self.num_pages < 2 * k:
-            return [self]
-        run_parts: list[list[tuple[int, int, int]]] = [[] for _ in range(k)]
-        loads = [0] * k
-        if spread_slices:
-            for r in sorted(self.slice_runs, key=lambda r: -r[2]):
-                i = loads.index(min(loads))
-                run_parts[i].append(r)
-                loads[i] += r[2]
-            n = int(self.idx_src.size)
-            total = sum(loads) + n
-            target = [max(0, total // k - loads[i]) for i in range(k)]
-        else:
-            run_parts[0] = list(self.slice_runs)
-            n = int(self.idx_src.size)
-            target = [-(-n // k)] * k
-        out = []
-        start = 0
-        for i in range(k):
-            take = n - start if i == k - 1 else min(target[i], n - start)
-            out.append(SplitRuns(run_parts[i], self.idx_src[start : start + take], self.idx_dst[start : start + take]))
-            start += take
-        return [p for p in out if p.num_pages]
+def shard_pages(src_pages: np.ndarray, dst_pages: np.ndarray, k: int, min_pages: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Split page pairs into up to ``k`` parts of about equal size, each of at least
+    ``min_pages`` pages (so that a small copy is not split over threads for nothing)."""
+    n = int(src_pages.size)
+    parts = max(1, min(k, n // max(1, min_pages)))
+    if parts == 1:
+        return [(src_pages, dst_pages)] if n else []
+    bounds = np.linspace(0, n, parts + 1).astype(np.int64)
+    return [(src_pages[a:b], dst_pages[a:b]) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
 
-def slice_threshold(row_bytes: int, slice_min_bytes: int = DEFAULT_SLICE_MIN_BYTES) -> float:
-    """Bytes one slice call must move to beat the index path, for page rows of ``row_bytes``."""
-    return slice_min_bytes * row_bytes / (row_bytes + ROW_OVERHEAD_BYTES)
-
-
-def split_runs(
-    rt: ResolvedTransfer, row_bytes: int, layers_per_call: int, slice_min_bytes: int, floor_bytes: float = 0
-) -> SplitRuns:
-    """Send each run to the slice path when one call would move enough bytes
-    (`slice_threshold`, and at least ``floor_bytes``), else to the index path."""
-    runs = rt.runs
-    if runs.size == 0:
-        e = np.empty(0, dtype=np.int64)
-        return SplitRuns([], e, e)
-    call_bytes = runs[:, 2] * (2 * layers_per_call * row_bytes)
-    long = call_bytes >= max(slice_threshold(row_bytes, slice_min_bytes), floor_bytes)
-    slice_runs = [tuple(r) for r in runs[long].tolist()]
-    short = runs[~long]
-    if short.size == 0:
-        e = np.empty(0, dtype=np.int64)
-        return SplitRuns(slice_runs, e, e)
-    if (short[:, 2] == 1).all():
-        return SplitRuns(slice_runs, short[:, 0].copy(), short[:, 1].copy())
-    lengths = short[:, 2]
-    offs = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return SplitRuns(slice_runs, np.repeat(short[:, 0], lengths) + offs, np.repeat(short[:, 1], lengths) + offs)
-
-
-def copy_layers(
-    src_rows: np.ndarray,
-    dst_rows: np.ndarray,
-    layers: slice,
-    split: SplitRuns,
-    chunk_pages: int,
-    kv: int | None = None,
-) -> None:
-    """Copy the page rows of ``split`` for ``layers`` (``[2, L, P, W]`` row views on both sides);
-    ``kv`` = 0 or 1 copies only K or only V (to split one copy over two threads)."""
-    kvs = (0, 1) if kv is None else (kv,)
-    if split.slice_runs:
-        kv_sel = slice(None) if kv is None else slice(kv, kv + 1)
-        s_l = src_rows[kv_sel, layers]
-        d_l = dst_rows[kv_sel, layers]
-        for s, d, n in split.slice_runs:
-            d_l[:, :, d : d + n] = s_l[:, :, s : s + n]
-    n = split.idx_src.size
-    if n:
-        # index path on opaque rows: numpy copies one void item with one memcpy, which beats a
-        # sub-array of words for small rows; a call keeps the GIL only below 500 items, and then
-        # moves at most a chunk (~0.5 MiB).
-        void = np.dtype((np.void, src_rows.shape[-1] * src_rows.itemsize))
-        src_v = src_rows.view(void)[..., 0]
-        dst_v = dst_rows.view(void)[..., 0]
-        start, stop, _ = layers.indices(src_rows.shape[1])
-        bounds = [(i, min(i + chunk_pages, n)) for i in range(0, n, chunk_pages)]
-        si = [split.idx_src[a:b] for a, b in bounds]
-        di = [split.idx_dst[a:b] for a, b in bounds]
-        for layer in range(start, stop):
-            for k in kvs:
-                sr = src_v[k, layer]
-                dr = dst_v[k, layer]
-                for a, b in zip(si, di):
-                    dr[b] = sr[a]
-
-
-def chunk_pages_for(row_bytes: int, chunk_bytes: int = DEFAULT_INDEX_CHUNK_BYTES) -> int:
-    return max(1, chunk_bytes // max(1, row_bytes))
+def copy_layers(src: RowView, dst: RowView, layers: slice, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+    """Copy the K and V rows of ``layers`` for each page pair ``src_pages[i] -> dst_pages[i]``."""
+    lo, hi, _ = layers.indices(src.num_layers)
+    if lo < hi and src_pages.size:
+        copy_rows(src, dst, lo, hi, src_pages, dst_pages)
 
 
 def row_bytes_of(pool: Any) -> int:

@@ -25,19 +25,15 @@ from runtime.memory.pools import DevicePool, HostPool
 from runtime.messages import Direction, TransferPlan
 from runtime.transfer.cpu_engine import check_pool_pairs
 from runtime.transfer.engine import (
-    DEFAULT_INDEX_CHUNK_BYTES,
-    DEFAULT_SLICE_MIN_BYTES,
     CopyHandle,
     ResolvedPlan,
     check_bounds,
-    chunk_pages_for,
     copy_layers,
     layer_count,
     pool_pair,
     resolve,
-    row_bytes_of,
-    split_runs,
 )
+from runtime.transfer.row_kernel import RowView
 
 __all__ = ["FakeCopyEngine", "FakeCompletion"]
 
@@ -82,15 +78,13 @@ class FakeCopyEngine:
         *,
         auto_release: bool = False,
         fault: Callable[[int, int], None] | None = None,
-        slice_min_bytes: int = DEFAULT_SLICE_MIN_BYTES,
     ) -> None:
         check_pool_pairs(pools)
         self._pools = dict(pools)
-        self._rows = {name: (d.page_rows(), h.page_rows()) for name, (d, h) in self._pools.items()}
+        self._rows = {name: (RowView(d.page_rows()), RowView(h.page_rows())) for name, (d, h) in self._pools.items()}
         self._page_sizes = {name: d.page_size for name, (d, _) in self._pools.items()}
         self.auto_release = auto_release
         self._fault = fault
-        self._slice_min_bytes = slice_min_bytes
         self._ops: dict[int, _FakeOp] = {}
         self._cond = threading.Condition()
         self._closed = False
@@ -105,10 +99,7 @@ class FakeCopyEngine:
             check_bounds(rt, src.num_pages, dst.num_pages)
             dev_rows, host_rows = self._rows[rt.pool]
             src_rows, dst_rows = (dev_rows, host_rows) if plan.direction is Direction.BACKUP else (host_rows, dev_rows)
-            rb = row_bytes_of(device)
-            jobs.append(
-                (src_rows, dst_rows, device.shape.num_layers, split_runs(rt, rb, 1, self._slice_min_bytes), chunk_pages_for(rb, DEFAULT_INDEX_CHUNK_BYTES))
-            )
+            jobs.append((src_rows, dst_rows, device.shape.num_layers, rt.src_pages, rt.dst_pages))
         n = layer_count(self._pools, resolved)
         op = _FakeOp(resolved, tuple(FakeCompletion() for _ in range(n)), FakeCompletion(), jobs)
         with self._cond:
@@ -143,9 +134,9 @@ class FakeCopyEngine:
             try:
                 if self._fault is not None:
                     self._fault(op_id, layer)
-                for src_rows, dst_rows, num_layers, split, chunk in op.jobs:
+                for src_rows, dst_rows, num_layers, src_pages, dst_pages in op.jobs:
                     if layer < num_layers:
-                        copy_layers(src_rows, dst_rows, slice(layer, layer + 1), split, chunk)
+                        copy_layers(src_rows, dst_rows, slice(layer, layer + 1), src_pages, dst_pages)
             except Exception as exc:
                 self.fail(op_id, exc)
                 raise

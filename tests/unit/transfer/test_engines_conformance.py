@@ -33,7 +33,6 @@ def make_engine(kind: str, pools, **kw):
         return FakeCopyEngine(pools, auto_release=True, **kw)
     from runtime.transfer.cuda_engine import CudaCopyEngine
 
-    kw.pop("slice_min_bytes", None)
     return CudaCopyEngine(pools, **kw)
 
 
@@ -101,13 +100,12 @@ def test_backup_then_load_roundtrip(kind, ps, layout, pattern):
         engine.close()
 
 
-@pytest.mark.parametrize("slice_min_bytes", [0, 1 << 40])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_both_kernels(kind, layout, slice_min_bytes):
-    """Force every run through slice copies (0) or through the index path (huge threshold)."""
+def test_runs_and_scattered_pages(kind, layout):
+    """Runs of adjacent pages next to single scattered pages, both directions."""
     ps = 4
     dev, host = make_pools(kind, ps, layout, dev_pages=16, host_pages=16)
-    engine = make_engine(kind, {"kv": (dev, host)}, slice_min_bytes=slice_min_bytes)
+    engine = make_engine(kind, {"kv": (dev, host)})
     try:
         # sorted by device page: runs 0-2 -> 10-12, 4 -> 6, 7 -> 3, 9 -> 1, 12-13 -> 14-15
         dp = [7, 0, 1, 2, 9, 4, 12, 13]
@@ -404,28 +402,20 @@ def test_cpu_engine_options_roundtrip(copy_threads, load_groups):
         engine.close()
 
 
-def test_split_shards_cover_every_page_once():
-    from runtime.transfer.engine import SplitRuns
+def test_shard_pages_cover_every_pair_once():
+    from runtime.transfer.engine import shard_pages
 
-    runs = [(0, 10, 5), (20, 40, 1), (7, 3, 2)]
-    idx_src = np.array([30, 31, 35, 50], dtype=np.int64)
-    idx_dst = np.array([60, 61, 65, 70], dtype=np.int64)
-    split = SplitRuns(runs, idx_src, idx_dst)
-    for k, spread in [(1, True), (2, True), (3, True), (5, True), (2, False), (3, False)]:
-        parts = split.shards(k, spread_slices=spread)
-        assert 1 <= len(parts) <= k
-        if not spread:
-            assert parts[0].slice_runs == runs and all(not p.slice_runs for p in parts[1:])
-        pairs = []
-        for p in parts:
-            for s, d, n in p.slice_runs:
-                pairs += [(s + i, d + i) for i in range(n)]
-            pairs += list(zip(p.idx_src.tolist(), p.idx_dst.tolist()))
-        want = [(s + i, d + i) for s, d, n in runs for i in range(n)] + list(zip(idx_src.tolist(), idx_dst.tolist()))
-        assert sorted(pairs) == sorted(want)
-        if spread:
-            sizes = [p.num_pages for p in parts]
-            assert max(sizes) - min(sizes) <= 5
+    src = np.arange(10, 27, dtype=np.int64)
+    dst = np.arange(40, 57, dtype=np.int64)
+    for k, min_pages, want_parts in [(1, 1, 1), (2, 1, 2), (3, 1, 3), (5, 4, 4), (2, 9, 1), (2, 100, 1)]:
+        parts = shard_pages(src, dst, k, min_pages)
+        assert len(parts) == want_parts
+        assert np.array_equal(np.concatenate([p[0] for p in parts]), src)
+        assert np.array_equal(np.concatenate([p[1] for p in parts]), dst)
+        sizes = [p[0].size for p in parts]
+        assert max(sizes) - min(sizes) <= 1
+    empty = np.empty(0, dtype=np.int64)
+    assert shard_pages(empty, empty, 2) == []
 
 
 def test_cpu_engine_rejects_bad_options():
