@@ -13,8 +13,6 @@ pending and later call raises `RuntimeFailed` and leaving the `async with` re-ra
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -58,25 +56,20 @@ from runtime.tree.cache import CacheCore
 
 
 def _tokens(tokens: Any) -> np.ndarray:
+    """A new int32 array of ``tokens`` that the caller cannot change (messages are immutable)."""
+    if type(tokens) is np.ndarray and tokens.dtype == np.int32:
+        return tokens.copy()  # the common case, fastest
     if isinstance(tokens, torch.Tensor):
         return tokens.detach().to("cpu", torch.int32).numpy().copy()
     return np.array(tokens, dtype=np.int32)
 
 
-_REBUILD: dict[type, tuple[Callable[[Any], tuple[Any, ...]], int]] = {}
-
-
-def _with_own_tokens(item: Any) -> Any:
-    """`dataclasses.replace(item, tokens=_tokens(item.tokens))`, faster (the batch hot path)."""
-    cls = type(item)
-    spec = _REBUILD.get(cls)
-    if spec is None:
-        names = tuple(f.name for f in dataclasses.fields(cls))
-        spec = _REBUILD[cls] = (operator.attrgetter(*names), names.index("tokens"))
-    get, at = spec
-    args = list(get(item))
-    args[at] = _tokens(args[at])
-    return cls(*args)
+# The batch hot path: the step's items rebuilt with their own token arrays.
+_WITH_OWN_TOKENS: dict[type, Callable[[Any], Any]] = {
+    Admit: lambda m: Admit(m.rid, _tokens(m.tokens), m.extra_key, m.session, m.reply),
+    Cache: lambda m: Cache(m.rid, _tokens(m.tokens), m.reply),
+    Finish: lambda m: Finish(m.rid, _tokens(m.tokens), m.finished_len, m.reply),
+}
 
 
 EngineFactory = Callable[[Mapping[str, tuple[DevicePool, HostPool]]], CopyEngine]
@@ -266,7 +259,8 @@ class CacheRuntime:
         """A scheduling step in one message: results per item, a `ValidationError` for a failed one.
 
         Build items with reply=None, e.g. `Admit(rid, tokens)`; token lists are converted here."""
-        fixed = [_with_own_tokens(i) if isinstance(i, (Admit, Cache, Finish)) else i for i in items]
+        own = _WITH_OWN_TOKENS
+        fixed = [own[type(i)](i) if type(i) in own else i for i in items]
         return await self._sup.ask_batch(self._tree.mailbox, fixed)
 
     # -- questions ------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from runtime.messages import AdmitResult, Direction, PoolTransfer, TransferPlan
 from runtime.messages import OffloadAck, OffloadCommit, OffloadFinish, OffloadStarted  # decode offload
 from runtime.trace import SlotTracer, get_logger
 from runtime.tree.policies import policy_by_name
-from runtime.tree.radix import Node, RadixTree
+from runtime.tree.radix import MatchResult, Node, RadixTree
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -154,7 +154,8 @@ class CacheCore:
         cached = look.device_len + host_len
         need_pages = (host_len // ps) + -(-(len(tokens) - cached) // ps)
         free_pages = self.device.num_free_pages()
-        if need_pages > free_pages and need_pages > free_pages + self._evictable_device_pages():
+        if need_pages > free_pages and need_pages > (free_pages + self._evictable_device_pages()
+                                                     - self._unlocked_prefix_pages(look)):
             raise CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {self.device.num_free_pages()} free, "
                 f"{self._evictable_device_pages()} evictable")
@@ -310,6 +311,9 @@ class CacheCore:
                 self.device.assign(slots, sess.owner, Owner.node(node.id), node=node.id)
             if len(res.duplicate_slots):
                 self.device.free(res.duplicate_slots, sess.owner, reason="duplicate")
+            if self.host is not None and self.config.write_policy == "write_through":
+                for node, _ in res.adopted:
+                    self._maybe_backup(node)
         rest = sess.slots[keep:]
         if len(rest):
             self.device.free(rest, sess.owner)
@@ -402,7 +406,7 @@ class CacheCore:
         host_len = look.host_len if self.host is not None else 0
         cached = look.device_len + host_len
         need = host_len // ps + -(-(len(tokens) - cached) // ps)
-        return need <= self.device.num_free_pages() + self._evictable_device_pages()
+        return need <= self.device.num_free_pages() + self._evictable_device_pages() - self._unlocked_prefix_pages(look)
 
     # -- acks ----------------------------------------------------------------------
     def apply_ack(self, op_id: int, error: str | None) -> None:
@@ -566,7 +570,7 @@ class CacheCore:
                 self.host.assign(part, op.host_owner, Owner.node(node.id), node=node.id)
             self.tree.attach_host(node, part)
         if self.storage_on:
-            self._storage_write(op)
+            self._storage_write(op.node, op.length, op.host)
 
     def _finish_load(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
         for node in chain:
@@ -673,6 +677,12 @@ class CacheCore:
 
     def _evictable_device_pages(self) -> int:
         return self.tree.evictable_device_tokens // self.page_size
+
+    def _unlocked_prefix_pages(self, look: MatchResult) -> int:
+        """Evictable device pages of a request's own matched prefix: admitting it locks them,
+        so they are no room for it."""
+        own = sum(len(part) for node, part in zip(look.device_nodes, look.device_parts) if node.lock_ref == 0)
+        return own // self.page_size
 
     def _evictable_host_tokens(self) -> int:
         # O(nodes): informational (available()), not on the hot path
@@ -915,7 +925,10 @@ class CacheCore:
         if not parts:
             return 0
         host = np.concatenate(parts)
-        return self._adopt_host_run(rec.tokens[:pos], rec.extra_key, start, host, rec.owner, rec.rid)
+        kept = self._adopt_host_run(rec.tokens[:pos], rec.extra_key, start, host, rec.owner, rec.rid)
+        if kept and self.storage_on:  # offloaded pages live on as host and storage copies
+            self._storage_write_path(rec.tokens[:pos], rec.extra_key, start)
+        return kept
 
     def _adopt_host_run(self, tokens: np.ndarray, extra_key: Hashable, start: int, host: np.ndarray,
                         owner: Owner, rid: Hashable) -> int:
@@ -1067,26 +1080,37 @@ def _host_pages(self: CacheCore, host: np.ndarray) -> tuple[int, ...]:
     return tuple(int(x) // ps for x in host[::ps])
 
 
-def _storage_write(self: CacheCore, op: CopyOp) -> None:
-    """After a backup landed: write its chain's pages (not known stored yet) to storage."""
-    node = op.node
+def _storage_write(self: CacheCore, node: Node, length: int, host: np.ndarray) -> None:
+    """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
+    (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
     if not _storage_key_ok(node.extra_key) or self.host is None:
         return
     ps = self.page_size
     path = self.tree.path_tokens(node)
-    first = (len(path) - op.length) // ps
+    first = (len(path) - length) // ps
     hashes = self._page_hashes(path, node.extra_key)[first:]
     pick = [i for i, h in enumerate(hashes) if h not in self.storage_known]
     if not pick:
         return
     keys = [hashes[i] for i in pick]
-    host = np.concatenate([op.host[i * ps:(i + 1) * ps] for i in pick])
+    host = np.concatenate([host[i * ps:(i + 1) * ps] for i in pick])
     op_id = next(self._op_ids)
     self.host.pin(host, op_id)
-    self.tree.protect_host(node, op.length)
-    self.storage_ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=op.length)
+    self.tree.protect_host(node, length)
+    self.storage_ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length)
     self.storage_outbox.append((op_id, True, tuple(keys), self._host_pages(host)))
     self.stats["storage_writes_issued"] += 1
+
+
+def _storage_write_path(self: CacheCore, tokens: np.ndarray, extra_key: Hashable, start: int) -> None:
+    """Write `tokens[start:]`, just handed to the tree as host copies, to storage (skipped while
+    a node of it has no host copy yet: its backup's ack writes it)."""
+    m = self.tree.match(tokens, extra_key, split=False, touch=False)
+    if m.matched_len != len(tokens) or m.partial or not m.nodes:
+        return
+    chain = self.tree.split_chain(m.nodes[-1], len(tokens) - start)
+    if all(n.host is not None for n in chain):
+        self._storage_write(m.nodes[-1], len(tokens) - start, np.concatenate([n.host for n in chain]))
 
 
 def prepare(self: CacheCore, rid: Hashable, tokens: Any, extra_key: Hashable = None) -> int:
@@ -1208,7 +1232,8 @@ def _prefetch_insert(self: CacheCore, pf: Prefetch, host: np.ndarray) -> int:
     return self._adopt_host_run(pf.tokens[: pf.start + len(host)], pf.extra_key, pf.start, host, pf.owner, pf.rid)
 
 
-for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, prepare, _prefetch_cancel,
+for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, _storage_write_path, prepare,
+            _prefetch_cancel,
             _prefetch_landed, _prefetch_detach, apply_storage_ack, _prefetch_insert):
     setattr(CacheCore, _fn.__name__, _fn)
 del _fn

@@ -221,3 +221,29 @@ async def test_abort_during_load_keeps_the_load_safe():
         await quiescent_check(rt)
         again = await serve(rt, "c", p0)
         assert again["cached_device"] > 0  # the aborted request's load still landed on device
+
+
+async def test_can_admit_does_not_count_the_requests_own_prefix_as_room():
+    """The request's own cached prefix is evictable until its admission locks it, so it is no
+    room for the request's new pages. (Before the fix, can_admit said yes here and admit failed
+    only after splitting and touching the prefix.)"""
+    config = small_config(device_slots=160, host_tokens=0)  # 40 pages of 4
+    async with CacheRuntime.open(config) as rt:
+        prefix = toks(100, 31)  # 25 pages, cached and unlocked
+        await serve(rt, "p", prefix)
+        await rt.admit("x", toks(40, 35))  # a live request holds 10 pages: 5 stay free
+        want = {"device_free": 20, "device_evictable": 100}
+        assert await rt.available() == want
+        grown = np.concatenate((prefix, toks(32, 32)))  # its own prefix + 8 new pages
+        assert not await rt.can_admit(grown)
+        with pytest.raises(CapacityError):
+            await rt.admit("g", grown)
+        assert await rt.available() == want  # changed nothing
+        fits = np.concatenate((prefix, toks(20, 33)))  # 5 new pages fit in the free 5
+        assert await rt.can_admit(fits)
+        await serve(rt, "f", fits)
+        other = toks(60, 34)  # 15 pages: another prompt may evict the cached prefixes
+        assert await rt.can_admit(other)
+        await serve(rt, "o", other)
+        await rt.abort("x")
+        await quiescent_check(rt)
