@@ -19,12 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
 from runtime.completion import CompletionBridge, LayerReadiness, as_transfer_error
 from runtime.errors import RuntimeClosed, TransferError
 from runtime.messages import Direction, StorageAck, TransferAck, TransferPlan
+from runtime.storage.backend import read_prefix
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine
 
@@ -75,14 +77,24 @@ class SubmitStorage:
 
 @dataclass(frozen=True, slots=True)
 class _StorageDone:
+    """A storage op's outcome (not a message: applied on the loop thread as the worker finishes)."""
+
     op_id: int
     pages: int
     ok: tuple[bool, ...]
     error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageCallbackFailed:
+    """Applying a storage completion raised (a bug): fail the runtime from inside the actor."""
+
+    error: BaseException
     reply: None = None
 
 
-TransferMessage = SubmitCopy | DrainCopies | TransferStatsQuery | _CopyDone | SubmitStorage | _StorageDone
+TransferMessage = (SubmitCopy | DrainCopies | TransferStatsQuery | _CopyDone | SubmitStorage
+                   | _StorageCallbackFailed)
 
 
 @dataclass(slots=True)
@@ -115,6 +127,13 @@ class TransferActor(Actor[TransferMessage]):
         self.host_pool = host_pool
         self.storage_inflight: dict[int, SubmitStorage] = {}
         self._storage_pool: ThreadPoolExecutor | None = None
+        # page_first host pool: page p is one contiguous row, read and written in place
+        self._page_rows: np.ndarray | None = None
+        if storage is not None and host_pool is not None and host_pool.layout == "page_first" \
+                and host_pool.buffer.is_contiguous():
+            self._page_rows = host_pool.buffer.view(-1).view(torch.uint8).view(host_pool.num_pages, -1).numpy()
+        self._registered_pool = False  # whether we registered the host pool with the backend (zero-copy)
+        self._probe_inline = storage is not None and getattr(storage, "exists_is_local", False) is True
         if storage is not None:
             self.counters.update({"storage_ops_done": 0, "storage_ops_failed": 0, "storage_bytes_written": 0,
                                   "storage_bytes_read": 0, "storage_errors": 0})
@@ -124,11 +143,12 @@ class TransferActor(Actor[TransferMessage]):
             DrainCopies: self.on_drain,
             TransferStatsQuery: self.on_stats,
             SubmitStorage: self.on_submit_storage,
-            _StorageDone: self.on_storage_done,
+            _StorageCallbackFailed: self.on_storage_callback_failed,
         }
 
     async def run(self) -> None:
         self.bridge = CompletionBridge().start()
+        self._register_host_pool()
         try:
             await super().run()
         finally:
@@ -137,6 +157,30 @@ class TransferActor(Actor[TransferMessage]):
             await asyncio.to_thread(self.engine.close)
             if self._storage_pool is not None:
                 self._storage_pool.shutdown(wait=False, cancel_futures=True)
+            self._unregister_host_pool()
+
+    def _register_host_pool(self) -> None:
+        """Register the page_first host pool with a backend that takes registrations (Mooncake), so
+        that storage reads land in pool pages and writes leave from them with no staging copy."""
+        register = getattr(self.storage, "register_buffer", None)
+        if register is None or self._page_rows is None:
+            return
+        try:
+            register(self.host_pool.buffer)
+        except Exception as exc:  # noqa: BLE001 - e.g. the embedder registered it (or more) already
+            log.debug("storage_register_host_pool_skipped", error=repr(exc))
+        else:
+            self._registered_pool = True
+
+    def _unregister_host_pool(self) -> None:
+        if self._registered_pool:
+            if self.storage_inflight:  # stopping after a failure with a worker maybe still moving
+                return                 # pool pages: keep it registered (the backend holds the tensor)
+            self._registered_pool = False
+            try:
+                self.storage.unregister_buffer(self.host_pool.buffer)
+            except Exception as exc:  # noqa: BLE001 - backend closed first: nothing left to unregister
+                log.debug("storage_unregister_host_pool_failed", error=repr(exc))
 
     # -- handlers ----------------------------------------------------------------
     def on_submit(self, msg: SubmitCopy) -> None:
@@ -156,42 +200,59 @@ class TransferActor(Actor[TransferMessage]):
         self._maybe_drained()
 
     def on_submit_storage(self, msg: SubmitStorage) -> None:
+        self.storage_inflight[msg.op_id] = msg
+        if not msg.write and msg.keys and self._probe_inline and self._absent(msg.keys[0]):
+            # a local backend without the first page: the read is a miss, no worker thread needed
+            self._storage_done(_StorageDone(msg.op_id, 0, (), None))
+            return
         if self._storage_pool is None:
             self._storage_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-storage")
-        self.storage_inflight[msg.op_id] = msg
-        fut = asyncio.get_running_loop().run_in_executor(self._storage_pool, self._run_storage, msg)
-        fut.add_done_callback(lambda f, op_id=msg.op_id: self._on_storage_future(op_id, f))
+        loop = asyncio.get_running_loop()
+        fut = self._storage_pool.submit(self._run_storage, msg)
+        # straight back onto the loop from the worker (no asyncio future in between)
+        fut.add_done_callback(lambda f, op_id=msg.op_id: self._post_storage_future(loop, op_id, f))
+
+    def _absent(self, key: bytes) -> bool:
+        """Inline probe (local backends only): True when storage surely lacks `key`."""
+        try:
+            return int(self.storage.exists_prefix([key])) == 0
+        except Exception:  # noqa: BLE001 - let the worker path meet (and count) the error
+            return False
 
     def _run_storage(self, msg: SubmitStorage) -> tuple[int, tuple[bool, ...]]:
-        """In a worker thread: one batch call (a write), or existence then one batch read."""
-        backend, pool = self.storage, self.host_pool
+        """In a worker thread: one batch call (a write), or one read of the leading present pages."""
+        backend, pool, rows = self.storage, self.host_pool, self._page_rows
         if msg.write:
-            srcs = [pool.read_page(p) for p in msg.pages]
+            srcs = [rows[p] for p in msg.pages] if rows is not None else [pool.read_page(p) for p in msg.pages]
             ok = tuple(bool(x) for x in backend.set_batch(list(msg.keys), srcs))
             return sum(ok), ok
-        n = int(backend.exists_prefix(list(msg.keys)))
-        if n <= 0:
-            return 0, ()
-        # page_first keeps a page contiguous in the canonical form: read straight into the pool
-        # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
-        direct = pool.layout == "page_first"
-        if direct:
-            bufs = [pool.read_page(p) for p in msg.pages[:n]]
-        else:
-            shape = pool.shape
-            stage = torch.empty((n, shape.num_layers, 2, pool.page_size, shape.num_kv_heads, shape.head_dim),
-                                dtype=shape.dtype)
-            bufs = list(stage)
-        got = backend.get_batch(list(msg.keys[:n]), bufs)
-        k = 0
-        while k < n and got[k]:  # a missing page ends the hit (presence is only a hint)
-            k += 1
-        if not direct:
-            for i in range(k):
-                pool.write_page(msg.pages[i], bufs[i])
+        if rows is not None:
+            # page_first keeps a page contiguous in the canonical form: read straight into the pool
+            # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
+            return read_prefix(backend, list(msg.keys), [rows[p] for p in msg.pages]), ()
+        shape = pool.shape
+        stage = torch.empty((len(msg.keys), shape.num_layers, 2, pool.page_size, shape.num_kv_heads, shape.head_dim),
+                            dtype=shape.dtype)  # untouched: pages never read cost no memory
+        bufs = list(stage)
+        k = read_prefix(backend, list(msg.keys), bufs)  # a missing page ends the hit (presence is a hint)
+        for i in range(k):
+            pool.write_page(msg.pages[i], bufs[i])
         return k, ()
 
+    def _post_storage_future(self, loop: asyncio.AbstractEventLoop, op_id: int, fut: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(self._on_storage_future, op_id, fut)
+        except RuntimeError:  # the loop is closed: the runtime is gone, nobody to ack
+            pass
+
     def _on_storage_future(self, op_id: int, fut: Any) -> None:
+        """On the loop thread, as the worker finishes: apply the outcome and ack the requester here,
+        not via a message to this actor. One hop shorter, and this actor stays idle-waiting, so a
+        copy that the requester issues in reply (a waiting admit's host -> device load) is queued
+        behind the admit's caller as on a plain host hit. (Via the mailbox, this actor was still in
+        its receive checkpoint when the tree replied, and submitted the load, ~0.5 ms of CPU engine
+        work plus its threads' CPU, before the caller resumed.) Only storage bookkeeping is touched,
+        between two of this actor's handlers (they are all synchronous, so never inside one)."""
         if fut.cancelled():
             done = _StorageDone(op_id, 0, (), "cancelled")
         elif fut.exception() is not None:
@@ -200,11 +261,17 @@ class TransferActor(Actor[TransferMessage]):
             pages, ok = fut.result()
             done = _StorageDone(op_id, pages, ok, None)
         try:
-            self.mailbox.put_internal(done)
-        except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
-            pass
+            self._storage_done(done)
+        except Exception as exc:  # noqa: BLE001 - a bug: fail whole, from inside the actor
+            try:
+                self.mailbox.put_internal(_StorageCallbackFailed(exc))
+            except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
+                pass
 
-    def on_storage_done(self, msg: _StorageDone) -> None:
+    def on_storage_callback_failed(self, msg: _StorageCallbackFailed) -> None:
+        raise RuntimeError(f"applying a storage completion failed: {msg.error!r}") from msg.error
+
+    def _storage_done(self, msg: _StorageDone) -> None:
         submit = self.storage_inflight.pop(msg.op_id)
         page_bytes = self.bytes_per_slot * (self.host_pool.page_size if self.host_pool is not None else 0)
         if msg.error is None:

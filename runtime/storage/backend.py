@@ -67,6 +67,36 @@ class StorageBackend(Protocol):
         ...
 
 
+# -- optional capabilities ----------------------------------------------------------------------
+# A backend may also offer (looked up on the instance; wrappers that forward unknown attributes,
+# like `FaultyBackend`, set them to None / False so that their own hooks are not bypassed):
+#
+# - ``get_prefix(keys, dests) -> int``: read the leading pages that are present into ``dests`` and
+#   return how many were read whole, stopping at the first page that is missing or unreadable
+#   (``dests`` past that point: content undefined). One pass instead of `exists_prefix` + `get_batch`
+#   (the file backend skips its stat pass, Mooncake its existence RPC). `read_prefix` uses it.
+# - ``exists_is_local = True``: `exists_prefix` of a key or two is a local metadata lookup
+#   (microseconds, no network), cheap enough to run on the event loop; the transfer actor then
+#   answers a read whose first page is absent without a worker thread.
+
+
+def read_prefix(backend: Any, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
+    """How many leading pages of ``keys`` were read whole into ``dests``: ``backend.get_prefix`` when
+    the backend has one, else `exists_prefix` then `get_batch` of the leading existing pages (a
+    page found missing or unreadable ends the prefix: presence is only a hint)."""
+    get_prefix = getattr(backend, "get_prefix", None)
+    if get_prefix is not None:
+        return int(get_prefix(keys, dests))
+    n = int(backend.exists_prefix(keys))
+    if n <= 0:
+        return 0
+    got = backend.get_batch(keys[:n], dests[:n])
+    k = 0
+    while k < n and got[k]:
+        k += 1
+    return k
+
+
 # -- buffer helpers ---------------------------------------------------------------------------
 
 def byte_view(buf: Buffer, nbytes: int, *, writable: bool) -> memoryview:
@@ -184,6 +214,11 @@ class FaultEvent:
 
 class FaultyBackend:
     """Wraps a backend and injects failures, stalls and holds by `FaultPlan` (for tests)."""
+
+    # every read goes through the faultable exists_prefix + get_batch (never the inner backend's
+    # one-pass get_prefix, nor an inline existence probe on the event loop that a hold would block)
+    get_prefix = None
+    exists_is_local = False
 
     def __init__(self, inner: StorageBackend, plan: FaultPlan | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:

@@ -82,6 +82,10 @@ def _pid_alive(pid: int) -> bool:
 class FileBackend:
     """One file per page under ``directory``; see the module docstring for the format and rules."""
 
+    # `exists_prefix` is a stat per key in a local directory: the transfer actor may probe the first
+    # key on the event loop and answer a read of absent pages without a worker thread
+    exists_is_local = True
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -282,6 +286,27 @@ class FileBackend:
         self._count(get_calls=1, pages_read=hits, read_misses=misses, read_errors=errors,
                     bytes_read=hits * self.page_bytes)
         return out
+
+    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
+        """Read the leading present pages into ``dests``, stopping at the first page that is missing
+        or unreadable; returns how many were read whole. `exists_prefix` + `get_batch` in one pass
+        (no stat pass; each page's size and trailer are checked as `get_batch` does)."""
+        self._check_open()
+        check_batch(keys, dests, "get_prefix")
+        pb = self.page_bytes
+        views = [byte_view(d, pb, writable=True) for d in dests]  # validate every buffer before any I/O
+        now = time.time_ns()
+        n = len(keys)
+        hits = 0
+        r = 1
+        for i in range(n):
+            r = self._read_one(keys[i], views[i], now + (n - i))
+            if r != 1:
+                break
+            hits += 1
+        self._count(get_calls=1, pages_read=hits, read_misses=int(r == 0), read_errors=int(r == -1),
+                    bytes_read=hits * pb)
+        return hits
 
     def _read_one(self, key: bytes, mv: memoryview, stamp_ns: int) -> int:
         """1 read, 0 missing, -1 unreadable (wrong size, bad header, I/O error)."""

@@ -241,6 +241,9 @@ class MooncakeBackend:
                 if not buf.is_cpu or not buf.is_contiguous() or buf.nbytes != pb:
                     byte_view(buf, pb, writable=writable)  # raises the precise ValidationError
                 addr = buf.data_ptr()
+            elif (isinstance(buf, np.ndarray) and buf.nbytes == pb and buf.flags.c_contiguous
+                  and (buf.flags.writeable or not writable)):  # fast path: rows of a page-first pool
+                addr = buf.ctypes.data
             else:
                 byte_view(buf, pb, writable=writable)
                 addr = buffer_address(buf)
@@ -307,6 +310,17 @@ class MooncakeBackend:
         self._count(get_calls=1, pages_read=hits, read_misses=len(out) - hits, zero_copy_pages_read=zc_ok,
                     bytes_read=hits * pb)
         return out
+
+    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
+        """Read the leading present pages into ``dests``; returns how many were read whole. One
+        ``batch_get_into`` of every key, without the existence RPC that `exists_prefix` + `get_batch`
+        pays: a missing key fails on its own in the same call (as cheaply as asking for it), so only
+        pages behind a hole are read for nothing."""
+        got = self.get_batch(keys, dests)
+        k = 0
+        while k < len(got) and got[k]:
+            k += 1
+        return k
 
     def _get_into(self, skeys: list[str], addrs: list[int], idx: list[int], out: list[bool]) -> None:
         pb = self.page_bytes

@@ -102,6 +102,31 @@ async def test_round_trip_through_storage(tmp_path, layout):
     fb.close()
 
 
+async def test_read_path_calls(tmp_path):
+    """A read of pages the local backend lacks is answered by one inline probe on the event loop
+    (no worker thread, no get); a hit is one probe plus one get_prefix pass (no stat pass)."""
+    config = cfg(host_layout="page_first")
+    fb = backend(tmp_path, config)
+    a, b = toks(N + 1, 21), toks(N + 1, 22)
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        res = await rt.admit("cold", b)  # storage is empty: the admit does not wait on a thread
+        assert res.cached == 0
+        assert rt._transfer._storage_pool is None  # no storage op reached a worker thread
+        s = fb.stats()
+        assert (s["exists_calls"], s["get_calls"]) == (1, 0)
+        await rt.abort("cold")
+        await serve(rt, "a", a)
+        await rt.flush()
+        before = fb.stats()
+        assert await readmit_ok(rt, "a2", a) == N
+        s = fb.stats()
+        assert (s["exists_calls"] - before["exists_calls"], s["get_calls"] - before["get_calls"]) == (1, 1)
+        assert s["pages_read"] - before["pages_read"] == N // config.page_size
+        assert (await rt.stats())["storage_reads_issued"] == 3  # cold, serve's cold admit of a, the hit
+        await quiescent(rt)
+    fb.close()
+
+
 async def test_storage_from_config_file_backend(tmp_path):
     config = cfg(storage_backend="file", storage_dir=str(tmp_path))
     a = toks(N + 1, 2)
@@ -609,3 +634,46 @@ def test_writer_killed_mid_write_leaves_no_readable_partial_page(tmp_path):
         fb.close()
 
     asyncio.run(main())
+
+
+# -- other ways into the host tier write through too -------------------------------------------
+
+
+async def test_decode_offload_writes_through_to_storage(tmp_path):
+    """Decode offload's host copies live on in storage: after a flush the conversation comes
+    back from storage. (Before the fix, only host backups wrote to storage: 0 pages here.)"""
+    config = cfg(decode_offload=True, write_policy="write_back")
+    fb = backend(tmp_path, config)
+    a = toks(N + 1, 21)
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        res = await rt.admit("a", a)
+        compute(rt, res.slots, a)
+        await rt.commit("a", len(a))
+        await rt.finish("a", a[:N])
+        await settle_all(rt)
+        st = await rt.stats()
+        assert st["offloads_issued"] > 0 and st["storage_writes_issued"] > 0
+        assert stored_pages(fb, config, a) == N // config.page_size
+        assert await rt.flush() > 0
+        assert await readmit_ok(rt, "a2", a) == N
+        assert (await rt.stats())["tokens_storage_hit"] == N
+        await quiescent(rt)
+    fb.close()
+
+
+async def test_closed_session_inserted_with_write_through_is_backed_up(tmp_path):
+    config = cfg(write_policy="write_through")
+    fb = backend(tmp_path, config)
+    a = toks(N + 1, 22)
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        await rt.open_session("s")
+        res = await rt.admit("t1", a, session="s")
+        compute(rt, res.slots, a)
+        await rt.finish("t1", a)
+        await rt.close_session("s", insert=True)
+        await settle_all(rt)
+        assert (await rt.stats())["backups_issued"] > 0
+        assert stored_pages(fb, config, a) == N // config.page_size
+        assert await rt.match_prefix(a[:N]) == {"device": N, "host": 0}
+        await quiescent(rt)
+    fb.close()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime.errors import ConfigError, StateError, ValidationError
-from runtime.storage.backend import FaultPlan, FaultyBackend, StorageBackend, StorageError
+from runtime.storage.backend import FaultPlan, FaultyBackend, StorageBackend, StorageError, read_prefix
 from runtime.storage.file_backend import TRAILER, FileBackend
 
 PB = 4096  # page bytes for most tests
@@ -109,6 +109,32 @@ def test_prefix_existence_and_missing_pages(fb):
     # a page that vanishes between exists and get is a miss, not an error
     os.unlink(fb._path(keys[0])[2])
     assert fb.get_batch(keys[:1], dests[:1]) == [False]
+
+
+def test_get_prefix_reads_the_leading_pages_in_one_pass(fb):
+    keys = [key(i, "gp") for i in range(6)]
+    fb.set_batch(keys[:3] + keys[4:5], [page(i) for i in (0, 1, 2, 4)])
+    before = fb.stats()
+    dests = [np.zeros(PB, np.uint8) for _ in keys]
+    assert fb.get_prefix(keys, dests) == 3  # stops at the first missing page; page 4 is not read
+    assert all(np.array_equal(dests[i], page(i)) for i in range(3)) and not dests[4].any()
+    s = fb.stats()
+    assert s["exists_calls"] == before["exists_calls"]  # no stat pass
+    assert (s["get_calls"] - before["get_calls"], s["pages_read"] - before["pages_read"],
+            s["read_misses"] - before["read_misses"]) == (1, 3, 1)
+    assert fb.get_prefix(keys[3:], dests[3:]) == 0 and fb.get_prefix([], []) == 0
+    # an unreadable page ends the prefix too (counted as a read error)
+    with open(fb._path(keys[1])[2], "r+b") as f:
+        f.truncate(PB)
+    assert fb.get_prefix(keys, dests) == 1 and fb.stats()["read_errors"] == 1
+    with pytest.raises(ValidationError):  # every buffer is checked before any I/O
+        fb.get_prefix(keys[:2], [np.zeros(PB, np.uint8), bytes(PB)])
+    # read_prefix: get_prefix when the backend has it, else exists_prefix + get_batch
+    assert read_prefix(fb, keys, dests) == 1
+    wrapped = FaultyBackend(fb)
+    assert wrapped.get_prefix is None and wrapped.exists_is_local is False  # its hooks are never bypassed
+    assert read_prefix(wrapped, keys, dests) == 1 and wrapped.calls == 2  # exists_prefix, then get_batch
+    assert read_prefix(wrapped, keys[3:], dests[3:]) == 0 and wrapped.calls == 3  # nothing present: no get
 
 
 def test_set_existing_and_duplicate_keys(fb):

@@ -116,6 +116,24 @@ class TestMooncakeBackend:
         assert backend.get_batch(keys, dests) == [True, True, False, True, False]
         assert np.array_equal(dests[3], page(13))
 
+    def test_get_prefix_without_an_existence_call(self, backend):
+        keys = [key(i, "gp") for i in range(5)]
+        backend.set_batch([keys[0], keys[1], keys[3]], [page(20), page(21), page(23)])
+        pool = torch.zeros(5, PB, dtype=torch.uint8)
+        backend.register_buffer(pool)
+        try:
+            before = backend.stats()
+            assert backend.get_prefix(keys, [pool[i] for i in range(5)]) == 2
+            assert np.array_equal(pool[0].numpy(), page(20)) and np.array_equal(pool[1].numpy(), page(21))
+            assert backend.get_prefix(keys[2:3], [pool[2]]) == 0
+            plain = [np.zeros(PB, np.uint8) for _ in range(2)]  # unregistered: through the staging buffer
+            assert backend.get_prefix(keys[:2], plain) == 2 and np.array_equal(plain[1], page(21))
+            after = backend.stats()
+            assert after["exists_calls"] == before["exists_calls"]
+            assert after["zero_copy_pages_read"] - before["zero_copy_pages_read"] >= 2
+        finally:
+            backend.unregister_buffer(pool)
+
     def test_zero_copy_path(self, backend):
         pool = torch.zeros(8, PB, dtype=torch.uint8)  # a page-first host pool stand-in
         backend.register_buffer(pool)
@@ -210,31 +228,103 @@ class TestMooncakeBackend:
                 p.kill()
                 p.wait()
 
-    def test_runtime_round_trip(self, mooncake_cluster):
-        """The storage tier through the runtime: back up a prefix, flush, admit it again from Mooncake."""
+    @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+    def test_runtime_round_trip(self, mooncake_cluster, layout):
+        """The storage tier through the runtime: back up a prefix, flush, admit it again from Mooncake.
+        A page_first host pool is registered by the runtime (zero-copy both ways) and unregistered
+        when it closes; a layer_first one goes through the plain path."""
         import asyncio
 
         from runtime.runtime import CacheRuntime
         from tests.integration.test_storage_tier import N, cfg, quiescent, readmit_ok, serve, toks
 
-        config = cfg()
+        config = cfg(host_layout=layout)
         b = MooncakeBackend(config.page_size * config.bytes_per_token,
-                            mooncake_cluster.config(global_segment_size=16 << 20, local_buffer_size=16 << 20))
+                            mooncake_cluster.config(global_segment_size=16 << 20, local_buffer_size=16 << 20,
+                                                    key_prefix=f"rt-{layout}/"))
+        pages = N // config.page_size
+        zero_copy = layout == "page_first"
 
         async def main() -> None:
             a = toks(N + 1, 77)
             async with CacheRuntime.open(config, storage=b) as rt:
+                assert b.stats()["registered_buffers"] == int(zero_copy)
                 await serve(rt, "a", a)
-                assert (await rt.stats())["storage_pages_written"] == N // config.page_size
+                assert (await rt.stats())["storage_pages_written"] == pages
                 await rt.flush()
                 assert await readmit_ok(rt, "b", a) == N  # fingerprints checked
                 assert (await rt.stats())["tokens_storage_hit"] == N
                 await quiescent(rt)
+            st = b.stats()
+            assert st["registered_buffers"] == 0  # the runtime unregistered its pool
+            assert st["zero_copy_pages_written"] == (pages if zero_copy else 0)
+            assert st["zero_copy_pages_read"] == (pages if zero_copy else 0)
+            assert st["pages_read"] == pages and st["exists_calls"] == 0  # one get_prefix pass, no existence RPC
 
         try:
             asyncio.run(main())
         finally:
             b.close()
+
+    @pytest.mark.parametrize("source", ["env", "json"])
+    def test_runtime_builds_the_backend_from_config(self, mooncake_cluster, monkeypatch, tmp_path, source):
+        """`storage_backend="mooncake"`: the runtime builds `MooncakeBackend` from the environment
+        (`MooncakeConfig.from_env`: MOONCAKE_* variables, or MOONCAKE_CONFIG_PATH), registers its
+        page_first host pool, serves a prefix back from Mooncake and closes the backend it owns."""
+        import asyncio
+        import json
+
+        from runtime.runtime import CacheRuntime
+        from tests.integration.test_storage_tier import N, cfg, quiescent, readmit_ok, serve, toks
+
+        for var in [v for v in os.environ if v.startswith("MOONCAKE_")]:
+            monkeypatch.delenv(var)
+        prefix = f"fromcfg-{source}/"
+        if source == "env":
+            for var, value in (("MOONCAKE_MASTER", mooncake_cluster.master_address),
+                               ("MOONCAKE_TE_META_DATA_SERVER", mooncake_cluster.metadata_url),
+                               ("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1"), ("MOONCAKE_TCP_BIND_ADDRESS", "127.0.0.1"),
+                               ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "16mb"), ("MOONCAKE_LOCAL_BUFFER_SIZE", "16mb"),
+                               ("MOONCAKE_PROTOCOL", "tcp"), ("MOONCAKE_KEY_PREFIX", prefix)):
+                monkeypatch.setenv(var, value)
+        else:
+            path = tmp_path / "mooncake.json"
+            path.write_text(json.dumps({
+                "master_server_address": mooncake_cluster.master_address,
+                "metadata_server": mooncake_cluster.metadata_url, "local_hostname": "127.0.0.1",
+                "tcp_bind_address": "127.0.0.1", "global_segment_size": "16mb", "local_buffer_size": "16mb",
+                "key_prefix": prefix}))
+            monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+        config = cfg(storage_backend="mooncake", host_layout="page_first")
+        pages = N // config.page_size
+        seen: dict[str, object] = {}
+
+        async def main() -> None:
+            a = toks(N + 1, 78)
+            async with CacheRuntime.open(config) as rt:
+                b = rt.storage
+                seen["backend"] = b
+                assert isinstance(b, MooncakeBackend)
+                assert b.page_bytes == config.page_size * config.bytes_per_token
+                assert (b.config.master_server_address, b.config.metadata_server, b.config.key_prefix) == \
+                    (mooncake_cluster.master_address, mooncake_cluster.metadata_url, prefix)
+                assert b.config.global_segment_size == 16 << 20
+                assert b.stats()["registered_buffers"] == 1  # the host pool
+                await serve(rt, "a", a)
+                assert (await rt.stats())["storage_pages_written"] == pages
+                await rt.flush()
+                assert await rt.match_prefix(a) == {"device": 0, "host": 0}
+                assert await readmit_ok(rt, "b", a) == N  # fingerprints checked
+                st = await rt.stats()
+                assert st["tokens_storage_hit"] == N and st["storage_errors"] == 0
+                bs = b.stats()
+                assert bs["zero_copy_pages_written"] == pages and bs["zero_copy_pages_read"] == pages
+                await quiescent(rt)
+
+        asyncio.run(main())
+        b = seen["backend"]
+        with pytest.raises(StateError):  # the runtime owned it and closed it
+            b.exists_prefix([key(0)])
 
     def test_close(self, mooncake_cluster):
         b = MooncakeBackend(PB, mooncake_cluster.config(global_segment_size=0, local_buffer_size=4 << 20))
