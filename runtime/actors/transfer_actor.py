@@ -64,8 +64,9 @@ class _CopyDone:
 
 @dataclass(frozen=True, slots=True)
 class SubmitStorage:
-    """A storage op on host pages the requester pinned: write them under `keys`, or read the
-    leading `keys` that storage holds into them. Acked to `ack_to` with a `StorageAck`."""
+    """A storage op: write host pages the requester pinned under `keys`; read the leading `keys`
+    that storage holds into them; or, a lookup (a read with no `pages`), count the leading `keys`
+    storage holds. Acked to `ack_to` with a `StorageAck` (`pages`: written, read or found)."""
 
     op_id: int
     write: bool
@@ -201,8 +202,8 @@ class TransferActor(Actor[TransferMessage]):
 
     def on_submit_storage(self, msg: SubmitStorage) -> None:
         self.storage_inflight[msg.op_id] = msg
-        if not msg.write and msg.keys and self._probe_inline and self._absent(msg.keys[0]):
-            # a local backend without the first page: the read is a miss, no worker thread needed
+        if not msg.write and not msg.pages and msg.keys and self._probe_inline and self._absent(msg.keys[0]):
+            # a lookup on a local backend without the first page: a miss, no worker thread needed
             self._storage_done(_StorageDone(msg.op_id, 0, (), None))
             return
         if self._storage_pool is None:
@@ -226,6 +227,8 @@ class TransferActor(Actor[TransferMessage]):
             srcs = [rows[p] for p in msg.pages] if rows is not None else [pool.read_page(p) for p in msg.pages]
             ok = tuple(bool(x) for x in backend.set_batch(list(msg.keys), srcs))
             return sum(ok), ok
+        if not msg.pages:  # a lookup
+            return int(backend.exists_prefix(list(msg.keys))), ()
         if rows is not None:
             # page_first keeps a page contiguous in the canonical form: read straight into the pool
             # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
@@ -276,8 +279,9 @@ class TransferActor(Actor[TransferMessage]):
         page_bytes = self.bytes_per_slot * (self.host_pool.page_size if self.host_pool is not None else 0)
         if msg.error is None:
             self.counters["storage_ops_done"] += 1
-            key = "storage_bytes_written" if submit.write else "storage_bytes_read"
-            self.counters[key] += msg.pages * page_bytes
+            if submit.write or submit.pages:  # a lookup moves no bytes
+                key = "storage_bytes_written" if submit.write else "storage_bytes_read"
+                self.counters[key] += msg.pages * page_bytes
         else:
             self.counters["storage_ops_failed"] += 1
             self.counters["storage_errors"] += 1

@@ -382,8 +382,11 @@ class FileBackend:
             temps = self._reserve(todo)
             no_room = len(todo) - len(temps)
             dirs: set[str] = set()
-            for (i, key, _hx, d, final), (tmp, fd) in zip(todo, temps):
-                ok = self._write_one(key, views[i], tmp, fd, final, now + (n - i))
+            filled = [(i, tmp, final) for (i, key, _hx, _d, final), (tmp, fd) in zip(todo, temps)
+                      if self._write_one(key, views[i], tmp, fd, now + (n - i))]
+            renamed = self._rename_all(filled)
+            for (i, _key, _hx, d, _final), (tmp, _fd) in zip(todo, temps):
+                ok = tmp in renamed
                 result[i] = ok
                 if ok:
                     written += 1
@@ -444,7 +447,27 @@ class FileBackend:
             temps.append((tmp, fd))
         return temps
 
-    def _write_one(self, key: bytes, mv: memoryview, tmp: str, fd: int, final: str, stamp_ns: int) -> bool:
+    def _rename_all(self, filled: list[tuple[int, str, str]]) -> set[str]:
+        """Rename written temporary files onto their page names, under the directory lock: a scan
+        (also under it) never sees a page between its two names, so it never misses one and
+        lets the directory outgrow its cap. Returns the temporary names renamed."""
+        renamed: set[str] = set()
+        failed: list[str] = []
+        if filled:
+            with self._lock():
+                for _i, tmp, final in filled:
+                    try:
+                        os.rename(tmp, final)
+                        renamed.add(tmp)
+                    except OSError as exc:
+                        _log.warning("storage_write_error", path=final, error=str(exc))
+                        failed.append(tmp)
+        for tmp in failed:
+            self._drop_temp(tmp)
+        return renamed
+
+    def _write_one(self, key: bytes, mv: memoryview, tmp: str, fd: int, stamp_ns: int) -> bool:
+        """Fill temporary file ``tmp`` (open as ``fd``) with the page and its trailer; closes ``fd``."""
         try:
             try:
                 trailer = TRAILER.pack(TRAILER_MAGIC, self.page_bytes, _key_digest(key))
@@ -459,10 +482,9 @@ class FileBackend:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.rename(tmp, final)
             return True
         except OSError as exc:
-            _log.warning("storage_write_error", path=final, error=str(exc))
+            _log.warning("storage_write_error", path=tmp, error=str(exc))
             self._drop_temp(tmp)
             return False
 

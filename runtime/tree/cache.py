@@ -1055,7 +1055,7 @@ def _init_storage(self: CacheCore) -> None:
     self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
     self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
     for name in ("storage_writes_issued", "storage_pages_written", "storage_write_failures",
-                 "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
+                 "storage_lookups_issued", "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
                  "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted"):
         self.stats.setdefault(name, 0)
 
@@ -1114,8 +1114,9 @@ def _storage_write_path(self: CacheCore, tokens: np.ndarray, extra_key: Hashable
 
 
 def prepare(self: CacheCore, rid: Hashable, tokens: Any, extra_key: Hashable = None) -> int:
-    """Start reading from storage the pages of `tokens` beyond the device + host hit.
-    Returns the tokens being read (0: nothing started; bad tokens are left for `admit` to refuse)."""
+    """Start looking up in storage the pages of `tokens` beyond the device + host hit (the read of
+    what it finds follows, `_prefetch_read`). Returns the tokens looked up (0: nothing started;
+    bad tokens are left for `admit` to refuse)."""
     if not self.storage_on:
         return 0
     try:
@@ -1132,23 +1133,38 @@ def prepare(self: CacheCore, rid: Hashable, tokens: Any, extra_key: Hashable = N
     if match_len - start < max(ps, self.config.prefetch_threshold):
         return 0
     keys = self._page_hashes(tokens[:match_len], extra_key)[start // ps:]
+    # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
+    # only for what storage holds (`_prefetch_read`)
+    op_id = next(self._op_ids)
+    pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens[:match_len].copy(), start,
+                  op_id, EMPTY)
+    self.prefetches[rid] = pf
+    self.storage_ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf)
+    self.storage_outbox.append((op_id, False, tuple(keys), ()))
+    self.stats["storage_lookups_issued"] += 1
+    return len(keys) * ps
+
+
+def _prefetch_read(self: CacheCore, pf: Prefetch, keys: list[bytes]) -> bool:
+    """After a lookup found `keys` (the leading ones it looked up): take host pages for them and
+    read them. False when nothing was started (the prefetch ends)."""
+    assert self.host is not None
+    ps = self.page_size
     # a cap on host memory held by prefetches: half the host pool
-    held = sum(len(pf.host) for pf in self.prefetches.values()) // ps
-    room = self.host.num_pages // 2 - held
-    keys = keys[:max(0, room)]
-    owner = Owner.prefetch(rid, next(self._prefetch_gens))
-    host = self._alloc_host(len(keys), owner, rid=rid, reason="prefetch") if keys else None
+    held = sum(len(p.host) for p in self.prefetches.values()) // ps
+    keys = keys[:max(0, self.host.num_pages // 2 - held)]
+    host = self._alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys else None
     if host is None:
         self.stats["prefetch_skipped"] += 1
-        return 0
+        return False
     op_id = next(self._op_ids)
     self.host.pin(host, op_id)
-    pf = Prefetch(rid, owner, extra_key, tokens[:start + len(keys) * ps].copy(), start, op_id, host)
-    self.prefetches[rid] = pf
+    pf.op_id, pf.host = op_id, host
+    pf.tokens = pf.tokens[:pf.start + len(keys) * ps]
     self.storage_ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf)
     self.storage_outbox.append((op_id, False, tuple(keys), self._host_pages(host)))
     self.stats["storage_reads_issued"] += 1
-    return len(keys) * ps
+    return True
 
 
 def _prefetch_cancel(self: CacheCore, rid: Hashable) -> bool:
@@ -1201,6 +1217,21 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
         return None
     pf = sop.prefetch
     assert pf is not None
+    if not len(sop.host):  # a lookup: read what storage holds, or end here
+        found = pages if error is None and not pf.cancelled else 0
+        if error is not None:
+            self.stats["storage_read_failures"] += 1
+            _storage_log.warning("storage_lookup_failed", op=op_id, rid=str(pf.rid), error=error)
+        elif not pf.cancelled:
+            self.stats["storage_read_misses"] += len(sop.keys) - found
+            self.storage_known.difference_update(sop.keys[found:])
+        if found and self._prefetch_read(pf, sop.keys[:found]):
+            return None  # its waiters wait for the read
+        if not pf.cancelled and not pf.detached and len(self.prefetched) < 65536:
+            self.prefetched.add(pf.rid)  # prepared: a later abort of the rid is not an unknown rid
+        if self.prefetches.get(pf.rid) is pf:
+            del self.prefetches[pf.rid]
+        return pf
     if self.prefetches.get(pf.rid) is pf:
         del self.prefetches[pf.rid]
     ps = self.page_size
@@ -1233,7 +1264,7 @@ def _prefetch_insert(self: CacheCore, pf: Prefetch, host: np.ndarray) -> int:
 
 
 for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, _storage_write_path, prepare,
-            _prefetch_cancel,
+            _prefetch_read, _prefetch_cancel,
             _prefetch_landed, _prefetch_detach, apply_storage_ack, _prefetch_insert):
     setattr(CacheCore, _fn.__name__, _fn)
 del _fn

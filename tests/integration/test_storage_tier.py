@@ -103,8 +103,9 @@ async def test_round_trip_through_storage(tmp_path, layout):
 
 
 async def test_read_path_calls(tmp_path):
-    """A read of pages the local backend lacks is answered by one inline probe on the event loop
-    (no worker thread, no get); a hit is one probe plus one get_prefix pass (no stat pass)."""
+    """A lookup of pages the local backend lacks is answered by one inline probe on the event loop
+    (no worker thread, no host pages, no get); a hit is that probe, one lookup pass on a worker,
+    then one get_prefix pass into the host pages taken for what the lookup found."""
     config = cfg(host_layout="page_first")
     fb = backend(tmp_path, config)
     a, b = toks(N + 1, 21), toks(N + 1, 22)
@@ -120,9 +121,28 @@ async def test_read_path_calls(tmp_path):
         before = fb.stats()
         assert await readmit_ok(rt, "a2", a) == N
         s = fb.stats()
-        assert (s["exists_calls"] - before["exists_calls"], s["get_calls"] - before["get_calls"]) == (1, 1)
+        assert (s["exists_calls"] - before["exists_calls"], s["get_calls"] - before["get_calls"]) == (2, 1)
         assert s["pages_read"] - before["pages_read"] == N // config.page_size
-        assert (await rt.stats())["storage_reads_issued"] == 3  # cold, serve's cold admit of a, the hit
+        st = await rt.stats()
+        # lookups: cold, serve's cold admit of a, the hit; reads: only the hit
+        assert (st["storage_lookups_issued"], st["storage_reads_issued"]) == (3, 1)
+        await quiescent(rt)
+    fb.close()
+
+
+async def test_lookup_miss_evicts_no_host_copy(tmp_path):
+    """Host pages are taken (evicting host copies) only for what storage holds: a prompt storage
+    lacks leaves the host tier alone. (Before the two-phase prefetch, prepare took host pages for
+    every page beyond the hit first and evicted the 10 host pages of `a` here.)"""
+    config = cfg(host_tokens=64)  # 16 host pages
+    fb = backend(tmp_path, config)
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        a = toks(N + 1, 23)
+        await serve(rt, "a", a)  # 10 pages backed up to host (and written to storage)
+        res = await rt.admit("cold", toks(61, 24))  # 15 pages beyond the hit, none in storage
+        await rt.abort("cold")
+        st = await rt.stats()
+        assert res.cached == 0 and st["host_evicted_tokens"] == 0 and st["storage_reads_issued"] == 0
         await quiescent(rt)
     fb.close()
 

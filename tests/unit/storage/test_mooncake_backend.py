@@ -259,7 +259,8 @@ class TestMooncakeBackend:
             assert st["registered_buffers"] == 0  # the runtime unregistered its pool
             assert st["zero_copy_pages_written"] == (pages if zero_copy else 0)
             assert st["zero_copy_pages_read"] == (pages if zero_copy else 0)
-            assert st["pages_read"] == pages and st["exists_calls"] == 0  # one get_prefix pass, no existence RPC
+            # one lookup per prefetch (serve's cold admit and the re-admit), then one get_prefix pass
+            assert st["pages_read"] == pages and st["exists_calls"] == 2 and st["get_calls"] == 1
 
         try:
             asyncio.run(main())
