@@ -132,17 +132,21 @@ async def test_read_path_calls(tmp_path):
 
 async def test_lookup_miss_evicts_no_host_copy(tmp_path):
     """Host pages are taken (evicting host copies) only for what storage holds: a prompt storage
-    lacks leaves the host tier alone. (Before the two-phase prefetch, prepare took host pages for
-    every page beyond the hit first and evicted the 10 host pages of `a` here.)"""
-    config = cfg(host_tokens=64)  # 16 host pages
+    lacks leaves the host tier alone. (Checked against the previous core, which took host pages
+    for every page beyond the hit before asking storage: it evicted all 40 host tokens of `a`.)"""
+    config = cfg(device_slots=64, host_tokens=128)  # 16 device pages, 32 host pages
     fb = backend(tmp_path, config)
     async with CacheRuntime.open(config, storage=fb) as rt:
-        a = toks(N + 1, 23)
-        await serve(rt, "a", a)  # 10 pages backed up to host (and written to storage)
+        a, b = toks(N + 1, 23), toks(N + 1, 25)
+        await serve(rt, "a", a)
+        await serve(rt, "b", b)  # a's device copy is evicted: a lives on host (10 of 32 pages)
+        assert await rt.match_prefix(a[:N]) == {"device": 0, "host": N}
         res = await rt.admit("cold", toks(61, 24))  # 15 pages beyond the hit, none in storage
         await rt.abort("cold")
         st = await rt.stats()
-        assert res.cached == 0 and st["host_evicted_tokens"] == 0 and st["storage_reads_issued"] == 0
+        assert st["host_evicted_tokens"] == 0
+        assert await rt.match_prefix(a[:N]) == {"device": 0, "host": N}
+        assert res.cached == 0 and st["storage_reads_issued"] == 0
         await quiescent(rt)
     fb.close()
 
