@@ -51,6 +51,7 @@ import asyncio
 import gc
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -250,6 +251,8 @@ def main() -> None:
     a = ap.parse_args()
 
     peerbench = Path(a.peerbench).resolve()
+    if a.peers:  # the peers run from their own directory: keep the venv's path, not its symlink target
+        a.peers = os.path.abspath(a.peers)
     tg = load_trace_gen(peerbench)
     params = dict((QUICK_DEEP if a.deep else QUICK) if a.quick else (DEEP if a.deep else DEFAULT))
     for k in DEFAULT:

@@ -110,17 +110,23 @@ class CpuCopyEngine:
             check_bounds(rt, src.num_pages, dst.num_pages)
         num_layers = layer_count(self._pools, resolved)
         per_layer = plan.direction is Direction.LOAD
-        layer_futs = [cf.Future() for _ in range(num_layers)] if per_layer else []
+        groups = layer_groups(num_layers, self._load_groups) if per_layer else []
+        # one future per copy step, shared by its layers: the bridge watches it once (one loop
+        # wake-up per step, not per layer, while the copy threads need the cores)
+        group_futs = [cf.Future() for _ in groups]
         with self._lock:
             if self._closed:
                 raise RuntimeClosed("copy engine is closed")
             if plan.op_id in self._inflight:
                 raise ValidationError(f"op {plan.op_id} is already in flight")
-            fut = self._executors[plan.direction].submit(self._run, resolved, num_layers, layer_futs)
+            fut = self._executors[plan.direction].submit(self._run, resolved, num_layers, groups, group_futs)
             self._inflight[plan.op_id] = fut
         fut.add_done_callback(lambda _f, op=plan.op_id: self._forget(op))
         done = FutureCompletion(fut)
-        layers = tuple(FutureCompletion(f) for f in layer_futs) if per_layer else (done,) * num_layers
+        if per_layer:
+            layers = tuple(c for (lo, hi), f in zip(groups, group_futs) for c in (FutureCompletion(f),) * (hi - lo))
+        else:
+            layers = (done,) * num_layers
         return CopyHandle(plan.op_id, layers, done, None)
 
     def inflight(self) -> list[int]:
@@ -168,17 +174,18 @@ class CpuCopyEngine:
             for f in futs:
                 f.result()
 
-    def _run(self, resolved: ResolvedPlan, num_layers: int, layer_futs: list[cf.Future]) -> None:
-        live = {f for f in layer_futs if f.set_running_or_notify_cancel()}
-        if not layer_futs:  # BACKUP: every layer at once, one completion
+    def _run(self, resolved: ResolvedPlan, num_layers: int, groups: list[tuple[int, int]],
+             group_futs: list[cf.Future]) -> None:
+        live = {f for f in group_futs if f.set_running_or_notify_cancel()}
+        if not group_futs:  # BACKUP: every layer at once, one completion
             if self._fault is not None:
                 self._fault(resolved.op_id, 0)
             self._copy(self._jobs(resolved, num_layers), slice(None))
             return
-        lo = 0
+        g = 0
         try:
             jobs_by_size: dict[int, list] = {}
-            for lo, hi in layer_groups(num_layers, self._load_groups):
+            for g, (lo, hi) in enumerate(groups):
                 if self._fault is not None:
                     for layer in range(lo, hi):
                         self._fault(resolved.op_id, layer)
@@ -186,11 +193,10 @@ class CpuCopyEngine:
                 if jobs is None:
                     jobs = jobs_by_size[hi - lo] = self._jobs(resolved, hi - lo)
                 self._copy(jobs, slice(lo, hi))
-                for f in layer_futs[lo:hi]:
-                    if f in live:
-                        f.set_result(None)
+                if group_futs[g] in live:
+                    group_futs[g].set_result(None)
         except BaseException as exc:
-            for f in layer_futs[lo:]:
+            for f in group_futs[g:]:
                 if f in live and not f.done():
                     f.set_exception(exc)
             raise
