@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from collections.abc import Hashable
 
@@ -27,6 +27,15 @@ class Owner:
     kind: OwnerKind
     id: Hashable
     generation: int = 0
+    # owners key the ledger's dicts on every operation: hash once (an IntEnum's hash is a
+    # Python-level call)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((int(self.kind), self.id, self.generation)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @staticmethod
     def request(rid: Hashable, generation: int) -> "Owner":
