@@ -402,6 +402,21 @@ def summarize(res: dict[str, list[float]], pages: int) -> dict[str, Any]:
     return out
 
 
+def hash_cost(pages: int, repeats: int) -> dict[str, float]:
+    """Page-hash cost (the tree computes a chain per write and per lookup): µs per page, median."""
+    ident = KVIdentity.from_config(make_config(pages))
+    tokens = np.random.default_rng(0).integers(0, 50000, pages * PS, dtype=np.int32)
+    out = {}
+    for ps in (16, PS):
+        times = []
+        for _ in range(max(repeats, 5)):
+            t0 = time.perf_counter()
+            page_hashes(tokens, ps, None, ident)
+            times.append(time.perf_counter() - t0)
+        out[f"us_per_page_{ps}"] = round(median(times) / (len(tokens) // ps) * 1e6, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32 pages, 5 repeats")
@@ -454,10 +469,13 @@ def main() -> None:
               f"read (first call -> last returns) {r['backend_call_GiBps']['read']:.2f} GiB/s")
     for be, note in notes.items():
         print(f"{be}: skipped: {note}")
+    hashing = hash_cost(args.pages, args.repeats)
+    print(f"page hashes (chained SHA-256 over {args.pages * PS} tokens): {hashing[f'us_per_page_{PS}']:.2f} µs per "
+          f"{PS}-token page, {hashing['us_per_page_16']:.2f} µs per 16-token page")
     emit_json({"benchmark": "bench_storage", "model_shape": {"num_layers": L, "num_kv_heads": H, "head_dim": D,
                                                               "dtype": "bfloat16", "model": "SmolLM2-135M"},
                "page_size": PS, "page_bytes": PB, "pages": args.pages, "repeats": args.repeats, "fsync": args.fsync,
-               "results": results, "targets": TARGETS, "skipped": notes,
+               "results": results, "targets": TARGETS, "skipped": notes, "page_hash_cost": hashing,
                "met": {be: all(r[op]["ratio"] >= TARGETS[be] for op in ("write", "read")) for be, r in results.items()}})
 
 
