@@ -1195,11 +1195,13 @@ def _prefetch_landed(self: CacheCore, rid: Hashable) -> bool:
 
 def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None,
                       ok: tuple[bool, ...] = ()) -> Prefetch | None:
-    """A storage op finished. A write marks its stored pages known; a read's leading `pages`
-    become host copies in the tree (the rest is freed). Returns the read's `Prefetch`."""
+    """A storage op finished. A write marks its stored pages known; a lookup starts the read of
+    what it found; a read's leading `pages` become host copies in the tree (the rest is freed).
+    Returns the prefetch when it ended here (its waiting admits can run), else None."""
     sop = self.storage_ops.pop(op_id)
     assert self.host is not None
-    self.host.unpin(sop.host, op_id)
+    if len(sop.host):  # a lookup pinned nothing
+        self.host.unpin(sop.host, op_id)
     if sop.write:
         assert sop.node is not None
         self.tree.unprotect_host(sop.node, sop.length)
