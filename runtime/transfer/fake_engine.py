@@ -99,7 +99,7 @@ class FakeCopyEngine:
             check_bounds(rt, src.num_pages, dst.num_pages)
             dev_rows, host_rows = self._rows[rt.pool]
             src_rows, dst_rows = (dev_rows, host_rows) if plan.direction is Direction.BACKUP else (host_rows, dev_rows)
-            jobs.append((src_rows, dst_rows, device.shape.num_layers, rt.src_pages, rt.dst_pages))
+            jobs.append((src_rows, dst_rows, rt.src_pages, rt.dst_pages))
         n = layer_count(self._pools, resolved)
         op = _FakeOp(resolved, tuple(FakeCompletion() for _ in range(n)), FakeCompletion(), jobs)
         with self._cond:
@@ -134,9 +134,8 @@ class FakeCopyEngine:
             try:
                 if self._fault is not None:
                     self._fault(op_id, layer)
-                for src_rows, dst_rows, num_layers, src_pages, dst_pages in op.jobs:
-                    if layer < num_layers:
-                        copy_layers(src_rows, dst_rows, slice(layer, layer + 1), src_pages, dst_pages)
+                for src_rows, dst_rows, src_pages, dst_pages in op.jobs:
+                    copy_layers(src_rows, dst_rows, slice(layer, layer + 1), src_pages, dst_pages)
             except Exception as exc:
                 self.fail(op_id, exc)
                 raise

@@ -925,16 +925,18 @@ class CacheCore:
         if not parts:
             return 0
         host = np.concatenate(parts)
-        kept = self._adopt_host_run(rec.tokens[:pos], rec.extra_key, start, host, rec.owner, rec.rid)
+        kept, last = self._adopt_host_run(rec.tokens[:pos], rec.extra_key, start, host, rec.owner, rec.rid)
         if kept and self.storage_on:  # offloaded pages live on as host and storage copies
-            self._storage_write_path(rec.tokens[:pos], rec.extra_key, start)
+            self._storage_write_chain(last, pos - start)
         return kept
 
     def _adopt_host_run(self, tokens: np.ndarray, extra_key: Hashable, start: int, host: np.ndarray,
-                        owner: Owner, rid: Hashable) -> int:
+                        owner: Owner, rid: Hashable) -> tuple[int, Node | None]:
         """Hand host pages holding tokens[start:] (owned by `owner`) to the tree: nodes on the path
         without a host copy adopt theirs, the rest becomes a host-only child; pages the tree
-        cannot take are freed. Used by decode offload and by storage prefetch. Returns tokens kept."""
+        cannot take are freed. Used by decode offload and by storage prefetch. Returns the tokens
+        kept and the node the path ends at (it ends exactly at `len(tokens)`; None if the prefix
+        was gone)."""
         assert self.host is not None
         end = len(tokens)
 
@@ -947,7 +949,7 @@ class CacheCore:
             m0 = self.tree.match(tokens[:start], extra_key, split=True, touch=False)
             if m0.matched_len < start:
                 drop(host, "prefix_gone")
-                return 0
+                return 0, None
         m = self.tree.match(tokens, extra_key, split=True, touch=False)
         kept = 0
         offset = 0
@@ -965,10 +967,10 @@ class CacheCore:
             parent = node
         if m.matched_len < end:
             rest = host[m.matched_len - start:]
-            node = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
-            self.host.assign(rest, owner, Owner.node(node.id), rid=rid, node=node.id)
+            parent = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
+            self.host.assign(rest, owner, Owner.node(parent.id), rid=rid, node=parent.id)
             kept += len(rest)
-        return kept
+        return kept, parent
 
     def offload_stats(self) -> dict[str, int]:
         return {
@@ -1102,15 +1104,12 @@ def _storage_write(self: CacheCore, node: Node, length: int, host: np.ndarray) -
     self.stats["storage_writes_issued"] += 1
 
 
-def _storage_write_path(self: CacheCore, tokens: np.ndarray, extra_key: Hashable, start: int) -> None:
-    """Write `tokens[start:]`, just handed to the tree as host copies, to storage (skipped while
-    a node of it has no host copy yet: its backup's ack writes it)."""
-    m = self.tree.match(tokens, extra_key, split=False, touch=False)
-    if m.matched_len != len(tokens) or m.partial or not m.nodes:
-        return
-    chain = self.tree.split_chain(m.nodes[-1], len(tokens) - start)
+def _storage_write_chain(self: CacheCore, node: Node, length: int) -> None:
+    """Write the last `length` tokens of `node`'s path, just handed to the tree as host copies, to
+    storage (skipped while a node of it has no host copy yet: its backup's ack writes it)."""
+    chain = self.tree.split_chain(node, length)
     if all(n.host is not None for n in chain):
-        self._storage_write(m.nodes[-1], len(tokens) - start, np.concatenate([n.host for n in chain]))
+        self._storage_write(node, length, np.concatenate([n.host for n in chain]))
 
 
 def prepare(self: CacheCore, rid: Hashable, tokens: Any, extra_key: Hashable = None) -> int:
@@ -1262,10 +1261,10 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
 
 def _prefetch_insert(self: CacheCore, pf: Prefetch, host: np.ndarray) -> int:
     """Hand the read pages to the tree as host copies. Returns the tokens the tree took."""
-    return self._adopt_host_run(pf.tokens[: pf.start + len(host)], pf.extra_key, pf.start, host, pf.owner, pf.rid)
+    return self._adopt_host_run(pf.tokens[: pf.start + len(host)], pf.extra_key, pf.start, host, pf.owner, pf.rid)[0]
 
 
-for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, _storage_write_path, prepare,
+for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, _storage_write_chain, prepare,
             _prefetch_read, _prefetch_cancel,
             _prefetch_landed, _prefetch_detach, apply_storage_ack, _prefetch_insert):
     setattr(CacheCore, _fn.__name__, _fn)
