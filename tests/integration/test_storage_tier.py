@@ -238,11 +238,17 @@ async def _stored(tmp_path, config, a) -> None:
         await serve(rt, "w", a)
 
 
+async def stored_then_held(tmp_path, config, seed: int) -> tuple[np.ndarray, FaultyBackend]:
+    """A prompt whose prefix another runtime stored, and a backend whose first read blocks
+    until `release()`."""
+    a = toks(N + 1, seed)
+    await _stored(tmp_path, config, a)
+    return a, FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+
+
 async def test_best_effort_uses_what_has_arrived(tmp_path):
     config = cfg(prefetch_policy="best_effort")
-    a = toks(N + 1, 6)
-    await _stored(tmp_path, config, a)
-    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    a, fb = await stored_then_held(tmp_path, config, 6)
     async with CacheRuntime.open(config, storage=fb) as rt:
         assert await rt.prepare("r", a) == N
         assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
@@ -258,9 +264,7 @@ async def test_best_effort_uses_what_has_arrived(tmp_path):
 
 async def test_wait_complete_waits_for_a_held_read(tmp_path):
     config = cfg(prefetch_policy="wait_complete")
-    a = toks(N + 1, 7)
-    await _stored(tmp_path, config, a)
-    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    a, fb = await stored_then_held(tmp_path, config, 7)
     async with CacheRuntime.open(config, storage=fb) as rt:
         admit = asyncio.ensure_future(rt.admit("r", a))
         assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
@@ -277,9 +281,7 @@ async def test_wait_complete_waits_for_a_held_read(tmp_path):
 
 async def test_timeout_policy_gives_up_then_lands(tmp_path):
     config = cfg(prefetch_policy="timeout", prefetch_timeout_base_s=0.05, prefetch_timeout_per_1k_s=0.0)
-    a = toks(N + 1, 8)
-    await _stored(tmp_path, config, a)
-    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    a, fb = await stored_then_held(tmp_path, config, 8)
     async with CacheRuntime.open(config, storage=fb) as rt:
         t0 = asyncio.get_running_loop().time()
         res = await rt.admit("r", a)
@@ -426,9 +428,7 @@ async def test_storage_slot_trace_audits_clean(tmp_path):
 
 async def test_cancelled_waiting_admit_releases_everything(tmp_path):
     config = cfg()
-    a = toks(N + 1, 14)
-    await _stored(tmp_path, config, a)
-    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    a, fb = await stored_then_held(tmp_path, config, 14)
     async with CacheRuntime.open(config, storage=fb) as rt:
         admit = asyncio.ensure_future(rt.admit("r", a))
         assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
@@ -449,9 +449,7 @@ async def test_batch_admit_never_waits(tmp_path):
     from runtime.messages import Admit
 
     config = cfg()
-    a = toks(N + 1, 15)
-    await _stored(tmp_path, config, a)
-    fb = FaultyBackend(backend(tmp_path, config), FaultPlan(hold_at={1}, methods={"get_batch"}))
+    a, fb = await stored_then_held(tmp_path, config, 15)
     async with CacheRuntime.open(config, storage=fb) as rt:
         assert await rt.prepare("r", a) == N
         assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
