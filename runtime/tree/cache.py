@@ -147,15 +147,9 @@ class CacheCore:
         if session is not None:
             return self._admit_turn(rid, tokens, self._session(session))
         ps = self.page_size
-        # the last token is always computed, so the model has its logits
-        match_len = _aligned(len(tokens) - 1, ps)
-        look = self.tree.match(tokens[:match_len], extra_key, split=False, touch=False)
-        host_len = look.host_len if self.host is not None else 0
+        look, host_len, need_pages = self._admission(tokens, extra_key)
         cached = look.device_len + host_len
-        need_pages = (host_len // ps) + -(-(len(tokens) - cached) // ps)
-        free_pages = self.device.num_free_pages()
-        if need_pages > free_pages and need_pages > (free_pages + self._evictable_device_pages()
-                                                     - self._unlocked_prefix_pages(look)):
+        if not self._device_room_for(need_pages, look):
             raise CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {self.device.num_free_pages()} free, "
                 f"{self._evictable_device_pages()} evictable")
@@ -221,8 +215,7 @@ class CacheCore:
         missing = total - len(rec.slots)
         if missing > 0:
             pages = -(-missing // self.page_size)
-            free_pages = self.device.num_free_pages()
-            if pages > free_pages and pages > free_pages + self._evictable_device_pages():
+            if not self._device_room_for(pages):
                 raise CapacityError(f"extend of {rid!r} needs {pages} device pages")
             rec.slots = np.concatenate((rec.slots, self._alloc_device(pages, rec.owner, rid=rid)))
         start, rec.seq_len = rec.seq_len, total
@@ -329,7 +322,7 @@ class CacheCore:
             raise StateError(f"turn {rid!r} must extend session {sess.sid!r}'s {kv} tokens")
         session_len = len(sess.slots)
         pages = -(-max(0, len(tokens) - session_len) // self.page_size)
-        if pages > self.device.num_free_pages() + self._evictable_device_pages():
+        if not self._device_room_for(pages):
             raise CapacityError(f"turn {rid!r} needs {pages} device pages")
         generation = self.generations.get(rid, 0) + 1
         owner = Owner.request(rid, generation)
@@ -400,13 +393,8 @@ class CacheCore:
         return out
 
     def can_admit(self, tokens: np.ndarray, extra_key: Hashable = None) -> bool:
-        tokens = self._check_tokens(tokens)
-        ps = self.page_size
-        look = self.tree.match(tokens[: _aligned(len(tokens) - 1, ps)], extra_key, split=False, touch=False)
-        host_len = look.host_len if self.host is not None else 0
-        cached = look.device_len + host_len
-        need = host_len // ps + -(-(len(tokens) - cached) // ps)
-        return need <= self.device.num_free_pages() + self._evictable_device_pages() - self._unlocked_prefix_pages(look)
+        look, _, need = self._admission(self._check_tokens(tokens), extra_key)
+        return self._device_room_for(need, look)
 
     # -- acks ----------------------------------------------------------------------
     def apply_ack(self, op_id: int, error: str | None) -> None:
@@ -678,11 +666,26 @@ class CacheCore:
     def _evictable_device_pages(self) -> int:
         return self.tree.evictable_device_tokens // self.page_size
 
-    def _unlocked_prefix_pages(self, look: MatchResult) -> int:
-        """Evictable device pages of a request's own matched prefix: admitting it locks them,
-        so they are no room for it."""
-        own = sum(len(part) for node, part in zip(look.device_nodes, look.device_parts) if node.lock_ref == 0)
-        return own // self.page_size
+    def _admission(self, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int, int]:
+        """The read-only look an admission starts from: (look, host tokens to load, device pages
+        needed for them and the uncached rest). The last token is always computed (the model
+        needs its logits), so at most len - 1 tokens match."""
+        ps = self.page_size
+        look = self.tree.match(tokens[:_aligned(len(tokens) - 1, ps)], extra_key, split=False, touch=False)
+        host_len = look.host_len if self.host is not None else 0
+        return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
+
+    def _device_room_for(self, pages: int, look: MatchResult | None = None) -> bool:
+        """Whether `pages` device pages can be had, free or by eviction. A request's own matched
+        prefix (`look`) is evictable until its admission locks it, so it is no room for it."""
+        free = self.device.num_free_pages()
+        if pages <= free:
+            return True
+        room = free + self._evictable_device_pages()
+        if look is not None:
+            room -= sum(len(part) for node, part in zip(look.device_nodes, look.device_parts)
+                        if node.lock_ref == 0) // self.page_size
+        return pages <= room
 
     def _evictable_host_tokens(self) -> int:
         # O(nodes): informational (available()), not on the hot path
