@@ -29,7 +29,7 @@ through), so in the all-tiers run what storage serves comes from the closed sess
 from __future__ import annotations
 
 import asyncio
-import copy
+import functools
 from collections import Counter
 
 import numpy as np
@@ -40,46 +40,14 @@ pytest.importorskip("transformers")
 
 from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.errors import CapacityError  # noqa: E402
-from runtime.integrations.hf_llama import (  # noqa: E402
-    PagedKVModel,
-    PagedSeq,
-    greedy_generate_reference,
-    kv_geometry,
-    tiny_llama,
-)
+from runtime.integrations.hf_llama import PagedKVModel, PagedSeq, greedy_generate_reference  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.messages import Commit, Direction, Extend, PoolTransfer, TransferPlan  # noqa: E402
 from runtime.runtime import CacheRuntime, make_engine  # noqa: E402
+from tests.e2e.support import PAGE, TOL, ids, runtime_config  # noqa: E402
 
-TOL = 1e-5
-PAGE = 16
 USERS, TURNS, NEW = 3, 3, 8
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture(scope="module")
-def ref_model(model):
-    ref = copy.deepcopy(model)
-    ref.set_attn_implementation("sdpa")
-    return ref
-
-
-def config(model, **kw) -> RuntimeConfig:
-    layers, kv_heads, head_dim = kv_geometry(model.config)
-    base = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=PAGE,
-                device_slots=512, host_tokens=2048, write_policy="write_through", debug_invariants=True)
-    base.update(kw)
-    return RuntimeConfig(**base)
-
-
-def ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
-
+config = functools.partial(runtime_config, device_slots=512)  # model fixture: tests/e2e/conftest.py
 
 SYSTEM = ids(40, 1)
 

@@ -7,7 +7,6 @@ writing a padded row, shows up as NaN or as a changed slot.
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -21,12 +20,10 @@ from runtime.integrations.hf_llama import (  # noqa: E402
     PagedSeq,
     greedy_generate_reference,
     kv_geometry,
-    tiny_llama,
 )
+from tests.e2e.support import PAGE, TOL  # noqa: E402
 
-TOL = 1e-5
 NUM_SLOTS = 512
-PAGE = 16
 
 
 class StandInPool:
@@ -48,18 +45,6 @@ def make_pool(kind: str, model, num_slots: int = NUM_SLOTS, dtype=torch.float32)
     for t in (*pool.k, *pool.v):
         t.fill_(float("nan"))
     return pool
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture(scope="module")
-def ref_model(model):
-    ref = copy.deepcopy(model)
-    ref.set_attn_implementation("sdpa")  # transformers' own attention and KV cache
-    return ref
 
 
 def ref_logits(ref_model, ids: torch.Tensor) -> torch.Tensor:

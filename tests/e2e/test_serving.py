@@ -11,54 +11,22 @@ must make the comparison fail, so the check is known to bite.
 from __future__ import annotations
 
 import asyncio
-import copy
+import functools
 import threading
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
 from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.integrations.hf_llama import (  # noqa: E402
-    PagedKVModel,
-    greedy_generate_reference,
-    kv_geometry,
-    tiny_llama,
-)
+from runtime.integrations.hf_llama import PagedKVModel, greedy_generate_reference  # noqa: E402
 from runtime.integrations.serving import ServingError, ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
 from runtime.transfer.fake_engine import FakeCopyEngine  # noqa: E402
+from tests.e2e.support import PAGE, TOL, ids, runtime_config  # noqa: E402
 
-TOL = 1e-5
-PAGE = 16
 USERS, TURNS, NEW = 4, 3, 10
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama(seed=0)
-
-
-@pytest.fixture(scope="module")
-def ref_model(model):
-    ref = copy.deepcopy(model)
-    ref.set_attn_implementation("sdpa")  # transformers' own attention and KV cache
-    return ref
-
-
-def config(model, **kw) -> RuntimeConfig:
-    layers, kv_heads, head_dim = kv_geometry(model.config)
-    base = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=PAGE,
-                device_slots=256, host_tokens=2048, write_policy="write_through", debug_invariants=True)
-    base.update(kw)
-    return RuntimeConfig(**base)
-
-
-def ids(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 512, (n,), generator=g).tolist()
-
+config = functools.partial(runtime_config, device_slots=256)  # model fixture: tests/e2e/conftest.py
 
 async def chat(srv: ServingLoop, users: int = USERS, turns: int = TURNS, new: int = NEW) -> list:
     """Concurrent multi-turn conversations; returns (prompt, completion) per turn."""
@@ -200,7 +168,7 @@ async def test_forward_waits_for_each_layer_of_a_host_load(model, ref_model):
             assert c.metrics.host_tokens > 0 and srv.stats["layer_wait_s"] > 0
     want, want_logits = greedy_generate_reference(ref_model, first + [5], 3, return_logits=True)
     assert c.tokens == want
-    assert max((a - b).abs().max().item() for a, b in zip(c.logits, want_logits)) <= TOL
+    assert max((a - b).abs().max().item() for a, b in zip(c.logits, want_logits, strict=True)) <= TOL
 
 
 async def test_failed_load_is_served_again_from_scratch(model, ref_model):
@@ -226,7 +194,7 @@ async def test_failed_load_is_served_again_from_scratch(model, ref_model):
         assert (await rt.stats())["copy_failures"] == 1
     want, want_logits = greedy_generate_reference(ref_model, first + [9], 4, return_logits=True)
     assert c.tokens == want
-    assert max((a - b).abs().max().item() for a, b in zip(c.logits, want_logits)) <= TOL
+    assert max((a - b).abs().max().item() for a, b in zip(c.logits, want_logits, strict=True)) <= TOL
 
 
 async def test_a_prompt_larger_than_the_pool_fails_alone(model):

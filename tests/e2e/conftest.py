@@ -1,0 +1,26 @@
+"""Fixtures shared by the end-to-end tests: the tiny random Llama and its reference copy.
+
+Module-scoped, as each test module had them: every module builds its own model (``seed=0``),
+so nothing one module does to its model reaches another's. ``transformers`` is imported only
+when a fixture is used; the test modules that use them ``importorskip`` it first.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def model():
+    from runtime.integrations.hf_llama import tiny_llama
+
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def ref_model(model):
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")  # transformers' own attention and KV cache
+    return ref
