@@ -40,7 +40,8 @@ import numpy as np
 # by default, on the 2 cores the copy under test needs: measured 20-35% off the candidate.
 # Passive waits (set before torch loads libgomp) keep the baselines from slowing the candidate;
 # they cost the index baseline 10-20% and the contiguous copy nothing. OMP_WAIT_POLICY=ACTIVE
-# in the environment measures with spinning instead.
+# in the environment measures with spinning instead. bench_transfer imports this module before
+# torch for the same setting.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
@@ -248,8 +249,8 @@ def git_commit() -> str:
     return "uncommitted"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The options `bench_copy_engine` and `bench_transfer` share (shape, sizes, rounds, engine)."""
     p.add_argument("--quick", action="store_true", help="32 MiB per transfer, 5 repeats")
     p.add_argument("--mib", type=int, default=None, help="MiB per transfer (default 256, quick 32)")
     p.add_argument("--repeats", type=int, default=None, help="rounds (median; default 7, quick 5; min 5)")
@@ -260,14 +261,33 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--candidate", default=None, help="module:factory (default: copy engine + bridge)")
     p.add_argument("--copy-threads", type=int, default=None, help="CpuCopyEngine copy_threads (default: engine default)")
     p.add_argument("--load-groups", choices=["layer", "geometric"], default=None, help="CpuCopyEngine load_groups")
+
+
+def parse_common_args(p: argparse.ArgumentParser) -> tuple[argparse.Namespace, KVShape, torch.device, dict]:
+    """Parse, fill in the ``--quick`` defaults; (args, shape, device, engine keyword arguments set)."""
     args = p.parse_args()
     args.mib = args.mib or (32 if args.quick else 256)
     args.repeats = max(5, args.repeats or (5 if args.quick else 7))
     shape = KVShape(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    engine_kw = {k: v for k, v in (("copy_threads", args.copy_threads), ("load_groups", args.load_groups)) if v is not None}
+    return args, shape, device, engine_kw
+
+
+def use_uvloop() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop  # the design installs uvloop in benchmarks
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p)
+    p.add_argument("--candidate", default=None, help="module:factory (default: copy engine + bridge)")
+    args, shape, device, engine_kw = parse_common_args(p)
     meta = {
         "benchmark": "copy_engine",
         "shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "dtype": args.dtype},
@@ -280,12 +300,8 @@ def main() -> None:
         "engine_options": {"copy_threads": args.copy_threads, "load_groups": args.load_groups},
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
-    with contextlib.suppress(ImportError):
-        import uvloop  # the design installs uvloop in benchmarks
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    use_uvloop()
     factory = load_factory(args.candidate)
-    engine_kw = {k: v for k, v in (("copy_threads", args.copy_threads), ("load_groups", args.load_groups)) if v is not None}
     if args.candidate is None and engine_kw:
         factory = functools.partial(engine_candidate, **engine_kw)
     rows = asyncio.run(measure(args, shape, device, factory))

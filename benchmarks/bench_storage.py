@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,19 +102,18 @@ class Probe:
         self._read_started()
         return self.inner.exists_prefix(keys)
 
-    def get_prefix(self, keys, dests):
+    def _read(self, call, keys, dests):
         self._read_started()
         try:
-            return self.inner.get_prefix(keys, dests)
+            return call(keys, dests)
         finally:
             self.t_get_end = time.perf_counter()
 
+    def get_prefix(self, keys, dests):
+        return self._read(self.inner.get_prefix, keys, dests)
+
     def get_batch(self, keys, dests):
-        self._read_started()
-        try:
-            return self.inner.get_batch(keys, dests)
-        finally:
-            self.t_get_end = time.perf_counter()
+        return self._read(self.inner.get_batch, keys, dests)
 
     def set_batch(self, keys, srcs):
         if self.t_set is None:
@@ -220,11 +220,39 @@ def ordered(run: int, a, b):
     return (a, b) if run % 2 == 0 else (b, a)
 
 
+def new_results() -> dict[str, list[float]]:
+    return {k: [] for k in ("cand_w", "cand_e2e_w", "cand_call_w", "base_w", "cand_r", "cand_call_r", "base_r")}
+
+
+async def timed_round(res: dict[str, list[float]], cand: Candidate, run: int, tokens: np.ndarray, src: torch.Tensor,
+                      dst: torch.Tensor, base_w: Callable[[], float], base_r: Callable[[], float],
+                      before_write: Callable[[], None] | None = None) -> None:
+    """One round: candidate and baseline writes, then reads, in the order of `ordered`; the
+    baseline's read must land the source bytes in `dst`. Run 0 (warm-up) is not recorded."""
+    times: dict[str, float] = {}
+    for who in ordered(run, "cand", "base"):
+        if before_write is not None:
+            before_write()
+        if who == "cand":
+            times["cand_w"], times["cand_e2e_w"], times["cand_call_w"] = await cand.write(tokens, f"w{run}")
+        else:
+            times["base_w"] = base_w()
+    for who in ordered(run, "cand", "base"):
+        if who == "cand":
+            times["cand_r"], times["cand_call_r"] = await cand.read(tokens, f"r{run}", src)
+        else:
+            times["base_r"] = base_r()
+    assert torch.equal(dst, src)
+    if run > 0:
+        for k, v in times.items():
+            res[k].append(v)
+
+
 # -- file ------------------------------------------------------------------------------------
 
 
 async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str) -> dict[str, list[float]]:
-    res: dict[str, list[float]] = {k: [] for k in ("cand_w", "cand_e2e_w", "cand_call_w", "base_w", "cand_r", "cand_call_r", "base_r")}
+    res = new_results()
     root = tempfile.mkdtemp(prefix="bench-storage-", dir=base_dir)
     try:
         fb = FileBackend(os.path.join(root, "fb"), PB, fsync=fsync)
@@ -264,22 +292,7 @@ async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str) -> dict
                             f.readinto(memoryview(dv[i]))
                     return time.perf_counter() - t
 
-                times: dict[str, float] = {}
-                for who in ordered(run, "cand", "base"):
-                    os.sync()
-                    if who == "cand":
-                        times["cand_w"], times["cand_e2e_w"], times["cand_call_w"] = await cand.write(tokens, f"w{run}")
-                    else:
-                        times["base_w"] = base_w()
-                for who in ordered(run, "cand", "base"):
-                    if who == "cand":
-                        times["cand_r"], times["cand_call_r"] = await cand.read(tokens, f"r{run}", src)
-                    else:
-                        times["base_r"] = base_r()
-                assert torch.equal(dst, src)
-                if run > 0:
-                    for k, v in times.items():
-                        res[k].append(v)
+                await timed_round(res, cand, run, tokens, src, dst, base_w, base_r, before_write=os.sync)
                 for k in keys:
                     os.unlink(os.path.join(bdir, k.hex()))
                     os.unlink(fb._path(k)[2])
@@ -296,7 +309,7 @@ async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str) -> dict
 async def mooncake_runs(pages: int, repeats: int, batch: int) -> dict[str, list[float]]:
     from runtime.storage.mooncake_backend import LocalMooncakeCluster, MooncakeBackend
 
-    res: dict[str, list[float]] = {k: [] for k in ("cand_w", "cand_e2e_w", "cand_call_w", "base_w", "cand_r", "cand_call_r", "base_r")}
+    res = new_results()
     seg = max(1 << 30, 4 * pages * PB + (256 << 20))
     with LocalMooncakeCluster() as cl:
         mb = MooncakeBackend(PB, cl.config(global_segment_size=seg, local_buffer_size=max(256 << 20, batch * PB * 2)),
@@ -342,21 +355,7 @@ async def mooncake_runs(pages: int, repeats: int, batch: int) -> dict[str, list[
                         assert all(x == PB for x in r), r
                     return time.perf_counter() - t
 
-                times: dict[str, float] = {}
-                for who in ordered(run, "cand", "base"):
-                    if who == "cand":
-                        times["cand_w"], times["cand_e2e_w"], times["cand_call_w"] = await cand.write(tokens, f"w{run}")
-                    else:
-                        times["base_w"] = base_w()
-                for who in ordered(run, "cand", "base"):
-                    if who == "cand":
-                        times["cand_r"], times["cand_call_r"] = await cand.read(tokens, f"r{run}", src)
-                    else:
-                        times["base_r"] = base_r()
-                assert torch.equal(dst, src)
-                if run > 0:
-                    for k, v in times.items():
-                        res[k].append(v)
+                await timed_round(res, cand, run, tokens, src, dst, base_w, base_r)
                 time.sleep(cl.lease_ttl_ms / 1000 + 0.1)  # read leases expire, then free the space
                 for k in mb._keys(keys) + raw_keys:
                     st.remove(k, True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -30,24 +29,26 @@ from typing import Any
 
 import numpy as np
 
-# torch's OpenMP threads (libgomp) spin-wait after every parallel region of the torch baselines
-# by default, on the 2 cores the copy under test needs: measured 20-35% off the candidate.
-# Passive waits (set before torch loads libgomp) keep the baselines from slowing the candidate;
-# they cost the index baseline 10-20% and the contiguous copy nothing. OMP_WAIT_POLICY=ACTIVE
-# in the environment measures with spinning instead.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import torch  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_copy_engine import git_commit, measure  # noqa: E402
+# bench_copy_engine first: it sets OMP_WAIT_POLICY (passive waits, see there) before torch loads libgomp
+from benchmarks.bench_copy_engine import (  # noqa: E402
+    add_common_args,
+    git_commit,
+    measure,
+    parse_common_args,
+    use_uvloop,
+)
+
+import torch  # noqa: E402
+
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply  # noqa: E402
 from runtime.actors.transfer_actor import DrainCopies, SubmitCopy, TransferActor  # noqa: E402
 from runtime.completion import LayerReadiness  # noqa: E402
 from runtime.errors import TransferError  # noqa: E402
 from runtime.memory.ledger import SlotLedger  # noqa: E402
 from runtime.memory.owners import Owner, Tier  # noqa: E402
-from runtime.memory.pools import DevicePool, HostPool, KVShape  # noqa: E402
+from runtime.memory.pools import DevicePool, HostPool  # noqa: E402
 from runtime.messages import Direction, TransferAck, TransferPlan  # noqa: E402
 from runtime.supervisor import Supervisor  # noqa: E402
 
@@ -145,32 +146,13 @@ async def actor_candidate(pools: dict, **engine_kw: Any) -> tuple[Callable[[Tran
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="32 MiB per transfer, 5 repeats")
-    p.add_argument("--mib", type=int, default=None, help="MiB per transfer (default 256, quick 32)")
-    p.add_argument("--repeats", type=int, default=None, help="rounds (median; default 7, quick 5; min 5)")
-    p.add_argument("--page-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
-    p.add_argument("--layouts", type=lambda s: s.split(","), default=["layer_first", "page_first"])
-    p.add_argument("--layers", type=int, default=30)
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--copy-threads", type=int, default=None, help="CpuCopyEngine copy_threads (default: engine default)")
-    p.add_argument("--load-groups", choices=["layer", "geometric"], default=None, help="CpuCopyEngine load_groups")
-    args = p.parse_args()
-    args.mib = args.mib or (32 if args.quick else 256)
-    args.repeats = max(5, args.repeats or (5 if args.quick else 7))
-    shape = KVShape(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    engine_kw = {k: v for k, v in (("copy_threads", args.copy_threads), ("load_groups", args.load_groups)) if v is not None}
+    add_common_args(p)
+    args, shape, device, engine_kw = parse_common_args(p)
 
     async def factory(pools: dict):
         return await actor_candidate(pools, **engine_kw)
 
-    with contextlib.suppress(ImportError):
-        import uvloop  # the design installs uvloop in benchmarks
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    use_uvloop()
     print(f"transfer actor ({'cuda' if device.type == 'cuda' else 'cpu'} engine), {args.mib} MiB per transfer, "
           f"median of {args.repeats}, torch threads {torch.get_num_threads()}", flush=True)
     rows = asyncio.run(measure(args, shape, device, factory))
