@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 # torch's OpenMP threads (libgomp) spin-wait after every parallel region of the torch baselines
-# by default, on the 2 cores the copy under test needs: measured 20-35% off the candidate.
+# by default, on the 2 cores the copy under test needs: the same copy took 1.2-1.7x as long (A/B in docs/BENCHMARKS.md).
 # Passive waits (set before torch loads libgomp) keep the baselines from slowing the candidate;
 # they cost the index baseline 10-20% and the contiguous copy nothing. OMP_WAIT_POLICY=ACTIVE
 # in the environment measures with spinning instead. bench_transfer imports this module before
