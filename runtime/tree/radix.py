@@ -492,12 +492,17 @@ class RadixTree:
             raise TreeError(f"split point {at_tokens} outside (0, {node.num_tokens})")
         return self._split(node, int(at_tokens))
 
-    def _new_child(self, parent: Node, key: bytes, device: np.ndarray) -> Node:
-        """A new node with device slots under ``parent`` (which is on device or a root)."""
+    def _link_child(self, parent: Node, key: bytes) -> Node:
+        """A new, empty node for ``key`` hung under ``parent``."""
         nd = Node(self._next_id, parent, key, parent.extra_key)
         self._next_id += 1
         self._n_nodes += 1
         parent.children[key[: self._pb]] = nd
+        return nd
+
+    def _new_child(self, parent: Node, key: bytes, device: np.ndarray) -> Node:
+        """A new node with device slots under ``parent`` (which is on device or a root)."""
+        nd = self._link_child(parent, key)
         nd.device = device
         parent.n_dev_children += 1
         self.total_device_tokens += len(device)
@@ -522,12 +527,9 @@ class RadixTree:
         if key[:pb] in parent.children:
             raise TreeError(f"node {parent.id} already has a child starting with that page")
         s = _as_slots(host_slots, len(key) >> 2)
-        nd = Node(self._next_id, parent, key, parent.extra_key)
-        self._next_id += 1
-        self._n_nodes += 1
+        nd = self._link_child(parent, key)
         self._clock += 1
         nd.last_access = self._clock
-        parent.children[key[:pb]] = nd
         nd.host = s
         self.total_host_tokens += len(s)
         parent.n_host_children += 1
