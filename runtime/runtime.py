@@ -55,9 +55,12 @@ from runtime.transfer.engine import CopyEngine
 from runtime.tree.cache import CacheCore
 
 
+_INT32 = np.dtype(np.int32)
+
+
 def _tokens(tokens: Any) -> np.ndarray:
     """A new int32 array of ``tokens`` that the caller cannot change (messages are immutable)."""
-    if type(tokens) is np.ndarray and tokens.dtype == np.int32:
+    if type(tokens) is np.ndarray and tokens.dtype is _INT32:
         return tokens.copy()  # the common case, fastest
     if isinstance(tokens, torch.Tensor):
         return tokens.detach().to("cpu", torch.int32).numpy().copy()

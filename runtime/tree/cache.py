@@ -12,6 +12,10 @@ Ownership rules it keeps (DESIGN.md, "Invariants"):
 - an in-flight copy is described by a snapshot (deepest node + length + slot copies),
   so a split of its nodes never changes what it means (seed 002): at ack time the nodes
   are recovered by walking up the parent chain from the deepest node.
+
+Token arrays passed in are kept, not copied: the tree actor's messages own theirs (the
+façade copies what the caller gives it), and a direct caller must not change an array
+after passing it. (Tree keys are bytes encoded at insert time either way.)
 """
 
 from __future__ import annotations
@@ -189,7 +193,7 @@ class CacheCore:
         else:  # one copy: the cached prefix's per-node slots and the fresh pages together
             slots = np.concatenate((*m.device_parts, fresh[host_len:]))
         rec = RequestRecord(
-            rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens.copy(),
+            rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens,
             slots=slots, seq_len=len(tokens), committed_len=cached, cached_len=cached,
             last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
         self.requests[rid] = rec
@@ -330,7 +334,7 @@ class CacheCore:
         self.generations[rid] = generation
         slots = np.concatenate((sess.slots, own))
         self.requests[rid] = RequestRecord(
-            rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens.copy(),
+            rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens,
             slots=slots, seq_len=len(tokens), committed_len=kv, cached_len=0, last_node=None,
             prompt_len=len(tokens), session=sess.sid, session_len=session_len)
         sess.turn = rid
@@ -348,7 +352,7 @@ class CacheCore:
         if len(kept):
             self.device.assign(kept, rec.owner, sess.owner, rid=rec.rid, session=sess.sid)
         sess.slots = rec.slots.copy()
-        sess.tokens = tokens.copy()
+        sess.tokens = tokens
         sess.turn = None
         del self.requests[rec.rid]
 
@@ -441,7 +445,7 @@ class CacheCore:
     def _insert(self, rec: RequestRecord, tokens: np.ndarray) -> None:
         n = _aligned(len(tokens), self.page_size)
         if n <= rec.cached_len:
-            rec.tokens = tokens.copy()
+            rec.tokens = tokens
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
@@ -466,7 +470,7 @@ class CacheCore:
         rec.cached_len = n
         rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
         if len(tokens) != len(rec.tokens):  # equal length: the same tokens (checked by the caller)
-            rec.tokens = tokens.copy()
+            rec.tokens = tokens
         if self.host is not None and self.config.write_policy == "write_through":
             for node, _ in res.adopted:
                 self._maybe_backup(node)
@@ -772,7 +776,7 @@ class CacheCore:
     def _offload_finish(self, rec: RequestRecord, tokens: np.ndarray) -> int:
         """finish() with decode offload: nothing goes to the tree on device; the request is
         retired until its offloads land (then released by the offload actor)."""
-        rec.tokens = tokens.copy()
+        rec.tokens = tokens
         self._offload_retire(rec, len(tokens))
         self.stats["requests_finished"] += 1
         return rec.cached_len
@@ -1138,7 +1142,7 @@ def prepare(self: CacheCore, rid: Hashable, tokens: Any, extra_key: Hashable = N
     # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
     # only for what storage holds (`_prefetch_read`)
     op_id = next(self._op_ids)
-    pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens[:match_len].copy(), start,
+    pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens[:match_len], start,
                   op_id, EMPTY)
     self.prefetches[rid] = pf
     self.storage_ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf)

@@ -19,7 +19,7 @@ from runtime import (
     StateError,
     UnknownRequestError,
 )
-from runtime.messages import Admit, Extend, Finish
+from runtime.messages import Admit, Cache, Extend, Finish
 from runtime.runtime import CacheRuntime
 from tests.integration.support import (
     bad_positions,
@@ -246,4 +246,29 @@ async def test_can_admit_does_not_count_the_requests_own_prefix_as_room():
         assert await rt.can_admit(other)
         await serve(rt, "o", other)
         await rt.abort("x")
+        await quiescent_check(rt)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+async def test_a_token_array_reused_by_the_caller_changes_nothing_cached(batched):
+    """The façade copies the caller's token arrays as it builds each message, and the core keeps
+    the message's arrays (it does not copy them again): a caller that reuses its buffer while
+    the message waits in the mailbox cannot change what the tree caches. Checked against a
+    façade that passes the caller's array through (`runtime.runtime._tokens` returning it):
+    the request took the reused buffer's tokens, and finishing with the prompt it was admitted
+    with raised StateError, in both forms."""
+    config = small_config(host_tokens=0)
+    async with CacheRuntime.open(config) as rt:
+        buffer = toks(8 * config.page_size, 41)
+        prompt = buffer.copy()
+        if batched:
+            call = asyncio.create_task(rt.step([Admit("a", buffer), Cache("a", buffer)]))
+        else:
+            call = asyncio.create_task(rt.admit("a", buffer))
+        await asyncio.sleep(0)  # the call has built and queued its message; the actor has not run
+        buffer[:] = 7  # the caller's next request reuses the buffer
+        await call
+        await rt.finish("a", prompt)
+        assert await rt.match_prefix(prompt) == {"device": len(prompt), "host": 0}
+        assert await rt.match_prefix(buffer) == {"device": 0, "host": 0}
         await quiescent_check(rt)
