@@ -33,17 +33,35 @@ def _compiled_modules() -> tuple[str, ...]:
 
 
 class BuildExtWithSourceHash(build_ext):
-    """build_ext that writes, beside each extension it (re)builds, the hash of its source."""
+    """build_ext that writes, beside each extension it (re)builds, the hash of its source,
+    and copies that hash along with the extension on an in-place build."""
 
     def build_extension(self, ext) -> None:
-        built = Path(self.get_ext_fullpath(ext.name))
+        built = Path(self.get_ext_fullpath(ext.name))  # in the build directory (see run)
         source = ROOT / (ext.name.replace(".", "/") + ".py")
         digest = hashlib.sha256(source.read_bytes()).hexdigest()  # the source being compiled
         before = built.stat().st_mtime_ns if built.exists() else None
         super().build_extension(ext)
         # an up-to-date extension is skipped and keeps the hash written when it was built
         if built.exists() and built.stat().st_mtime_ns != before:
-            built.with_name(ext.name.rsplit(".", 1)[1] + ".compiled-from").write_text(digest + "\n")
+            _stamp_of(built, ext.name).write_text(digest + "\n")
+
+    def run(self) -> None:
+        super().run()  # builds in the build directory, then (--inplace) copies into the sources
+        if self.inplace:  # the hashes go with the extensions
+            for ext in self.extensions:
+                target = _stamp_of(Path(self.get_ext_fullpath(ext.name)), ext.name)
+                self.inplace = False
+                stamp = _stamp_of(Path(self.get_ext_fullpath(ext.name)), ext.name)
+                self.inplace = True
+                if stamp.exists():
+                    target.write_text(stamp.read_text())
+                else:
+                    target.unlink(missing_ok=True)
+
+
+def _stamp_of(extension: Path, name: str) -> Path:
+    return extension.with_name(name.rsplit(".", 1)[1] + ".compiled-from")
 
 
 def _extensions() -> list:
