@@ -40,6 +40,8 @@ class BuildExtWithSourceHash(build_ext):
         built = Path(self.get_ext_fullpath(ext.name))  # in the build directory (see run)
         source = ROOT / (ext.name.replace(".", "/") + ".py")
         digest = hashlib.sha256(source.read_bytes()).hexdigest()  # the source being compiled
+        if built.exists() and not _stamp_of(built, ext.name).exists():
+            built.unlink()  # built with no hash beside it: its source is unknown, so rebuild
         before = built.stat().st_mtime_ns if built.exists() else None
         super().build_extension(ext)
         # an up-to-date extension is skipped and keeps the hash written when it was built
