@@ -40,21 +40,21 @@ class BuildExtWithSourceHash(build_ext):
         built = Path(self.get_ext_fullpath(ext.name))  # in the build directory (see run)
         source = ROOT / (ext.name.replace(".", "/") + ".py")
         digest = hashlib.sha256(source.read_bytes()).hexdigest()  # the source being compiled
-        if built.exists() and not _stamp_of(built, ext.name).exists():
+        if built.exists() and not _stamp_of(built).exists():
             built.unlink()  # built with no hash beside it: its source is unknown, so rebuild
         before = built.stat().st_mtime_ns if built.exists() else None
         super().build_extension(ext)
         # an up-to-date extension is skipped and keeps the hash written when it was built
         if built.exists() and built.stat().st_mtime_ns != before:
-            _stamp_of(built, ext.name).write_text(digest + "\n")
+            _stamp_of(built).write_text(digest + "\n")
 
     def run(self) -> None:
         super().run()  # builds in the build directory, then (--inplace) copies into the sources
         if self.inplace:  # the hashes go with the extensions
             for ext in self.extensions:
-                target = _stamp_of(Path(self.get_ext_fullpath(ext.name)), ext.name)
+                target = _stamp_of(Path(self.get_ext_fullpath(ext.name)))
                 self.inplace = False
-                stamp = _stamp_of(Path(self.get_ext_fullpath(ext.name)), ext.name)
+                stamp = _stamp_of(Path(self.get_ext_fullpath(ext.name)))
                 self.inplace = True
                 if stamp.exists():
                     target.write_text(stamp.read_text())
@@ -62,8 +62,9 @@ class BuildExtWithSourceHash(build_ext):
                     target.unlink(missing_ok=True)
 
 
-def _stamp_of(extension: Path, name: str) -> Path:
-    return extension.with_name(name.rsplit(".", 1)[1] + ".compiled-from")
+def _stamp_of(extension: Path) -> Path:
+    """radix.cpython-311-x86_64-linux-gnu.so -> radix.compiled-from (read by runtime/_compiled.py)"""
+    return extension.with_name(extension.name.split(".", 1)[0] + ".compiled-from")
 
 
 def _extensions() -> list:
