@@ -90,9 +90,13 @@ def read_prefix(backend: Any, keys: Sequence[bytes], dests: Sequence[Buffer]) ->
     n = int(backend.exists_prefix(keys))
     if n <= 0:
         return 0
-    got = backend.get_batch(keys[:n], dests[:n])
+    return leading_hits(backend.get_batch(keys[:n], dests[:n]))
+
+
+def leading_hits(got: Sequence[bool]) -> int:
+    """How many of a batch read's results, from the first, are hits (a prefix ends at a miss)."""
     k = 0
-    while k < n and got[k]:
+    while k < len(got) and got[k]:
         k += 1
     return k
 

@@ -50,6 +50,7 @@ from runtime.storage.backend import (
     check_batch,
     check_keys,
     closed_error,
+    leading_hits,
 )
 from runtime.trace import get_logger
 
@@ -316,11 +317,7 @@ class MooncakeBackend:
         ``batch_get_into`` of every key, without the existence RPC that `exists_prefix` + `get_batch`
         pays: a missing key fails on its own in the same call (as cheaply as asking for it), so only
         pages behind a hole are read for nothing."""
-        got = self.get_batch(keys, dests)
-        k = 0
-        while k < len(got) and got[k]:
-            k += 1
-        return k
+        return leading_hits(self.get_batch(keys, dests))
 
     def _get_into(self, skeys: list[str], addrs: list[int], idx: list[int], out: list[bool]) -> None:
         pb = self.page_bytes

@@ -7,10 +7,11 @@ both host layouts (`runtime.memory.pools`). A transfer copies the rows
 Why numba: numpy and torch have fast gathers (``take`` / ``index_select``) but no
 scattered-to-scattered copy; a gather into a temporary plus a scatter (numpy fancy
 assignment, torch ``index_copy_``) costs two passes and per-call overhead, and reached
-0.3-0.6x of one contiguous copy of the same bytes on this project's 2-core machine. A
-compiled loop of row copies is one pass and releases the GIL, so two threads copy in
-parallel: ~1.0x of the contiguous copy for 16- and 64-token pages (measured with
-`benchmarks/bench_copy_engine.py`). Compiled on first use and cached on disk.
+0.27-0.63x of one contiguous copy of the same bytes at 16- and 64-token pages on this
+project's 2-core machine. A compiled loop of row copies is one pass and releases the GIL, so
+two threads copy in parallel: 0.51-0.68x of the contiguous copy through the whole engine at
+16 and 64 (`benchmarks/bench_copy_engine.py`; raw kernel A/Bs on the real pools 0.63-0.89x;
+docs/BENCHMARKS.md, "Transfer"). Compiled on first use and cached on disk.
 """
 
 from __future__ import annotations

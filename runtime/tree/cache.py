@@ -1259,20 +1259,17 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
     if len(rest):
         self.host.free(rest, pf.owner, rid=pf.rid, reason="prefetch_unused")
     if pages:
-        taken = self._prefetch_insert(pf, pf.host[:pages * ps])
+        # the read pages become host copies in the tree (the same hand-over as decode offload's)
+        taken, _ = self._adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
+                                        pf.host[:pages * ps], pf.owner, pf.rid)
         self.stats["tokens_storage_hit"] += taken
         if not pf.detached and not pf.cancelled:
             self.prefetch_landed[pf.rid] = taken
     return pf
 
 
-def _prefetch_insert(self: CacheCore, pf: Prefetch, host: np.ndarray) -> int:
-    """Hand the read pages to the tree as host copies. Returns the tokens the tree took."""
-    return self._adopt_host_run(pf.tokens[: pf.start + len(host)], pf.extra_key, pf.start, host, pf.owner, pf.rid)[0]
-
-
 for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, _storage_write_chain, prepare,
             _prefetch_read, _prefetch_cancel,
-            _prefetch_landed, _prefetch_detach, apply_storage_ack, _prefetch_insert):
+            _prefetch_landed, _prefetch_detach, apply_storage_ack):
     setattr(CacheCore, _fn.__name__, _fn)
 del _fn

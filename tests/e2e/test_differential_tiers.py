@@ -10,10 +10,11 @@ tokens from the tiers it is about.
   the sessions are then closed into the tree and their conversations go on through the loop.
   Counted per tier from the turns' ``AdmitResult``: device hits; host load-backs of prefixes
   the device pool evicted; tokens the previous turn's decode offload put on host, loaded back;
-  storage prefetches (the closed sessions' KV, written back to host and storage when the
-  device pool evicted it, then dropped by the host pool); the sessions' own KV reused across
-  turns. Each must be > 0. ``test_all_tiers_load_off_by_one_page_is_caught`` runs the same
-  scenario with loads that read one host page off and requires the comparison to fail.
+  storage prefetches (KV that reached storage through a host copy, e.g. the closed sessions'
+  KV written back when the device pool evicted it, then dropped by the host pool); the
+  sessions' own KV reused across turns. Each must be > 0.
+  ``test_all_tiers_load_off_by_one_page_is_caught`` runs the same scenario with loads that
+  read one host page off and requires the comparison to fail.
 - storage: ``ServingLoop`` over a runtime with a file storage tier; between turns the copies
   settle and ``flush`` drops device and host, so later turns are prefetched from storage;
 - decode offload: ``decode_offload=True``; ``finish`` keeps nothing on device, so later turns
@@ -22,8 +23,9 @@ tokens from the tiers it is about.
   is a session, every turn ``admit(session=)`` reuses the session's KV on device; the
   sessions' turns decode together as one ragged batch per step (``session_round``).
 
-Decode offload does not write the offloaded pages to storage (only host backups are written
-through), so in the all-tiers run what storage serves comes from the closed sessions' KV.
+Storage gets both kinds of host copies: host backups and decode offload's copies are written
+through (the latter since the offload write-through fix; the all-tiers test's per-tier figures
+were taken before it, when storage served only the closed sessions' KV).
 """
 
 from __future__ import annotations

@@ -272,3 +272,29 @@ async def test_a_token_array_reused_by_the_caller_changes_nothing_cached(batched
         assert await rt.match_prefix(prompt) == {"device": len(prompt), "host": 0}
         assert await rt.match_prefix(buffer) == {"device": 0, "host": 0}
         await quiescent_check(rt)
+
+
+def test_step_rebuilds_token_items_keeping_every_other_field():
+    """`step` rebuilds its token-carrying items by hand (`runtime.runtime._WITH_OWN_TOKENS`, the
+    batch hot path): every field but `tokens` must come over as it was and `tokens` must be a new
+    array, for every item type `step` takes that carries tokens. Checked against a rebuild of
+    Admit that drops `session`: fails on that field."""
+    import dataclasses
+
+    from runtime.messages import Abort, Commit
+    from runtime.runtime import _WITH_OWN_TOKENS
+
+    step_types = (Admit, Extend, Commit, Cache, Finish, Abort)
+    with_tokens = {cls for cls in step_types if "tokens" in {f.name for f in dataclasses.fields(cls)}}
+    assert set(_WITH_OWN_TOKENS) == with_tokens
+    for cls, rebuild in _WITH_OWN_TOKENS.items():
+        values = {f.name: object() for f in dataclasses.fields(cls)}
+        values["tokens"] = np.arange(5, dtype=np.int32)
+        item = cls(**values)
+        new = rebuild(item)
+        assert type(new) is cls
+        for name, value in values.items():
+            if name == "tokens":
+                assert new.tokens is not value and np.array_equal(new.tokens, value)
+            else:
+                assert getattr(new, name) is value, (cls.__name__, name)
