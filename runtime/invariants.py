@@ -46,6 +46,19 @@ def _all_nodes(core: "CacheCore") -> list["Node"]:
     return out
 
 
+def _check_cached_prefix(rec, held: np.ndarray, what: str) -> None:
+    """The slot contract: a request's cached prefix maps its locked path's device slots, except
+    where it still holds its own duplicates of them (`dups`, freed only at its release)."""
+    n = rec.cached_len
+    if len(held) < n:
+        _fail(f"{what}: cached prefix of {n} tokens but its locked path holds {len(held)}")
+    mine = rec.slots[:n]
+    differ = mine[held[:n] != mine]
+    if sorted(differ.tolist()) != sorted(rec.dups.tolist()):
+        _fail(f"{what}: cached prefix maps slots {sorted(differ.tolist())[:8]} that are neither its locked "
+              f"path's nor its duplicates {sorted(rec.dups.tolist())[:8]}")
+
+
 def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     """Raise `InvariantViolation` when any of invariants 1-5 (and 7 when `quiescent`) fails."""
     ps = core.page_size
@@ -75,6 +88,10 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         parent = node.parent
         if node.device is not None and parent is not None and parent not in roots and parent.device is None:
             _fail(f"node {node.id} is on device but its parent {parent.id} is not (residency not prefix-closed)")
+        # tier closure (seed 004 class): a node never loses its last copy while it is in the
+        # tree, so every node a match can walk through holds its KV in some tier
+        if node.device is None and node.host is None:
+            _fail(f"node {node.id} holds no copy ({len(node.children)} children)")
     for rec in core.requests.values():
         if not (rec.cached_len <= rec.seq_len <= len(rec.slots)) or rec.cached_len % ps:
             _fail(f"request {rec.rid!r} lengths inconsistent: cached {rec.cached_len}, seq {rec.seq_len}, "
@@ -82,6 +99,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         if not (rec.cached_len <= rec.committed_len <= rec.seq_len) and rec.committed_len > rec.seq_len:
             _fail(f"request {rec.rid!r} committed {rec.committed_len} beyond seq {rec.seq_len}")
         claim("device", rec.slots[rec.own_start:], rec.owner, f"request {rec.rid!r}")
+        claim("device", rec.dups, rec.owner, f"request {rec.rid!r} duplicates")
         if rec.session is not None:
             sess = core.sessions.get(rec.session)
             if sess is None or sess.turn != rec.rid:
@@ -99,8 +117,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         held = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         if rec.failed is not None:
             continue  # its load failed and was rolled back: it maps nothing valid until released
-        if len(held) < rec.cached_len or not np.array_equal(held[: rec.cached_len], rec.slots[: rec.cached_len]):
-            _fail(f"request {rec.rid!r} cached prefix does not map its locked path's device slots")
+        _check_cached_prefix(rec, held, f"request {rec.rid!r}")
     for sess in core.sessions.values():
         # seed 003: a session holds exactly the whole pages its tokens need, nothing past them
         if len(sess.slots) != -(-sess.kv_len // ps) * ps:
@@ -165,6 +182,8 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     locks: Counter[int] = Counter()
     holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in core.ops.values()]
     holders += [z.rec.last_node for z in core.offload_retired.values()]  # decode offload: retired requests
+    prefetches = [sop.prefetch for sop in storage_ops.values() if sop.prefetch is not None]
+    holders += [pf.anchor_lock for pf in prefetches]  # storage prefetch: the prefix it will hang under
     for holder in holders:
         node = holder
         while node is not None and node not in roots:
@@ -175,6 +194,23 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             _fail(f"node {node.id} has a negative lock count")
         if node.lock_ref != locks.get(node.id, 0):
             _fail(f"node {node.id} lock_ref {node.lock_ref} != holders {locks.get(node.id, 0)}")
+
+    # host protection counts from who holds them: storage writes (the chain they write) and
+    # prefetch anchors (their host-only part), each over the length recorded when taken
+    protects: Counter[int] = Counter()
+    spans = [(sop.node, sop.length) for sop in storage_ops.values() if sop.write]
+    spans += [(pf.anchor_host, pf.anchor_host_len) for pf in prefetches if pf.anchor_host is not None]
+    for node, length in spans:
+        covered = 0
+        while covered < length and node is not None and node not in roots:
+            protects[node.id] += 1
+            covered += len(node.key) // 4
+            node = node.parent
+        if covered != length:
+            _fail(f"a host protection over {length} tokens covers {covered}")
+    for node in nodes:
+        if node.host_protect != protects.get(node.id, 0):
+            _fail(f"node {node.id} host_protect {node.host_protect} != holders {protects.get(node.id, 0)}")
 
     # 5: derived eviction sets equal their definitions
     device_leaves = {
@@ -238,6 +274,7 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
         if z.final_len is not None and not 0 <= z.final_len <= rec.seq_len:
             _fail(f"retired request {rec.rid!r}#{rec.generation} final length {z.final_len} beyond {rec.seq_len}")
         claim("device", rec.slots[rec.own_start:], rec.owner, f"retired request {rec.rid!r}#{rec.generation}")
+        claim("device", rec.dups, rec.owner, f"retired request {rec.rid!r}#{rec.generation} duplicates")
         path: list = []
         node = rec.last_node
         while node is not None and node not in roots:
@@ -245,9 +282,8 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
             node = node.parent
         parts = [n.device for n in reversed(path) if n.device is not None]
         held = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        if rec.failed is None and (len(held) < rec.cached_len
-                                   or not np.array_equal(held[: rec.cached_len], rec.slots[: rec.cached_len])):
-            _fail(f"retired request {rec.rid!r}#{rec.generation} cached prefix does not map its locked path")
+        if rec.failed is None:
+            _check_cached_prefix(rec, held, f"retired request {rec.rid!r}#{rec.generation}")
         records[key] = rec
     ranges: dict = {}
     inflight: dict = {}

@@ -253,9 +253,12 @@ class TreeActor(Actor[TreeMessage]):
                 pass
 
     def _release_waiters(self, pf: Any) -> None:
-        """Admit the requests that waited on `pf` (landed, failed or timed out)."""
+        """Admit the requests that waited on `pf` (landed, failed or timed out). A waiter whose
+        caller was cancelled is dropped, not admitted: its retry may be waiting behind it."""
         waiters, pf.waiters = pf.waiters, []
         for w in waiters:
+            if w.reply.future.done():
+                continue
             try:
                 result = self.core.admit(w.rid, w.tokens, w.extra_key, w.session)
             except CallerError as exc:

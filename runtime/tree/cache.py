@@ -68,6 +68,9 @@ class RequestRecord:
     failed: str | None = None
     session: Hashable = None  # the streaming session this turn belongs to
     session_len: int = 0  # leading slots the session owns (its whole pages)
+    # slots of its own inside the cached prefix that duplicate tree pages (another request
+    # cached the same prefix first): still the caller's until release (the slot contract)
+    dups: np.ndarray = field(default_factory=lambda: EMPTY)
 
     @property
     def own_start(self) -> int:
@@ -126,7 +129,7 @@ class CacheCore:
         )
         self.requests: dict[Hashable, RequestRecord] = {}
         self.sessions: dict[Hashable, SessionRecord] = {}
-        self.generations: dict[Hashable, int] = {}
+        self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
         self.ops: dict[int, CopyOp] = {}
         self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
         self.loading: dict[int, LayerReadiness] = {}  # node id -> readiness of its in-flight load
@@ -154,13 +157,13 @@ class CacheCore:
         look, host_len, need_pages = self._admission(tokens, extra_key)
         cached = look.device_len + host_len
         if not self._device_room_for(need_pages, look):
+            self._start_writeback(need_pages)
             raise CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {self.device.num_free_pages()} free, "
                 f"{self._evictable_device_pages()} evictable")
 
         m = self.tree.settle(look)  # = match(split=True, touch=True), without a second walk
-        generation = self.generations.get(rid, 0) + 1
-        self.generations[rid] = generation
+        generation = next(self._generations)
         owner = Owner.request(rid, generation)
         device_nodes = m.device_nodes  # device residency is prefix-closed
         host_nodes = [n for n in m.nodes if n.device is None] if host_len else []
@@ -220,6 +223,7 @@ class CacheCore:
         if missing > 0:
             pages = -(-missing // self.page_size)
             if not self._device_room_for(pages):
+                self._start_writeback(pages)
                 raise CapacityError(f"extend of {rid!r} needs {pages} device pages")
             rec.slots = np.concatenate((rec.slots, self._alloc_device(pages, rec.owner, rid=rid)))
         start, rec.seq_len = rec.seq_len, total
@@ -328,10 +332,9 @@ class CacheCore:
         pages = -(-max(0, len(tokens) - session_len) // self.page_size)
         if not self._device_room_for(pages):
             raise CapacityError(f"turn {rid!r} needs {pages} device pages")
-        generation = self.generations.get(rid, 0) + 1
+        generation = next(self._generations)
         owner = Owner.request(rid, generation)
         own = self._alloc_device(pages, owner, rid=rid)
-        self.generations[rid] = generation
         slots = np.concatenate((sess.slots, own))
         self.requests[rid] = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens,
@@ -429,12 +432,18 @@ class CacheCore:
         while changed:
             changed = False
             for node in self.tree.device_victims():
-                dropped += node.num_tokens
-                changed = True
-                if node.host is None and not node.children:
-                    self._delete(node)
-                else:
+                if node.host is not None:
+                    dropped += node.num_tokens
                     self._drop_device(node)
+                elif not node.children:
+                    dropped += node.num_tokens
+                    self._delete(node)
+                else:  # its last copy: the host-only nodes below it go with it (tier closure)
+                    gone = self._delete_subtree(node)
+                    if not gone:
+                        continue
+                    dropped += gone
+                changed = True
             for node in self.tree.host_victims():
                 dropped += node.num_tokens
                 changed = True
@@ -444,8 +453,9 @@ class CacheCore:
     # -- helpers: insertion and release -------------------------------------------------
     def _insert(self, rec: RequestRecord, tokens: np.ndarray) -> None:
         n = _aligned(len(tokens), self.page_size)
-        if n <= rec.cached_len:
+        if len(tokens) > len(rec.tokens):  # the record only grows (the caller checked they agree)
             rec.tokens = tokens
+        if n <= rec.cached_len:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
@@ -460,17 +470,16 @@ class CacheCore:
             self.device.assign(slots, rec.owner, to, trusted=True, rid=rec.rid, node=node.id)
         duplicates = res.duplicate_slots
         if len(duplicates):
-            self.device.free(duplicates, rec.owner, rid=rec.rid, reason="duplicate")
-            # the tree's slots replace the duplicates (the path's device slots are the tree's
-            # up to prefix_len, then the caller's, which the new nodes adopted)
-            rec.slots = np.concatenate((res.prefix_slots, rec.slots[res.prefix_len:]))
+            # the slot contract: a live request's slots never change under its caller, so its
+            # duplicates of tree pages stay its own (and hold its KV) until it is released
+            if len(rec.dups):
+                duplicates = duplicates[~np.isin(duplicates, rec.dups)]
+            rec.dups = np.concatenate((rec.dups, duplicates))
         new_last = res.last_node  # the insert ends exactly at n (it splits where needed)
         self.tree.relock(rec.last_node, new_last)
         rec.last_node = new_last
         rec.cached_len = n
         rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
-        if len(tokens) != len(rec.tokens):  # equal length: the same tokens (checked by the caller)
-            rec.tokens = tokens
         if self.host is not None and self.config.write_policy == "write_through":
             for node, _ in res.adopted:
                 self._maybe_backup(node)
@@ -486,6 +495,8 @@ class CacheCore:
             self.sessions[rec.session].turn = None
         if len(own):
             self.device.free(own, rec.owner, trusted=True, rid=rec.rid)  # its own alloc'd pages
+        if len(rec.dups):
+            self.device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
         if rec.last_node is not None:
             self.tree.unlock(rec.last_node)
         for r in rec.readiness:
@@ -618,7 +629,18 @@ class CacheCore:
             return None
         return self.host.alloc(pages, owner, **ctx)
 
+    def _start_writeback(self, pages: int) -> None:
+        """A capacity shortfall (`_device_room_for` said no): start the write-backs that will free
+        device pages at their acks, so that the caller's retry can succeed. Changes nothing a
+        caller holds; only when the pages could be had at all."""
+        if self.host is not None and pages <= self.device.num_free_pages() + self._evictable_device_pages():
+            self._evict_device(pages - self.device.num_free_pages())
+
     def _evict_device(self, pages: int) -> None:
+        """Free `pages` device pages in eviction order (as `_freeable_now` predicts): drop device
+        copies backed up on host, delete childless nodes with no host copy; a node whose eviction
+        needs a backup first (write-back, or host-only children below it) gets it started and its
+        device pages are freed at the ack."""
         freed = 0
         for node in self.tree.device_victims():
             if freed >= pages:
@@ -627,13 +649,10 @@ class CacheCore:
                 freed += node.num_tokens // self.page_size
                 self._drop_device(node)
             elif self.host is not None and (self.config.write_policy == "write_back" or node.children):
-                # write back: the copy runs first; the device pages are freed at its ack
+                # the copy runs first; the device pages are freed at its ack
                 if self._maybe_backup(node, evict_after=True):
                     self.stats["writeback_deferred"] += node.num_tokens
-                elif not node.children:
-                    freed += node.num_tokens // self.page_size
-                    self._delete(node)
-            elif not node.children:
+            else:
                 freed += node.num_tokens // self.page_size
                 self._delete(node)
 
@@ -667,6 +686,25 @@ class CacheCore:
                 return
             node = parent
 
+    def _delete_subtree(self, top: Node) -> int:
+        """Delete `top` (unlocked) and every node below it, deepest first; returns the tokens
+        dropped. Nothing changes (0) when a node below holds a protected host copy (a storage
+        write reads it): a node never loses its last copy while nodes below it keep theirs."""
+        below: list[Node] = []
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            if node.host_protect or node.lock_ref:
+                return 0
+            below.append(node)
+            stack.extend(node.children.values())
+        dropped = top.num_tokens
+        for node in reversed(below):  # children before parents
+            dropped += node.num_tokens
+            self._delete(node)
+        self._delete(top)
+        return dropped
+
     def _evictable_device_pages(self) -> int:
         return self.tree.evictable_device_tokens // self.page_size
 
@@ -680,16 +718,50 @@ class CacheCore:
         return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
 
     def _device_room_for(self, pages: int, look: MatchResult | None = None) -> bool:
-        """Whether `pages` device pages can be had, free or by eviction. A request's own matched
-        prefix (`look`) is evictable until its admission locks it, so it is no room for it."""
+        """Whether `pages` device pages can be had now, free or by an eviction that frees them at
+        once. `can_admit`, `admit` and `extend` all decide by this one answer, so they agree. A
+        request's own matched prefix (`look`) is evictable until its admission locks it, so it is
+        no room for it."""
         free = self.device.num_free_pages()
         if pages <= free:
             return True
-        room = free + self._evictable_device_pages()
-        if look is not None:
-            room -= sum(len(part) for node, part in zip(look.device_nodes, look.device_parts)
-                        if node.lock_ref == 0) // self.page_size
-        return pages <= room
+        keep = set(look.device_nodes) if look is not None else set()
+        if pages > free + self._evictable_device_pages():  # not even eventually
+            return False
+        return free + self._freeable_now(pages - free, keep) >= pages
+
+    def _freeable_now(self, need: int, keep: set[Node]) -> int:
+        """Device pages that `_evict_device` would free at once (at least `need` of them, if there
+        are), without changing anything: a dry run over the evictable device leaves, parents
+        becoming leaves as their device children go. A leaf whose eviction starts a backup
+        (write-back, or a node whose host-only children need it to keep a copy) frees nothing now,
+        and its ancestors stay. Stops as soon as `need` pages are found."""
+        ps = self.page_size
+        backup_first = self.host is not None and self.config.write_policy == "write_back"
+        left: dict[Node, int] = {}  # device children a parent still has in the dry run
+        leaves = iter(self.tree.device_leaves)
+        ready: list[Node] = []
+        got = 0
+        while got < need:
+            if ready:
+                node = ready.pop()
+            else:
+                node = next(leaves, None)
+                if node is None:
+                    break
+                if node in keep:
+                    continue
+            if node.host is None and self.host is not None and (backup_first or node.children):
+                continue
+            got += len(node.device) // ps
+            parent = node.parent
+            if parent.parent is None or parent.lock_ref or parent in keep:
+                continue
+            n = left.get(parent, parent.n_dev_children) - 1
+            left[parent] = n
+            if n == 0:
+                ready.append(parent)
+        return got
 
     def _evictable_host_tokens(self) -> int:
         # O(nodes): informational (available()), not on the hot path
@@ -776,7 +848,8 @@ class CacheCore:
     def _offload_finish(self, rec: RequestRecord, tokens: np.ndarray) -> int:
         """finish() with decode offload: nothing goes to the tree on device; the request is
         retired until its offloads land (then released by the offload actor)."""
-        rec.tokens = tokens
+        if len(tokens) > len(rec.tokens):  # the record only grows
+            rec.tokens = tokens
         self._offload_retire(rec, len(tokens))
         self.stats["requests_finished"] += 1
         return rec.cached_len
@@ -879,6 +952,8 @@ class CacheCore:
         own = rec.slots[rec.own_start:]
         if len(own):
             self.device.free(own, rec.owner, rid=rid, reason="offload_release")
+        if len(rec.dups):
+            self.device.free(rec.dups, rec.owner, rid=rid, reason="duplicate")
         if rec.last_node is not None:
             self.tree.unlock(rec.last_node)
         self._emit("release", Tier.DEVICE, own, rid=rid, generation=generation)
@@ -1021,6 +1096,11 @@ _offload_log = get_logger("hicache.offload")
 # from the node's path tokens when an op is issued (the snapshot carries them).
 
 _storage_log = get_logger("hicache.storage")
+# Memory is bounded by live state: records of rids that were prepared but never admitted or
+# aborted, and the hint of page hashes known stored, are capped (past the cap a prepared rid's
+# abort is an unknown rid, and a known page may be written again: both harmless).
+_PREPARED_CAP = 4096
+_KNOWN_CAP = 1 << 16
 
 
 @dataclass(slots=True)
@@ -1037,6 +1117,11 @@ class Prefetch:
     cancelled: bool = False
     detached: bool = False  # admitted without waiting for it: it lands into the tree for whoever comes next
     waiters: list[Any] = field(default_factory=list)  # admits deferred until it lands (tree actor)
+    # the anchor: the cached prefix [0, start) the read pages will hang under, kept in the tree
+    # until the prefetch ends (else making host room for the read could evict it)
+    anchor_lock: Node | None = None  # deepest device node of it, locked
+    anchor_host: Node | None = None  # deepest host-only node of it, host-protected over...
+    anchor_host_len: int = 0  # ...this many tokens (its host-only part)
 
 
 @dataclass(slots=True)
@@ -1051,7 +1136,10 @@ class StorageOp:
 
 
 def _storage_key_ok(extra_key: Hashable) -> bool:
-    return extra_key is None or isinstance(extra_key, (str, bytes))
+    """Namespaces the page hash encodes (the façade accepts only these)."""
+    if extra_key is None or type(extra_key) in (str, bytes, int):
+        return True
+    return type(extra_key) is tuple and all(_storage_key_ok(k) for k in extra_key)
 
 
 def _init_storage(self: CacheCore) -> None:
@@ -1144,6 +1232,8 @@ def prepare(self: CacheCore, rid: Hashable, tokens: Any, extra_key: Hashable = N
     op_id = next(self._op_ids)
     pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens[:match_len], start,
                   op_id, EMPTY)
+    if start:
+        self._hold_anchor(pf, self.tree.settle(look, touch=False))
     self.prefetches[rid] = pf
     self.storage_ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf)
     self.storage_outbox.append((op_id, False, tuple(keys), ()))
@@ -1171,6 +1261,26 @@ def _prefetch_read(self: CacheCore, pf: Prefetch, keys: list[bytes]) -> bool:
     self.storage_outbox.append((op_id, False, tuple(keys), self._host_pages(host)))
     self.stats["storage_reads_issued"] += 1
     return True
+
+
+def _hold_anchor(self: CacheCore, pf: Prefetch, m: MatchResult) -> None:
+    """Keep the prefetch's anchor (the matched prefix `m`, ending exactly at `pf.start`) in the
+    tree until the prefetch ends: its device part locked, its host-only part host-protected."""
+    if m.num_device_nodes:
+        pf.anchor_lock = m.last_device_node
+        self.tree.lock(pf.anchor_lock)
+    if m.host_len:
+        pf.anchor_host, pf.anchor_host_len = m.last_node, m.host_len
+        self.tree.protect_host(m.last_node, m.host_len)
+
+
+def _release_anchor(self: CacheCore, pf: Prefetch) -> None:
+    if pf.anchor_lock is not None:
+        self.tree.unlock(pf.anchor_lock)
+        pf.anchor_lock = None
+    if pf.anchor_host is not None:
+        self.tree.unprotect_host(pf.anchor_host, pf.anchor_host_len)
+        pf.anchor_host = None
 
 
 def _prefetch_cancel(self: CacheCore, rid: Hashable) -> bool:
@@ -1217,7 +1327,7 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
         stored = [k for k, good in zip(sop.keys, ok) if good]
         if error is None and len(stored) < len(sop.keys):
             _storage_log.warning("storage_pages_not_written", op=op_id, failed=len(sop.keys) - len(stored))
-        if len(self.storage_known) > 1 << 20:  # a hint only: bound its memory
+        if len(self.storage_known) > _KNOWN_CAP:  # a hint only: bound its memory
             self.storage_known.clear()
         self.storage_known.update(stored)
         self.stats["storage_pages_written"] += len(stored)
@@ -1235,7 +1345,8 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
             self.storage_known.difference_update(sop.keys[found:])
         if found and self._prefetch_read(pf, sop.keys[:found]):
             return None  # its waiters wait for the read
-        if not pf.cancelled and not pf.detached and len(self.prefetched) < 65536:
+        self._release_anchor(pf)
+        if not pf.cancelled and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
             self.prefetched.add(pf.rid)  # prepared: a later abort of the rid is not an unknown rid
         if self.prefetches.get(pf.rid) is pf:
             del self.prefetches[pf.rid]
@@ -1250,7 +1361,7 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
     if pf.cancelled:
         pages = 0
     else:
-        if not pf.detached and len(self.prefetched) < 65536:
+        if not pf.detached and len(self.prefetched) < _PREPARED_CAP:
             self.prefetched.add(pf.rid)
         self.storage_known.difference_update(sop.keys[pages:])  # gone (evicted elsewhere): rewrite it next time
         self.stats["storage_read_misses"] += len(sop.keys) - pages
@@ -1263,13 +1374,14 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
         taken, _ = self._adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
                                         pf.host[:pages * ps], pf.owner, pf.rid)
         self.stats["tokens_storage_hit"] += taken
-        if not pf.detached and not pf.cancelled:
+        if not pf.detached and not pf.cancelled and len(self.prefetch_landed) < _PREPARED_CAP:
             self.prefetch_landed[pf.rid] = taken
+    self._release_anchor(pf)  # from here the landed pages keep their anchor in the tree
     return pf
 
 
 for _fn in (_init_storage, enable_storage, _page_hashes, _host_pages, _storage_write, _storage_write_chain, prepare,
-            _prefetch_read, _prefetch_cancel,
+            _prefetch_read, _hold_anchor, _release_anchor, _prefetch_cancel,
             _prefetch_landed, _prefetch_detach, apply_storage_ack):
     setattr(CacheCore, _fn.__name__, _fn)
 del _fn

@@ -262,6 +262,12 @@ def _as_slots(slots, n: int | None = None) -> np.ndarray:
     return np.array(a, dtype=np.int64)  # always a copy
 
 
+def _detached_root(extra_key: Hashable) -> Node:
+    """The root a match of a namespace with nothing cached reports: in no tree (`is_live` is
+    False), so nothing can be hung under it or locked through it."""
+    return Node(-1, None, b"", extra_key)
+
+
 class RadixTree:
     """Paged radix tree over token prefixes, one root per ``extra_key``.
 
@@ -561,8 +567,9 @@ class RadixTree:
         n = len(key)
         n -= n % pb
         root = self._roots.get(extra_key)
-        if root is None:
-            root = self.root(extra_key)
+        if root is None:  # nothing cached in this namespace: a look creates no state
+            return MatchResult([], 0, 0, [], _detached_root(extra_key), _detached_root(extra_key), 0, 0, 0,
+                               extra_key)
         nodes: list[Node] = []
         pos = 0
         partial = 0  # tokens matched in a last node that was not split
@@ -981,7 +988,11 @@ class RadixTree:
         node.device = None
         node.host = None
         self._n_nodes -= 1
-        self._refresh(parent)
+        if parent.parent is None:
+            if not parent.children:  # a namespace with nothing cached keeps no root
+                del self._roots[parent.extra_key]
+        else:
+            self._refresh(parent)
         return d, h
 
     # ------------------------------------------------------------------ eviction order
