@@ -400,8 +400,14 @@ class CacheCore:
         return out
 
     def can_admit(self, tokens: np.ndarray, extra_key: Hashable = None) -> bool:
+        """The answer `admit` would give now. A no starts the write-backs that would make room (as
+        `admit` does; a scheduler that polls `can_admit` must see the room come): that changes
+        no request's state, only which cached pages are being copied to host."""
         look, _, need = self._admission(self._check_tokens(tokens), extra_key)
-        return self._device_room_for(need, look)
+        if self._device_room_for(need, look):
+            return True
+        self._start_writeback(need)
+        return False
 
     # -- acks ----------------------------------------------------------------------
     def apply_ack(self, op_id: int, error: str | None) -> None:
