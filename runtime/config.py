@@ -62,6 +62,8 @@ class RuntimeConfig:
     # Debugging and tracing
     debug_invariants: bool = False
     trace_path: str | None = None
+    # Caller contract: token ids must lie in [0, vocab_size) (default: [0, 2**31), the int32 range)
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -120,6 +122,9 @@ class RuntimeConfig:
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
                  f"{name} must be a non-negative number, got {value!r}")
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
+        if self.vocab_size is not None:
+            need(type(self.vocab_size) is int and 0 < self.vocab_size <= 1 << 31,
+                 f"vocab_size must be an int in 1..2**31 or None, got {self.vocab_size!r}")
 
     # -- derived -------------------------------------------------------------------
     @property
