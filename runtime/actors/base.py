@@ -3,8 +3,12 @@
 An actor is an asyncio task with a private mailbox. Callers reach it through a public
 handle: `tell` (one-way) or `ask` (a message carrying a `Reply` that the actor completes
 with its handler's return value). Handlers are plain methods chosen by message type; they
-return the reply value. A `CallerError` (a `ValidationError`, or a `TransferError` about that call) goes back to the caller and the actor lives
-on; any other exception escapes `run()` and the supervisor fails the whole runtime.
+return the reply value. A `CallerError` (a `ValidationError`, or a `TransferError` about that
+call) goes back to the caller and the actor lives on. Everything else escapes `run()` and the
+supervisor fails the whole runtime: any other exception, a `CallerError` raised for a message
+that has no reply (an ack: nobody would ever hear of it), and the errors of internal structures
+(`INTERNAL_ERRORS`: a caller never talks to the tree or a ledger, so such an error half-way
+through a call means a bug and maybe half-updated state, not a refused input).
 
 The mailbox is an anyio memory object stream. Its buffer is unbounded underneath so that
 acks and internal messages never block their sender (no cycle of blocking sends); the
@@ -24,7 +28,8 @@ from typing import Any, Generic, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from runtime.errors import CallerError, MailboxFull, RuntimeClosed
+from runtime.errors import CallerError, InvariantViolation, MailboxFull, OwnershipError, PinnedSlotError, RuntimeClosed
+from runtime.tree.radix import TreeError
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -139,24 +144,25 @@ class Mailbox(Generic[M]):
 
     async def get_burst(self) -> list[M]:
         """Wait for at least one message, then drain everything queued (one wake-up per burst).
-        Returns [] once the mailbox is closed and empty."""
+        Returns [] once the mailbox is closed and empty, or aborted (the runtime failed: the
+        other actors stop quietly, the failure is the first actor's)."""
         burst: list[M] = []
         try:
             while True:
                 burst.append(self._recv.receive_nowait())
         except anyio.WouldBlock:
             pass
-        except anyio.EndOfStream:
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
             pass
         if not burst:
             try:
                 burst.append(await self._recv.receive())
-            except anyio.EndOfStream:
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
                 return []
             try:
                 while True:
                     burst.append(self._recv.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 pass
         self._queued -= len(burst)
         if self._space is not None and self._queued < self.capacity:
@@ -188,6 +194,11 @@ class Mailbox(Generic[M]):
 
 Handler = Callable[[Any], Any]
 
+# Errors of the actors' internal structures. Some are `ValidationError`s (the tree and the ledgers
+# refuse bad arguments before changing anything), but the actors, not callers, give those
+# arguments: raised inside a handler they fail the runtime, even for a call with a reply.
+INTERNAL_ERRORS: tuple[type[BaseException], ...] = (TreeError, OwnershipError, PinnedSlotError, InvariantViolation)
+
 
 class _Deferred:
     """A handler's return value meaning: "I keep the reply and complete it later myself"."""
@@ -207,6 +218,7 @@ class Actor(Generic[M]):
     """
 
     name = "actor"
+    internal_errors: tuple[type[BaseException], ...] = INTERNAL_ERRORS
 
     def __init__(self, mailbox_capacity: int) -> None:
         self.mailbox: Mailbox[M] = Mailbox(mailbox_capacity)
@@ -214,6 +226,7 @@ class Actor(Generic[M]):
         self.messages_handled = 0
 
     async def run(self) -> None:
+        internal = self.internal_errors
         while True:
             burst = await self.mailbox.get_burst()
             if not burst:
@@ -231,6 +244,8 @@ class Actor(Generic[M]):
                             if type(r) is _Coroutine:
                                 r = await r
                         except CallerError as exc:
+                            if isinstance(exc, internal):
+                                raise self._unrefusable(exc, item)
                             r = exc
                         out.append(r)
                     result: Any = tuple(out)
@@ -240,22 +255,21 @@ class Actor(Generic[M]):
                         if type(result) is _Coroutine or asyncio.iscoroutine(result):
                             result = await result
                     except CallerError as exc:
-                        if reply is not None:
-                            reply.set_exception(exc)
+                        if reply is None or isinstance(exc, internal):
+                            raise self._unrefusable(exc, msg)
+                        reply.set_exception(exc)
                         self.after_message(msg)
                         continue
                 if reply is not None and result is not DEFERRED:
                     reply.set_result(result)
                 self.after_message(msg)
 
-    async def _call_item(self, item: Any) -> Any:
-        try:
-            result = self.handlers[type(item)](item)
-            if asyncio.iscoroutine(result):
-                result = await result
-            return result
-        except CallerError as exc:
-            return exc
+    def _unrefusable(self, exc: CallerError, msg: Any) -> CallerError:
+        """`exc` fails the runtime as it is (the supervisor's cause); the note says why it was not
+        handed to a caller."""
+        why = "an internal structure's error" if isinstance(exc, self.internal_errors) else "no caller to take it"
+        exc.add_note(f"{self.name} actor, handling {type(msg).__name__}: {why}; the runtime fails")
+        return exc
 
     def after_message(self, msg: Any) -> None:
         """Hook run after each handled message (debug invariant checks)."""

@@ -1,4 +1,6 @@
-"""Actor core: ask/tell, batches, validation errors, fail-whole, cancellation, close, back-pressure."""
+"""Actor core: ask/tell, batches, validation errors, fail-whole, cancellation, close, back-pressure.
+
+The fail-whole tests of issue 13 (behaviour 8) say how they failed on 3a097f5."""
 
 from __future__ import annotations
 
@@ -7,9 +9,21 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from typing import Any
+
+from runtime import supervisor as supervisor_module
 from runtime.actors.base import Actor, Batch, Mailbox, Reply
-from runtime.errors import MailboxFull, RuntimeClosed, RuntimeFailed, ValidationError
+from runtime.errors import (
+    MailboxFull,
+    OwnershipError,
+    PinnedSlotError,
+    RuntimeClosed,
+    RuntimeFailed,
+    StateError,
+    ValidationError,
+)
 from runtime.supervisor import State, Supervisor
+from runtime.tree.radix import TreeError
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +34,14 @@ class Add:
 
 @dataclass(frozen=True, slots=True)
 class Boom:
+    reply: Reply[None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Raise:
+    """The handler raises `error` (built fresh per message)."""
+
+    error: Any
     reply: Reply[None] | None = field(default=None, compare=False)
 
 
@@ -36,7 +58,7 @@ class Counter(Actor):
         super().__init__(capacity)
         self.total = 0
         self.bursts: list[int] = []
-        self.handlers = {Add: self.on_add, Boom: self.on_boom, Slow: self.on_slow}
+        self.handlers = {Add: self.on_add, Boom: self.on_boom, Slow: self.on_slow, Raise: self.on_raise}
 
     def on_add(self, msg: Add) -> int:
         if msg.n < 0:
@@ -46,6 +68,9 @@ class Counter(Actor):
 
     def on_boom(self, msg: Boom) -> None:
         raise RuntimeError("handler bug")
+
+    def on_raise(self, msg: Raise) -> None:
+        raise msg.error()
 
     async def on_slow(self, msg: Slow) -> str:
         await asyncio.sleep(msg.delay)
@@ -196,3 +221,82 @@ async def test_burst_is_drained_in_one_wakeup():
     await sup.ask(actor.mailbox, Add(0, Reply()))
     assert actor.total == 50
     await sup.stop()
+
+
+class LogRecorder:
+    """Stands in for the supervisor's structlog logger: the events it was given, by level."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def __getattr__(self, level: str) -> Any:
+        return lambda event, **kw: self.events.append((level, event, kw))
+
+
+async def test_a_caller_error_of_a_message_without_reply_fails_the_runtime():
+    """Nobody can be told of a refused one-way message (an ack): the runtime fails with it as the
+    cause. On 3a097f5 the ValidationError was dropped and the next call returned 1."""
+    actor = Counter()
+    sup = await started(actor)
+    sup.tell(actor.mailbox, Add(-1))
+    with pytest.raises(RuntimeFailed) as info:
+        await sup.ask(actor.mailbox, Add(1, Reply()))
+    assert isinstance(info.value.__cause__, ValidationError)
+    assert any("no caller to take it" in note for note in info.value.__cause__.__notes__)
+    await sup.wait_stopped()
+    assert sup.state is State.FAILED
+
+
+INTERNAL = [lambda: TreeError("tree"), lambda: OwnershipError("ledger"), lambda: PinnedSlotError("pinned")]
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["ask", "batch"])
+@pytest.mark.parametrize("make", INTERNAL, ids=["TreeError", "OwnershipError", "PinnedSlotError"])
+async def test_internal_structures_errors_fail_the_runtime_even_for_a_call_with_a_reply(make, batched):
+    """TreeError, OwnershipError and PinnedSlotError are ValidationErrors of the tree and the
+    ledgers, which only the actors call: raised inside a handler they fail the runtime, for an ask
+    and for a batch item alike. On 3a097f5 they went back to the caller (raised by the ask, or in
+    the batch's tuple) and the actor went on."""
+    actor = Counter()
+    sup = await started(actor)
+    with pytest.raises(RuntimeFailed) as info:
+        if batched:
+            await sup.ask_batch(actor.mailbox, [Add(1), Raise(make), Add(2)])
+        else:
+            await sup.ask(actor.mailbox, Raise(make, Reply()))
+    assert type(info.value.__cause__) is type(make())
+    assert actor.total == (1 if batched else 0)  # the batch stopped at the failing item
+    with pytest.raises(RuntimeFailed):
+        await sup.ask(actor.mailbox, Add(1, Reply()))
+    await sup.wait_stopped()
+
+
+async def test_a_caller_error_with_a_reply_still_goes_to_its_caller():
+    """The boundary's other side: a CallerError that is not an internal structure's, for a call
+    with a reply, is that caller's alone (here a StateError)."""
+    actor = Counter()
+    sup = await started(actor)
+    with pytest.raises(StateError):
+        await sup.ask(actor.mailbox, Raise(lambda: StateError("busy"), Reply()))
+    assert await sup.ask(actor.mailbox, Add(3, Reply())) == 3
+    await sup.stop()
+    assert sup.state is State.CLOSED
+
+
+async def test_a_failure_is_logged_once_with_its_cause(monkeypatch):
+    """One crash, one `actor_failed` error event naming the actor and the cause; the other actors
+    stop quietly. On 3a097f5 the idle second actor met its aborted mailbox (ClosedResourceError)
+    and a second `actor_failed` error was logged."""
+    recorder = LogRecorder()
+    monkeypatch.setattr(supervisor_module, "log", recorder)
+    crashing, idle = Counter(), Counter()
+    idle.name = "idle"
+    sup = Supervisor([crashing, idle])
+    await sup.start()
+    await asyncio.sleep(0)  # both wait on their mailboxes
+    with pytest.raises(RuntimeFailed):
+        await sup.ask(crashing.mailbox, Boom(Reply()))
+    await sup.wait_stopped()
+    errors = [(event, kw) for level, event, kw in recorder.events if level == "error"]
+    assert errors == [("actor_failed", {"actor": "counter", "error": repr(RuntimeError("handler bug"))})]
+    assert recorder.events == [("error", *errors[0])]
