@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import emit_json, median, percentile  # noqa: E402
 from runtime.actors.base import Actor, Reply  # noqa: E402
 from runtime.supervisor import Supervisor  # noqa: E402
+from runtime.trace import configure_logging  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,7 @@ async def measure(n: int, repeats: int) -> dict:
 
 
 def main() -> None:
+    configure_logging()  # production default: INFO to stderr (the library never configures)
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()

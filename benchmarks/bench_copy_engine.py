@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.completion import CompletionBridge  # noqa: E402
 from runtime.memory.pools import DevicePool, HostPool, KVShape  # noqa: E402
 from runtime.messages import Direction, PoolTransfer, TransferPlan  # noqa: E402
+from runtime.trace import configure_logging  # noqa: E402
 
 Candidate = Callable[[TransferPlan], Awaitable[None]]
 CandidateFactory = Callable[[dict], Awaitable[tuple[Candidate, Callable[[], Awaitable[None]]]]]
@@ -284,6 +285,7 @@ def use_uvloop() -> None:
 
 
 def main() -> None:
+    configure_logging()  # production default: INFO to stderr (the library never configures)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--candidate", default=None, help="module:factory (default: copy engine + bridge)")

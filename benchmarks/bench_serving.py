@@ -53,6 +53,7 @@ from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_llama import PagedKVModel, kv_geometry, tiny_llama  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
+from runtime.trace import configure_logging  # noqa: E402
 
 PAGE = 16
 CONFIGS = ("no_reuse", "device", "device_host", "device_host_storage")
@@ -160,6 +161,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    configure_logging()  # production default: INFO to stderr (the library never configures)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="16 conversations x 3 turns, 4 active, 256-token system")
     ap.add_argument("--convs", type=int, default=64)

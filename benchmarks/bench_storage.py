@@ -57,6 +57,7 @@ from runtime.fingerprint import write_fingerprints  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
 from runtime.storage.file_backend import FileBackend  # noqa: E402
 from runtime.storage.hashing import KVIdentity, page_hashes  # noqa: E402
+from runtime.trace import configure_logging  # noqa: E402
 
 L, H, D, PS = 30, 3, 64, 64
 PB = L * 2 * PS * H * D * 2  # bf16 bytes per 64-token page
@@ -417,6 +418,7 @@ def hash_cost(pages: int, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
+    configure_logging()  # production default: INFO to stderr (the library never configures)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32 pages, 5 repeats")
     ap.add_argument("--pages", type=int, default=128, help="64-token pages per request (default 128 = 180 MiB)")

@@ -51,6 +51,7 @@ from runtime.memory.owners import Owner, Tier  # noqa: E402
 from runtime.memory.pools import DevicePool, HostPool  # noqa: E402
 from runtime.messages import Direction, TransferAck, TransferPlan  # noqa: E402
 from runtime.supervisor import Supervisor  # noqa: E402
+from runtime.trace import configure_logging  # noqa: E402
 
 RESIDENT = Owner.node(0)
 
@@ -145,6 +146,7 @@ async def actor_candidate(pools: dict, **engine_kw: Any) -> tuple[Callable[[Tran
 
 
 def main() -> None:
+    configure_logging()  # production default: INFO to stderr (the library never configures)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     args, shape, device, engine_kw = parse_common_args(p)

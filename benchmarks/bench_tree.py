@@ -68,7 +68,7 @@ from runtime import _compiled  # noqa: E402
 from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.messages import Admit, Cache, Extend, Finish  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from runtime.trace import SlotTracer  # noqa: E402
+from runtime.trace import SlotTracer, configure_logging  # noqa: E402
 from runtime.tree.cache import CacheCore  # noqa: E402
 
 PEERBENCH = ROOT.parent / "shared" / "peerbench"
@@ -244,6 +244,7 @@ def core_build_summary() -> str:
 
 # -- main -----------------------------------------------------------------------------
 def main() -> None:
+    configure_logging()  # production default: INFO to stderr (the library never configures)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller trace (no hit-rate cross-check)")
     ap.add_argument("--deep", action="store_true", help="deep conversations: 80 turns, ~17k-token contexts")

@@ -37,6 +37,7 @@ from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_llama import PagedKVModel, kv_geometry, load_smollm2, tiny_llama  # noqa: E402
 from runtime.integrations.serving import Completion, ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
+from runtime.trace import configure_logging  # noqa: E402
 
 SYSTEM = (
     "You are a friendly assistant in a busy online help desk. Answer in one or two short sentences, "
@@ -359,6 +360,7 @@ def audit_trace(path: str | None, snapshots: Any) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging()  # the application's choice: the library never configures structlog
     coro = chat(args)
     if not args.no_uvloop:
         try:

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from runtime import CacheRuntime, RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_llama import PagedKVModel, PagedSeq, kv_geometry, tiny_llama  # noqa: E402
+from runtime.trace import configure_logging  # noqa: E402
 
 
 async def generate(rt, model, rid, prompt, max_new=8):
@@ -42,4 +43,5 @@ async def main():
 
 
 if __name__ == "__main__":
+    configure_logging()  # the application's choice: the library never configures structlog
     asyncio.run(main())

@@ -34,12 +34,9 @@ from typing import Any, TextIO
 import numpy as np
 import structlog
 
-_configured = False
-
-
 def configure_logging(*, json_output: bool = False, level: int = logging.INFO, stream: TextIO | None = None) -> None:
-    """Configure structlog once for the process (the embedder may call it again to change it)."""
-    global _configured
+    """Configure structlog for the process: for applications (the demo, benchmarks, tests), never
+    called by the library itself (it only gets loggers, so the embedder's structlog setup stays)."""
     renderer = structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[
@@ -51,12 +48,11 @@ def configure_logging(*, json_output: bool = False, level: int = logging.INFO, s
         logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=True,
     )
-    _configured = True
 
 
 def get_logger(name: str) -> Any:
-    if not _configured:
-        configure_logging()
+    """A logger of the library: whatever the embedder configured structlog to do (nothing here
+    configures it)."""
     return structlog.get_logger(name)
 
 
@@ -138,7 +134,10 @@ class SlotTracer:
         self.page_size = page_size
         self._sinks: list[Sink] = list(sinks or [])
         self._log = get_logger("hicache.slots")
-        self._debug = self._log.is_enabled_for(logging.DEBUG) if hasattr(self._log, "is_enabled_for") else True
+        # slot events are opt-in: an embedder that never configured structlog (whose default prints
+        # every level) did not ask for them
+        self._debug = structlog.is_configured() and (
+            self._log.is_enabled_for(logging.DEBUG) if hasattr(self._log, "is_enabled_for") else True)
         self.active = bool(self._sinks) or self._debug
 
     def add_sink(self, sink: Sink) -> None:

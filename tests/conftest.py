@@ -1,6 +1,15 @@
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _structlog_configured():
+    """The library never configures structlog (an application does): the tests run with the
+    production default that the demo and benchmarks set, INFO to stderr."""
+    from runtime.trace import configure_logging
+
+    configure_logging()
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run long soak/property tests")
 
