@@ -2,7 +2,9 @@
 
 `ValidationError` and its subclasses are raised *before* any state change: they go back to
 the caller and the actor that raised them lives on. Any other exception inside an actor
-fails the whole runtime (`RuntimeFailed`).
+fails the whole runtime (`RuntimeFailed`), and so do the errors of internal structures (the
+radix tree's `TreeError`, a ledger's `OwnershipError` / `PinnedSlotError`) and any
+`CallerError` raised for a message that has no caller to take it (an ack).
 """
 
 from __future__ import annotations
@@ -18,6 +20,18 @@ class CallerError(HiCacheError):
 
 class ValidationError(CallerError):
     """Bad input or a call that is not allowed now; nothing was changed."""
+
+
+class ArgumentError(ValidationError):
+    """A call argument of a type or value the runtime does not take (docs/API.md, "Caller values"):
+    an id or namespace that is not a plain key (str, bytes, exact int, tuples of them), a count
+    that is not an int, a `step` item that is not a public request. Raised by the façade before
+    anything is sent."""
+
+
+class TokenError(ArgumentError):
+    """Token ids that are not integers in range (floats, bools, strings, objects, an id < 0 or
+    >= `vocab_size` / 2**31); a wrong shape (empty, not 1-D) is a `LengthError`."""
 
 
 class ConfigError(ValidationError):
@@ -45,11 +59,15 @@ class CapacityError(ValidationError):
 
 
 class OwnershipError(ValidationError):
-    """A slot is not owned by the owner that tried to free or hand it over."""
+    """A slot is not owned by the owner that tried to free or hand it over.
+
+    Raised by a slot ledger, which no caller talks to: inside an actor it fails the runtime
+    (`runtime.actors.base.INTERNAL_ERRORS`)."""
 
 
 class PinnedSlotError(ValidationError):
-    """A slot with copies in flight (pinned) cannot be freed or reused."""
+    """A slot with copies in flight (pinned) cannot be freed or reused (a ledger's error: inside an
+    actor it fails the runtime, as `OwnershipError`)."""
 
 
 class MailboxFull(HiCacheError):

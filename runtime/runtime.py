@@ -6,13 +6,16 @@
 
 `open` starts the actors in one anyio task group inside the caller's running loop (the
 library never picks the loop). Every call sends one message and awaits its reply; the hot
-calls also come in a batch form (one message per scheduling step). Closing stops intake,
-waits for every in-flight copy and then stops the actors. If an actor crashes, every
-pending and later call raises `RuntimeFailed` and leaving the `async with` re-raises it.
+calls also come in a batch form (one message per scheduling step). Every argument is checked
+here before anything is sent (`runtime.validation`): a bad one is a `ValidationError` for its
+caller alone. Closing stops intake, waits for every in-flight copy and then stops the actors;
+it is cancellation-safe (a cancelled owner still stops every actor task). If an actor crashes,
+every pending and later call raises `RuntimeFailed` and leaving the `async with` re-raises it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,12 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.actors.base import Reply
+from runtime.actors.base import Batch, Reply
 from runtime.actors.offload_actor import OffloadActor
 from runtime.actors.transfer_actor import DrainCopies, TransferActor, TransferStatsQuery
 from runtime.actors.tree_actor import TreeActor
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, RuntimeFailed, TransferError
+from runtime.errors import ArgumentError, ConfigError, LengthError, RuntimeFailed, TransferError, ValidationError
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.messages import (
     Abort,
@@ -49,30 +52,23 @@ from runtime.messages import (
     TreeStats,
 )
 from runtime.messages import OffloadDrain, OffloadStatsQuery  # decode offload
-from runtime.supervisor import State, Supervisor
-from runtime.trace import JsonlSink, SlotTracer
+from runtime.supervisor import State, Supervisor, wait_shielded
+from runtime.trace import JsonlSink, SlotTracer, get_logger
 from runtime.transfer.engine import CopyEngine
 from runtime.tree.cache import CacheCore
+from runtime.validation import (
+    TOKEN_LIMIT,
+    check_count,
+    check_flag,
+    check_id,
+    check_namespace,
+    check_optional_count,
+    check_optional_id,
+    step_item,
+)
+from runtime.validation import tokens as _checked_tokens
 
-
-_INT32 = np.dtype(np.int32)
-
-
-def _tokens(tokens: Any) -> np.ndarray:
-    """A new int32 array of ``tokens`` that the caller cannot change (messages are immutable)."""
-    if type(tokens) is np.ndarray and tokens.dtype is _INT32:
-        return tokens.copy()  # the common case, fastest
-    if isinstance(tokens, torch.Tensor):
-        return tokens.detach().to("cpu", torch.int32).numpy().copy()
-    return np.array(tokens, dtype=np.int32)
-
-
-# The batch hot path: the step's items rebuilt with their own token arrays.
-_WITH_OWN_TOKENS: dict[type, Callable[[Any], Any]] = {
-    Admit: lambda m: Admit(m.rid, _tokens(m.tokens), m.extra_key, m.session, m.reply),
-    Cache: lambda m: Cache(m.rid, _tokens(m.tokens), m.reply),
-    Finish: lambda m: Finish(m.rid, _tokens(m.tokens), m.finished_len, m.reply),
-}
+log = get_logger("hicache.runtime")
 
 
 EngineFactory = Callable[[Mapping[str, tuple[DevicePool, HostPool]]], CopyEngine]
@@ -164,6 +160,18 @@ class CacheRuntime:
                                debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox)
         self._offload.tree_mailbox = self._tree.mailbox
         self._sup = Supervisor([self._tree, self._transfer, self._offload])
+        self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
+        self._closer: asyncio.Task[None] | None = None
+
+    # A close whose caller is cancelled (a shutdown deadline) still waits this long for the copies in
+    # flight, then stops the actors without them (the runtime fails). Copies take milliseconds; a
+    # hung storage backend must not hold a cancelled owner forever.
+    close_grace_s: float = 5.0
+    _abandoned_copies = False  # set when a cancelled close stopped the actors with copies in flight
+
+    def _tokens(self, value: Any) -> np.ndarray:
+        """The call's own int32 copy of `value`, every id checked (`runtime.validation.tokens`)."""
+        return _checked_tokens(value, self._token_limit, self.config.device_slots)
 
     # -- lifecycle -----------------------------------------------------------------
     @classmethod
@@ -174,30 +182,60 @@ class CacheRuntime:
         engine (tests hold copies in flight with `FakeCopyEngine`); `storage` is a storage
         backend instance (overrides `config.storage_backend`; the caller closes it)."""
         rt = cls(config or RuntimeConfig(), engine_factory=engine_factory, storage=storage)
-        await rt._sup.start()
         try:
+            await rt._sup.start()  # a cancel here still closes: the actors' task exists already
             yield rt
         finally:
             await rt.close()
         rt._sup.raise_if_failed()
 
     async def close(self) -> None:
-        """Stop intake, wait for every in-flight copy, then stop the actors. Idempotent."""
+        """Stop intake, wait for every in-flight copy, then stop the actors. Idempotent.
+
+        The close runs in a task of its own, shielded from the caller's cancellation: a cancelled
+        caller (`task.cancel()`, `asyncio.timeout`, `anyio.fail_after`) still waits for it, at most
+        `close_grace_s` longer; past that the actors are stopped without the copies still in
+        flight (the runtime fails, one `runtime_terminated` event). Then the cancellation goes on."""
+        closer = self._closer
+        if closer is None:
+            closer = self._closer = asyncio.get_running_loop().create_task(self._close(), name="hicache-close")
+        try:
+            await asyncio.shield(closer)
+        except asyncio.CancelledError:
+            await self._close_cancelled(closer)
+            raise
+
+    async def _close(self) -> None:
         sup = self._sup
         if sup.state is State.OPEN:
             sup.state = State.CLOSING
-            try:
-                # offloads first: no new ones, the last ones land and their requests are released
-                await sup.ask_internal(self._offload.mailbox, OffloadDrain(Reply()))
-                await sup.ask_internal(self._tree.mailbox, Quiesce(Reply()))
-                await sup.ask_internal(self._transfer.mailbox, DrainCopies(Reply()))
-            except RuntimeFailed:
-                pass
-        if sup.state in (State.CLOSING, State.FAILED):
-            await sup.stop()
-            self.tracer.close()
-            if self._own_storage and self.storage is not None:
-                self.storage.close()
+            if sup.started:
+                try:
+                    # offloads first: no new ones, the last ones land and their requests are released
+                    await sup.ask_internal(self._offload.mailbox, OffloadDrain(Reply()))
+                    await sup.ask_internal(self._tree.mailbox, Quiesce(Reply()))
+                    await sup.ask_internal(self._transfer.mailbox, DrainCopies(Reply()))
+                except RuntimeFailed:
+                    pass
+        await sup.stop()
+        self.tracer.close()
+        if self._own_storage and self.storage is not None and not self._abandoned_copies:
+            self.storage.close()
+
+    async def _close_cancelled(self, closer: asyncio.Task[None]) -> None:
+        """The caller of `close` was cancelled: finish the close anyway, bounded by `close_grace_s`."""
+        if not await wait_shielded(closer, self.close_grace_s):
+            # copies still in flight: stop without them. The copy engine and an owned storage
+            # backend are left open (a copy may still be writing to them); nothing is freed.
+            self._abandoned_copies = True
+            await self._sup.terminate(TimeoutError(
+                f"close was cancelled and copies were still in flight after {self.close_grace_s} s"))
+            await wait_shielded(closer, 1.0)  # its asks failed and the actors' task ended: it returns
+            bridge = self._transfer.bridge
+            if bridge is not None:  # its poller would watch the abandoned copies forever
+                await wait_shielded(asyncio.ensure_future(bridge.aclose(wait=False)), 1.0)
+        if closer.done() and not closer.cancelled() and closer.exception() is not None:
+            log.error("close_failed", error=repr(closer.exception()))
 
     @property
     def failed(self) -> bool:
@@ -212,68 +250,109 @@ class CacheRuntime:
                     extra_key: Hashable = None, *, session: Hashable = None) -> AdmitResult:
         """Match the longest cached prefix, lock it, load its host part, allocate the rest.
         With `session`, the turn appends to that session's KV instead (no tree match)."""
-        reply: Reply[AdmitResult] = Reply(on_abandon=self._release_abandoned)
-        return await self._sup.ask(self._tree.mailbox, Admit(rid, _tokens(tokens), extra_key, session, reply))
+        msg = Admit(check_id(rid), self._tokens(tokens), check_namespace(extra_key),
+                    check_optional_id(session, "session"), Reply(on_abandon=self._release_abandoned))
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def prepare(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
                       extra_key: Hashable = None) -> int:
         """A request arrived: start reading from storage what it holds beyond the device and
         host hit (returns the tokens being read; 0 without a storage tier or below
-        `prefetch_threshold`). `admit` ends it by `prefetch_policy`; `abort` cancels it."""
-        return await self._sup.ask(self._tree.mailbox, Prepare(rid, _tokens(tokens), extra_key, Reply()))
+        `prefetch_threshold`). `admit` ends it by `prefetch_policy`; `abort` cancels it. Tokens of
+        a bad length give 0 (`admit` reports them); ids and values are checked as for `admit`."""
+        rid = check_id(rid)
+        extra_key = check_namespace(extra_key)
+        try:
+            arr = self._tokens(tokens)
+        except LengthError:
+            self._sup.check_open()
+            return 0
+        return await self._sup.ask(self._tree.mailbox, Prepare(rid, arr, extra_key, Reply()))
 
     async def extend(self, rid: Hashable, num_tokens: int) -> torch.Tensor:
         """Allocate device slots for `num_tokens` more tokens (evicting if needed)."""
-        return await self._sup.ask(self._tree.mailbox, Extend(rid, num_tokens, Reply()))
+        msg = Extend(check_id(rid), check_count(num_tokens, "num_tokens"), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def commit(self, rid: Hashable, committed_len: int) -> int:
         """Record the request's new total committed length (idempotent; smaller than before is a
         `LengthError`). With `decode_offload` the tree actor tells the offload actor, which
         offloads each new `offload_stride` of whole committed pages to host."""
-        return await self._sup.ask(self._tree.mailbox, Commit(rid, committed_len, Reply()))
+        msg = Commit(check_id(rid), check_count(committed_len, "committed_len"), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def cache(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor) -> int:
         """Insert the page-aligned part of `tokens` (whose KV is computed) into the tree."""
-        return await self._sup.ask(self._tree.mailbox, Cache(rid, _tokens(tokens), Reply()))
+        return await self._sup.ask(self._tree.mailbox, Cache(check_id(rid), self._tokens(tokens), Reply()))
 
     async def finish(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
                      finished_len: int | None = None) -> int:
         """Keep prompt + `finished_len` tokens (all when None), insert what is computed (or hand it
         to the turn's session), unlock, free duplicates and the rest; the request ends."""
-        return await self._sup.ask(self._tree.mailbox, Finish(rid, _tokens(tokens), finished_len, Reply()))
+        msg = Finish(check_id(rid), self._tokens(tokens), check_optional_count(finished_len, "finished_len"), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def rewind(self, rid: Hashable, new_len: int) -> int:
         """Forget tokens past `new_len` (a retraction); whole pages past it are freed."""
-        return await self._sup.ask(self._tree.mailbox, Rewind(rid, new_len, Reply()))
+        msg = Rewind(check_id(rid), check_count(new_len, "new_len"), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def open_session(self, sid: Hashable, extra_key: Hashable = None) -> None:
         """A streaming session: its turns (`admit(..., session=sid)`) keep KV across turns."""
-        return await self._sup.ask(self._tree.mailbox, OpenSession(sid, extra_key, Reply()))
+        msg = OpenSession(check_id(sid, "session id"), check_namespace(extra_key), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def close_session(self, sid: Hashable, *, insert: bool = False) -> int:
         """Free the session's KV (inserting its page-aligned part into the tree first if asked)."""
-        return await self._sup.ask(self._tree.mailbox, CloseSession(sid, insert, Reply()))
+        msg = CloseSession(check_id(sid, "session id"), check_flag(insert, "insert"), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def abort(self, rid: Hashable) -> None:
         """Release everything the request holds (the same release as `finish`, nothing inserted)."""
-        return await self._sup.ask(self._tree.mailbox, Abort(rid, Reply()))
+        return await self._sup.ask(self._tree.mailbox, Abort(check_id(rid), Reply()))
 
     async def step(self, items: Sequence[Admit | Extend | Commit | Cache | Finish | Abort]) -> tuple[Any, ...]:
         """A scheduling step in one message: results per item, a `ValidationError` for a failed one.
 
-        Build items with reply=None, e.g. `Admit(rid, tokens)`; token lists are converted here."""
-        own = _WITH_OWN_TOKENS
-        fixed = [own[type(i)](i) if type(i) in own else i for i in items]
-        return await self._sup.ask_batch(self._tree.mailbox, fixed)
+        Build items with reply=None, e.g. `Admit(rid, tokens)`; token lists are converted here.
+        Every item is checked here first: a bad one (not one of those types, or a bad field) gets
+        its `ValidationError` in its place of the result and is not sent; the others are. A caller
+        cancelled while awaiting it leaves no admission behind (as for `admit`)."""
+        if type(items) is not list and type(items) is not tuple:
+            raise ArgumentError(f"step takes a list or tuple of items, got {type(items).__name__}")
+        limit, max_len = self._token_limit, self.config.device_slots
+        try:
+            sent = [step_item(item, limit, max_len) for item in items]
+        except ValidationError:
+            return await self._step_with_refusals(items, limit, max_len)
+        return await self._ask_step(sent)
+
+    async def _ask_step(self, items: list[Any]) -> tuple[Any, ...]:
+        return await self._sup.ask(self._tree.mailbox, Batch(tuple(items), Reply(on_abandon=self._release_step)))
+
+    async def _step_with_refusals(self, items: Sequence[Any], limit: int, max_len: int) -> tuple[Any, ...]:
+        """`step` with refused items: the others go in one message, the refusals keep their places."""
+        out: list[Any] = []
+        sent: list[Any] = []
+        for item in items:
+            try:
+                sent.append(step_item(item, limit, max_len))
+                out.append(None)
+            except ValidationError as exc:
+                out.append(exc)
+        results = iter(await self._ask_step(sent) if sent else ())
+        return tuple(next(results) if r is None else r for r in out)
 
     # -- questions ------------------------------------------------------------------------
     async def match_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor,
                            extra_key: Hashable = None) -> dict[str, int]:
         """Read-only look: tokens cached per tier, no lock, no split, no side effect."""
-        return await self._sup.ask(self._tree.mailbox, MatchPrefix(_tokens(tokens), extra_key, Reply()))
+        msg = MatchPrefix(self._tokens(tokens), check_namespace(extra_key), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def can_admit(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, extra_key: Hashable = None) -> bool:
-        return await self._sup.ask(self._tree.mailbox, CanAdmit(_tokens(tokens), extra_key, Reply()))
+        msg = CanAdmit(self._tokens(tokens), check_namespace(extra_key), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
 
     async def available(self) -> dict[str, int]:
         return await self._sup.ask(self._tree.mailbox, Available(Reply()))
@@ -302,3 +381,9 @@ class CacheRuntime:
         """A caller cancelled while awaiting `admit`: release that admission (same path as abort)."""
         if self._sup.failure is None and not self._tree.mailbox.closed:
             self._tree.mailbox.put_internal(ReleaseAbandoned(result.rid, result.generation))
+
+    def _release_step(self, results: tuple[Any, ...]) -> None:
+        """A caller cancelled while awaiting `step`: release every admission the step made."""
+        for r in results:
+            if type(r) is AdmitResult:
+                self._release_abandoned(r)

@@ -2,7 +2,8 @@
 
 The task group lives in a task of its own, so an actor crash never cancels the embedder's
 tasks (the body of `async with CacheRuntime.open(...)` included): pending and later calls
-raise `RuntimeFailed`, and leaving the `async with` re-raises it.
+raise `RuntimeFailed`, and leaving the `async with` re-raises it. A failure is logged once, as
+one `actor_failed` error event with its cause.
 """
 
 from __future__ import annotations
@@ -29,6 +30,27 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
+async def wait_shielded(task: asyncio.Future[Any], timeout: float) -> bool:
+    """Wait up to `timeout` s for `task`, whatever cancels the waiter meanwhile; True if it is done.
+
+    For cleanup that must outlive its caller's cancellation (the caller re-raises its own
+    cancellation afterwards): the shielded scope keeps an anyio scope from cancelling the wait
+    again and again, and a plain asyncio cancel is absorbed; the bound keeps a hung task from
+    holding a cancelled caller forever."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    with anyio.CancelScope(shield=True):
+        while not task.done():
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait((task,), timeout=left)
+            except asyncio.CancelledError:
+                continue  # the caller is cancelled again: the bound still holds
+    return True
+
+
 class Supervisor:
     def __init__(self, actors: Sequence[Actor[Any]]) -> None:
         self.actors = list(actors)
@@ -39,7 +61,14 @@ class Supervisor:
         self._started = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        """Whether the actors' task exists (they run, or ran): only then can anything answer."""
+        return self._task is not None
+
     async def start(self) -> None:
+        """Start the actors' task. A caller cancelled here must still stop it (`CacheRuntime.open`
+        closes in a `finally`): the task exists from the first step on."""
         self._task = asyncio.create_task(self._run(), name="hicache-supervisor")
         await self._started.wait()
 
@@ -51,7 +80,7 @@ class Supervisor:
                 self._started.set()
         except BaseException as exc:  # noqa: BLE001 - the failure is recorded and re-raised at exit
             if self.failure is None:
-                self._fail(exc)
+                self._fail(exc, actor="supervisor")
         finally:
             self._started.set()
 
@@ -61,18 +90,20 @@ class Supervisor:
         except anyio.get_cancelled_exc_class():
             raise
         except BaseException as exc:
-            log.error("actor_failed", actor=actor.name, error=repr(exc))
-            self._fail(exc)
+            self._fail(exc, actor=actor.name)
             raise
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, *, actor: str | None = None, event: str = "actor_failed") -> None:
         if self.failure is not None:
+            # e.g. another actor stopping badly once the runtime failed: an echo, not a second failure
+            log.warning(f"{event}_after_failure", actor=actor, error=repr(exc))
             return
+        log.error(event, actor=actor, error=repr(exc))
         self.failure = exc
         self.state = State.FAILED
         error = RuntimeFailed(exc)
-        for actor in self.actors:
-            for msg in actor.mailbox.abort():
+        for actor_ in self.actors:
+            for msg in actor_.mailbox.abort():
                 if msg.reply is not None:
                     msg.reply.set_exception(error)
         for reply in list(self._pending):
@@ -87,6 +118,17 @@ class Supervisor:
             await asyncio.shield(self._task)
         if self.state is not State.FAILED:
             self.state = State.CLOSED
+
+    async def terminate(self, cause: BaseException, *, timeout: float = 2.0) -> None:
+        """Stop now without waiting for anything in flight (a cancelled close that ran out of its
+        grace): the runtime fails with `cause` (one `runtime_terminated` error event), and the
+        actors' task group is cancelled. Waits for it at most `timeout` s."""
+        self._fail(cause, event="runtime_terminated")
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            if not await wait_shielded(task, timeout):
+                log.error("runtime_terminate_stuck", timeout_s=timeout)
 
     async def wait_stopped(self) -> None:
         if self._task is not None:

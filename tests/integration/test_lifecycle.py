@@ -254,7 +254,7 @@ async def test_a_token_array_reused_by_the_caller_changes_nothing_cached(batched
     """The façade copies the caller's token arrays as it builds each message, and the core keeps
     the message's arrays (it does not copy them again): a caller that reuses its buffer while
     the message waits in the mailbox cannot change what the tree caches. Checked against a
-    façade that passes the caller's array through (`runtime.runtime._tokens` returning it):
+    façade that passes the caller's array through (`runtime.validation.tokens` returning it):
     the request took the reused buffer's tokens, and finishing with the prompt it was admitted
     with raised StateError, in both forms."""
     config = small_config(host_tokens=0)
@@ -275,26 +275,25 @@ async def test_a_token_array_reused_by_the_caller_changes_nothing_cached(batched
 
 
 def test_step_rebuilds_token_items_keeping_every_other_field():
-    """`step` rebuilds its token-carrying items by hand (`runtime.runtime._WITH_OWN_TOKENS`, the
-    batch hot path): every field but `tokens` must come over as it was and `tokens` must be a new
-    array, for every item type `step` takes that carries tokens. Checked against a rebuild of
-    Admit that drops `session`: fails on that field."""
+    """`step` checks each item and rebuilds the token-carrying ones by hand
+    (`runtime.validation.STEP_ITEMS`, the batch hot path): every field but `tokens` must come over
+    as it was and `tokens` must be a new array, for every item type `step` takes. Checked against a
+    rebuild of Admit that drops `session`: fails on that field."""
     import dataclasses
 
     from runtime.messages import Abort, Commit
-    from runtime.runtime import _WITH_OWN_TOKENS
+    from runtime.validation import STEP_ITEMS
 
-    step_types = (Admit, Extend, Commit, Cache, Finish, Abort)
-    with_tokens = {cls for cls in step_types if "tokens" in {f.name for f in dataclasses.fields(cls)}}
-    assert set(_WITH_OWN_TOKENS) == with_tokens
-    for cls, rebuild in _WITH_OWN_TOKENS.items():
-        values = {f.name: object() for f in dataclasses.fields(cls)}
-        values["tokens"] = np.arange(5, dtype=np.int32)
-        item = cls(**values)
-        new = rebuild(item)
+    valid = {"rid": ("r", 7), "tokens": np.arange(5, dtype=np.int32), "extra_key": ("tenant", 3),
+             "session": "s1", "num_tokens": 2, "committed_len": 4, "finished_len": 1, "reply": None}
+    assert set(STEP_ITEMS) == {Admit, Extend, Commit, Cache, Finish, Abort}
+    for cls, check in STEP_ITEMS.items():
+        values = {f.name: valid[f.name] for f in dataclasses.fields(cls)}
+        new = check(cls(**values), 1 << 31, 64)
         assert type(new) is cls
         for name, value in values.items():
             if name == "tokens":
                 assert new.tokens is not value and np.array_equal(new.tokens, value)
+                assert new.tokens.dtype == np.int32
             else:
                 assert getattr(new, name) is value, (cls.__name__, name)
