@@ -258,8 +258,9 @@ async def test_vocab_size_bounds_the_token_ids():
         with pytest.raises(errors.ConfigError):
             small_config(vocab_size=bad)
     async with CacheRuntime.open(small_config(vocab_size=1000)) as rt:
-        with pytest.raises(errors.TokenError):
-            await rt.admit("a", [1, 2, 1000])
+        for bad in ([1, 2, 1000], np.array([1, 2, 1000], dtype=np.int32), torch.tensor([1000, 2])):
+            with pytest.raises(errors.TokenError):
+                await rt.admit("a", bad)
         t = [999] * 9
         await serve(rt, "a", np.array(t, dtype=np.int32))
         assert await rt.match_prefix(range(991, 1000)) == {"device": 0, "host": 0}
