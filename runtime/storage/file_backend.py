@@ -3,7 +3,7 @@
 Layout (``root`` is the directory; any number of processes may share it)::
 
     root/.hicache-state            24 bytes: magic, used bytes, scan epoch (flock'd to update)
-    root/ab/<32 hex>.kv            one page: page_bytes of payload + a 32-byte trailer
+    root/ab/<32 hex>.kv            one page: page_bytes of payload + a 40-byte trailer
     root/ab/.<hex>.<pid>.<nonce>.<size>.tmp   a write in progress (never read)
 
 ``ab`` is the first two hex digits of the key (256 fan-out directories).
@@ -12,7 +12,14 @@ Atomicity: a page is written to a temporary name in its final directory (optiona
 fsync'd), then renamed onto ``<hex>.kv``; readers open only ``*.kv`` names, check the file
 size and the trailer (magic, payload length, key digest), and `readinto` the destination
 (one ``preadv`` into the caller's buffer and the trailer; the payload starts at offset 0, so
-page-aligned buffers get page-aligned copies). A writer killed at any point
+page-aligned buffers get page-aligned copies).
+
+Integrity: the trailer also holds a checksum of the payload seeded by the key (XXH64,
+`runtime.storage.checksum`), verified on every read: a flipped byte, or a page file copied or
+forged under another key's name, is a miss for that page (``corrupt_pages``, one
+``storage_page_corrupt`` event), and the file is deleted so that the page can be written
+again. The trailer's magic carries the format version: files of an older version have
+another size or magic and read as misses. A writer killed at any point
 leaves at most a ``.tmp`` file, which is never read and is deleted by the next scan once
 its pid is dead (or it is older than ``stale_tmp_s``).
 
@@ -50,11 +57,14 @@ from typing import Any
 
 from runtime.errors import ConfigError
 from runtime.storage.backend import Buffer, byte_view, check_batch, check_keys, closed_error
+from runtime.storage.checksum import page_checksum
 from runtime.trace import get_logger
 
 FSYNC_POLICIES = ("none", "file", "dir")
-TRAILER = struct.Struct("<8sQ16s")  # magic, payload length, sha256(key)[:16]
-TRAILER_MAGIC = b"HCKVPG01"
+# magic (format version), payload length, sha256(key)[:16], XXH64(payload, seed=key_seed(key)).
+# v1 (HCKVPG01, 32 bytes, no checksum) files differ in size and magic: they read as misses.
+TRAILER = struct.Struct("<8sQ16sQ")
+TRAILER_MAGIC = b"HCKVPG02"
 STATE = struct.Struct("<8sqq")
 STATE_MAGIC = b"HCSTATE1"
 STATE_NAME = ".hicache-state"
@@ -127,7 +137,7 @@ class FileBackend:
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "read_errors",
             "pages_written", "pages_present", "write_errors", "write_no_room", "bytes_read", "bytes_written",
-            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed"), 0)
+            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "corrupt_pages"), 0)
         if cleanup_on_open:
             self.cleanup()
 
@@ -273,7 +283,7 @@ class FileBackend:
         now = time.time_ns()
         n = len(keys)
         out = []
-        hits = misses = errors = 0
+        hits = misses = errors = corrupt = 0
         for i, (key, mv) in enumerate(zip(keys, views)):
             r = self._read_one(key, mv, now + (n - i))
             out.append(r == 1)
@@ -281,9 +291,11 @@ class FileBackend:
                 hits += 1
             elif r == 0:
                 misses += 1
-            else:
+            elif r == -1:
                 errors += 1
-        self._count(get_calls=1, pages_read=hits, read_misses=misses, read_errors=errors,
+            else:
+                corrupt += 1
+        self._count(get_calls=1, pages_read=hits, read_misses=misses, read_errors=errors, corrupt_pages=corrupt,
                     bytes_read=hits * self.page_bytes)
         return out
 
@@ -305,11 +317,12 @@ class FileBackend:
                 break
             hits += 1
         self._count(get_calls=1, pages_read=hits, read_misses=int(r == 0), read_errors=int(r == -1),
-                    bytes_read=hits * pb)
+                    corrupt_pages=int(r == -2), bytes_read=hits * pb)
         return hits
 
     def _read_one(self, key: bytes, mv: memoryview, stamp_ns: int) -> int:
-        """1 read, 0 missing, -1 unreadable (wrong size, bad header, I/O error)."""
+        """1 read, 0 missing, -1 unreadable (wrong size or format version, I/O error), -2 corrupt
+        (a current-format page whose key digest or payload checksum does not verify; deleted)."""
         path = self._path(key)[2]
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -332,9 +345,15 @@ class FileBackend:
                 if more <= 0:
                     return -1
                 got += more
-            magic, length, digest = TRAILER.unpack(trailer)
-            if magic != TRAILER_MAGIC or length != self.page_bytes or digest != _key_digest(key):
+            magic, length, digest, checksum = TRAILER.unpack(trailer)
+            if magic != TRAILER_MAGIC or length != self.page_bytes:
                 return -1
+            if digest != _key_digest(key):
+                self._corrupt(key, path, st, "key")
+                return -2
+            if checksum != page_checksum(key, mv):
+                self._corrupt(key, path, st, "checksum")
+                return -2
             if stamp_ns - st.st_mtime_ns > self.touch_interval_ns:
                 try:
                     os.utime(fd, ns=(stamp_ns, stamp_ns))
@@ -346,6 +365,25 @@ class FileBackend:
             return -1
         finally:
             os.close(fd)
+
+    def _corrupt(self, key: bytes, path: str, st: os.stat_result, reason: str) -> None:
+        """Log a page that failed verification and delete its file, so that the next write of the
+        key stores it again (else `set_batch` would count the bad file as present forever). Under
+        the directory lock, and only if ``path`` is still the file that was read: renames happen
+        under that lock, so a good page renamed onto the name meanwhile is never deleted."""
+        deleted = False
+        try:
+            with self._lock() as fd:
+                now = os.stat(path)
+                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                    os.unlink(path)
+                    deleted = True
+                    used, epoch = self._read_state(fd)
+                    if used >= 0:
+                        self._write_state(fd, used - st.st_size, epoch)
+        except OSError:
+            pass  # gone already, or not ours to delete: the page stays a miss
+        _log.warning("storage_page_corrupt", key=key.hex(), path=path, reason=reason, deleted=deleted)
 
     def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
         self._check_open()
@@ -470,7 +508,7 @@ class FileBackend:
         """Fill temporary file ``tmp`` (open as ``fd``) with the page and its trailer; closes ``fd``."""
         try:
             try:
-                trailer = TRAILER.pack(TRAILER_MAGIC, self.page_bytes, _key_digest(key))
+                trailer = TRAILER.pack(TRAILER_MAGIC, self.page_bytes, _key_digest(key), page_checksum(key, mv))
                 done = os.writev(fd, [mv, trailer])
                 while done < self.file_bytes:  # short write: go on where it stopped
                     if done < self.page_bytes:
