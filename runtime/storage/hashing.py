@@ -7,8 +7,13 @@
   shortens keys and file names.
 - the tokens of a page are ``page_size`` int32 values in little-endian byte order;
 - ``seed = H(seed_bytes(extra_key, identity))``, a fixed, versioned, length-prefixed
-  encoding of the namespace (``extra_key``: ``None`` is distinct from ``""``) and of the
-  KV identity (model id, weight version, KV dtype, layers, KV heads, head dim).
+  encoding of the namespace and of the KV identity (model id, weight version, KV dtype,
+  layers, KV heads, head dim). The namespace (``extra_key``) is what the façade accepts:
+  ``None``, ``str``, ``bytes``, ``int`` (exactly: not ``bool``, not numpy integers) and tuples
+  of these, nested. Its encoding is typed (a tag byte per type) and length-prefixed, tuples
+  recursively, so that values which Python finds equal or which print alike never share a
+  seed: ``None``, ``""``, ``b""``, ``()``, ``0``, ``"0"``, ``b"0"``, ``(0,)`` and ``((0,),)``
+  all differ.
 
 Nothing here depends on Python's salted ``hash()``, on the host pool layout or on the
 process, so two processes (or machines) with the same model and tokens agree on every
@@ -21,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 
@@ -79,23 +85,38 @@ def _enc_str(s: str) -> bytes:
     return struct.pack("<I", len(raw)) + raw
 
 
-def _enc_extra_key(extra_key: str | bytes | None) -> bytes:
-    # tag byte keeps None, "" and b"" apart
+ExtraKey = Union[None, str, bytes, int, tuple]  # tuples of ExtraKey, nested
+
+
+def _enc_extra_key(extra_key: ExtraKey) -> bytes:
+    """Tag byte, then the content: ``0`` None; ``1`` u32 length + UTF-8 (str); ``2`` u32 length
+    + bytes; ``3`` u32 length + the int as minimal signed little-endian two's complement; ``4``
+    u32 count + each element's encoding (tuple). The tags keep types apart, the lengths keep
+    neighbours apart (so a tuple's encoding parses back one way only). None, str and bytes
+    encode as in the first version of this format, so their hashes did not change."""
+    kind = type(extra_key)
     if extra_key is None:
         return b"\x00"
-    if isinstance(extra_key, str):
-        return b"\x01" + _enc_str(extra_key)
-    if isinstance(extra_key, (bytes, bytearray)):
-        return b"\x02" + struct.pack("<I", len(extra_key)) + bytes(extra_key)
-    raise ValidationError(f"extra_key must be str, bytes or None, got {type(extra_key).__name__}")
+    if kind is str:
+        return b"\x01" + _enc_str(extra_key)  # type: ignore[arg-type]
+    if kind is bytes or kind is bytearray:
+        return b"\x02" + struct.pack("<I", len(extra_key)) + bytes(extra_key)  # type: ignore[arg-type]
+    if kind is int:  # exact: True, np.int64(1) and 1.0 equal 1 in Python but are refused, not merged
+        n: int = extra_key  # type: ignore[assignment]
+        raw = n.to_bytes(n.bit_length() // 8 + 1, "little", signed=True)
+        return b"\x03" + struct.pack("<I", len(raw)) + raw
+    if kind is tuple:
+        items: tuple = extra_key  # type: ignore[assignment]
+        return b"\x04" + struct.pack("<I", len(items)) + b"".join(_enc_extra_key(k) for k in items)
+    raise ValidationError(f"extra_key must be None, str, bytes, int or a tuple of these, got {kind.__name__}")
 
 
-def seed_bytes(extra_key: str | bytes | None, identity: KVIdentity) -> bytes:
+def seed_bytes(extra_key: ExtraKey, identity: KVIdentity) -> bytes:
     """The exact bytes hashed into the chain's seed (exposed for tests and other implementations)."""
     return _FORMAT_TAG + _enc_extra_key(extra_key) + identity.encode()
 
 
-def chain_seed(extra_key: str | bytes | None, identity: KVIdentity) -> bytes:
+def chain_seed(extra_key: ExtraKey, identity: KVIdentity) -> bytes:
     """``h(-1)``: the link every chain of this namespace and identity starts from."""
     return _sha256(seed_bytes(extra_key, identity)).digest()[:HASH_BYTES]
 
@@ -103,7 +124,7 @@ def chain_seed(extra_key: str | bytes | None, identity: KVIdentity) -> bytes:
 def page_hashes(
     tokens: np.ndarray,
     page_size: int,
-    extra_key: str | bytes | None,
+    extra_key: ExtraKey,
     identity: KVIdentity,
     parent: bytes | None = None,
 ) -> list[bytes]:

@@ -18,6 +18,9 @@ from runtime.storage.hashing import HASH_BYTES, KVIdentity, chain_seed, page_has
 IDENT = KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64)
 TOKENS = np.arange(48, dtype=np.int32)
 # Pinned: changing the encoding changes every stored page's address; bump the format tag then.
+# the children import the pure-Python core: a compiled twin left stale by an edit would log a
+# warning on their stdout (hashing has no twin, so this changes nothing that is tested)
+PURE = {"HICACHE_PURE_PYTHON": "1"}
 KNOWN = ["8a77226b84047cbfb3aedd888c4b70cf", "f12214c3c1b80399448da867b9156e01", "4d471e53565cb36ecf1496d6e90aa438"]
 
 
@@ -52,7 +55,7 @@ def test_stable_across_processes():
     )
     # a different hash seed in the child: Python's hash() must play no part
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"}, cwd=_repo_root())
+                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin", **PURE}, cwd=_repo_root())
     assert out.stdout.strip().split(",") == KNOWN
 
 
@@ -93,6 +96,65 @@ def test_none_and_empty_extra_key_differ():
     assert chain_seed(None, IDENT) != chain_seed(b"", IDENT)
 
 
+NAMESPACES = [None, "", b"", (), 0, 1, -1, "1", b"1", (1,), ((1,),), ("1",), (b"1",), (1, 2), ((1, 2),), ((1,), 2),
+              (1, (2,)), (None,), (None, None), ("a", "b"), ("ab",), ("a", ("b",)), 255, 256, -256, 2**64, -(2**64),
+              (0,), (0, 0), "\x00", b"\x00", ("",), ((),), ((), ())]
+
+
+def test_typed_namespaces_never_share_a_seed():
+    """Every namespace the façade accepts (None, str, bytes, exact int, tuples of these, nested)
+    has its own seed: 1, "1", b"1", (1,) and ((1,),) differ, as do values Python finds equal
+    (0 and (0,) vs (0, 0)) or whose elements could be regrouped. On 3a097f5 an int or a tuple
+    namespace raised ValidationError."""
+    seeds = [chain_seed(ns, IDENT) for ns in NAMESPACES]
+    assert len(set(seeds)) == len(NAMESPACES)
+    # the seed encodings themselves are distinct and none is a prefix of another element's
+    # encoding inside a tuple: (("a",), "b") and ("a", ("b",)) differ although they flatten alike
+    assert chain_seed((("a",), "b"), IDENT) != chain_seed(("a", ("b",)), IDENT)
+    # stable: an equal value built another way gives the same seed
+    assert chain_seed(tuple([1, (2, "x")]), IDENT) == chain_seed((1, (2, "x")), IDENT)
+    assert chain_seed(10**30, IDENT) == chain_seed(int("1" + "0" * 30), IDENT)
+
+
+def test_namespace_encoding_spec():
+    """The documented encoding, re-implemented: int is tag 3 + u32 length + minimal signed
+    little-endian bytes; a tuple is tag 4 + u32 count + its elements. On 3a097f5 seed_bytes(1, ...)
+    raised ValidationError."""
+    head, tail = b"hicache-page-hash-v1\x00", IDENT.encode()
+    assert seed_bytes(1, IDENT) == head + b"\x03" + struct.pack("<I", 1) + b"\x01" + tail
+    assert seed_bytes(-1, IDENT) == head + b"\x03" + struct.pack("<I", 1) + b"\xff" + tail
+    assert seed_bytes(128, IDENT) == head + b"\x03" + struct.pack("<I", 2) + b"\x80\x00" + tail
+    assert seed_bytes(0, IDENT) == head + b"\x03" + struct.pack("<I", 1) + b"\x00" + tail
+    assert seed_bytes((1, "a"), IDENT) == (head + b"\x04" + struct.pack("<I", 2) + b"\x03" + struct.pack("<I", 1)
+                                           + b"\x01" + b"\x01" + struct.pack("<I", 1) + b"a" + tail)
+    assert seed_bytes((), IDENT) == head + b"\x04" + struct.pack("<I", 0) + tail
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, np.int64(1), np.int32(1), [1], {"a": 1}, (1, True), ((1.5,),),
+                                 frozenset({1}), object()])
+def test_namespaces_of_other_types_are_refused(bad):
+    """Python-equal stand-ins for an int (True, 1.0, numpy integers) are refused, never merged
+    with the int's namespace; so are lists, dicts and other objects, also inside tuples."""
+    with pytest.raises(ValidationError):
+        chain_seed(bad, IDENT)
+
+
+def test_int_and_tuple_namespaces_are_stable_across_processes():
+    """No Python hash() in the namespace encoding. On 3a097f5 page_hashes(..., 7, ...) raised."""
+    code = (
+        "import numpy as np\n"
+        "from runtime.storage.hashing import KVIdentity, page_hashes\n"
+        "i = KVIdentity('HuggingFaceTB/SmolLM2-135M', 'main', 'bfloat16', 30, 3, 64)\n"
+        "for ns in (7, ('t', 7, (b'x', None)), -(2**70)):\n"
+        "    print(page_hashes(np.arange(16, dtype=np.int32), 16, ns, i)[0].hex())\n"
+    )
+    here = [page_hashes(np.arange(16, dtype=np.int32), 16, ns, IDENT)[0].hex()
+            for ns in (7, ("t", 7, (b"x", None)), -(2**70))]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "999", "PATH": "/usr/bin:/bin", **PURE}, cwd=_repo_root())
+    assert out.stdout.split() == here and len(set(here)) == 3
+
+
 def test_chaining():
     base = page_hashes(np.arange(64, dtype=np.int32), 16, None, IDENT)
     t = np.arange(64, dtype=np.int32)
@@ -131,7 +193,7 @@ def test_validation():
     with pytest.raises(LengthError):
         page_hashes(TOKENS.reshape(3, 16), 16, None, IDENT)
     with pytest.raises(ValidationError):
-        page_hashes(TOKENS, 16, 5, IDENT)  # type: ignore[arg-type]
+        page_hashes(TOKENS, 16, 5.0, IDENT)  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
         page_hashes(TOKENS, 16, None, IDENT, parent=b"short")
     with pytest.raises(ValidationError):
