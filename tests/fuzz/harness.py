@@ -1,0 +1,1745 @@
+"""Model-based fuzzer of `CacheRuntime`'s public API (issue 13, "Trust").
+
+One *episode* opens a runtime with a configuration drawn from a seed (page size 1/4/16, a
+write policy, storage off / file / faulty file, decode offload, the fake or the CPU copy engine,
+copy faults, tiny pools so that eviction, load-back and prefetch happen all the time, and always
+`debug_invariants=True`), then runs a few hundred API calls drawn from a small vocabulary of
+shared prefixes (system prompts, multi-turn conversations that extend earlier turns, some unique
+prompts), mostly valid, some invalid, some cancelled after 0 or 1 loop turns; it ends by
+releasing everything, checking that nothing leaked and closing.
+
+Next to the runtime the harness keeps a *model*: for every live request its rid and generation,
+its planned tokens (prompt, then what the "model" will generate), the device slot of every
+position of its pages, its lengths (seq, committed, cached, token record) and how far the
+harness has "computed" it; the same for sessions. The harness is the model step too: it writes
+the fingerprint KV (`runtime.fingerprint`) of every position it computes before it commits,
+caches or finishes it. From the model it predicts each call's outcome (an error class that must
+come, or success with only `CapacityError` / `TransferError` allowed) and checks, after every
+call:
+
+- the runtime has not failed (no injected fault here makes a failure legitimate: storage errors
+  and copy failures are errors the runtime promises to survive, and caller mistakes are
+  `ValidationError`s);
+- the invariant checker passes on the state at rest (`rt.inspect(check_invariants)`);
+- the runtime's request and session records equal the model (live set, generation, slots,
+  lengths, token record) - a live request's slots never change, a cancelled admit leaves
+  nothing, the token record only grows;
+- every computed (and, once its readiness is done, every cached) position of every live request
+  and session holds the fingerprint of that request's own token prefix; every tree node's ready
+  device copy and host copy holds its prefix's (every `TREE_EVERY` calls and at the end);
+- a call that raised a `ValidationError` changed nothing: the records and the pages owned by
+  requests and sessions are equal before and after.
+
+Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
+debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
+Python step list. Episodes on the fake copy engine without storage are deterministic (copies
+complete only when a `release` step says so, and the step waits for the ack); storage threads
+and the CPU engine are not, and replays of those may need a few tries (the shrinker retries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.config import RuntimeConfig
+from runtime.errors import (
+    ArgumentError,
+    CallerError,
+    CapacityError,
+    DuplicateRequestError,
+    LengthError,
+    RuntimeClosed,
+    StateError,
+    TokenError,
+    TransferError,
+    UnknownRequestError,
+    ValidationError,
+)
+from runtime.fingerprint import fingerprint_kv, prefix_hashes
+from runtime.invariants import check_invariants
+from runtime.messages import Abort, Admit, AdmitResult, Cache, Commit, Extend, Finish
+from runtime.runtime import CacheRuntime
+from runtime.storage.backend import FaultPlan, FaultyBackend
+from runtime.storage.file_backend import FileBackend
+from runtime.transfer.cpu_engine import CpuCopyEngine
+from runtime.transfer.fake_engine import FakeCopyEngine
+
+Step = tuple[str, dict[str, Any]]
+
+VOCAB = 500  # token ids: small, so that unrelated prompts still share first tokens now and then
+TREE_EVERY = 16  # API calls between two checks of every tree node's KV
+CALL_TIMEOUT_S = 20.0  # a call that takes longer hangs (copies are released by the harness)
+NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 1, 2  # two layers: per-layer readiness matters; the rest is cost
+
+
+class Violation(AssertionError):
+    """The runtime broke a promise; `kind` names the oracle (shrinking keeps the kind)."""
+
+    def __init__(self, kind: str, detail: str, step: int | None = None) -> None:
+        super().__init__(f"[{kind}] at step {step}: {detail}")
+        self.kind, self.detail, self.step = kind, detail, step
+
+
+class _Cancelled:
+    """The call's task was cancelled by the harness (its outcome is the runtime's to clean up)."""
+
+
+CANCELLED = _Cancelled()
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FuzzConfig:
+    page_size: int = 4
+    device_pages: int = 12
+    host_pages: int = 16
+    write_policy: str = "write_through"
+    eviction_policy: str = "lru"
+    host_layout: str = "layer_first"
+    storage: str = "none"  # none | file | faulty
+    storage_fail_rate: float = 0.0
+    storage_page_fail_rate: float = 0.0
+    storage_fault_mode: str = "raise"
+    prefetch_policy: str = "wait_complete"
+    decode_offload: bool = False
+    offload_stride_pages: int = 1
+    engine: str = "fake"  # fake: copies land when a `release` step says so; cpu: worker threads
+    copy_faults: bool = False  # fake: `release` steps may fail a copy; cpu: a seeded fault hook
+    # a patient caller waits for a request's loads (its readiness) before computing past its cached
+    # prefix, as a model must; an impatient one computes, commits and caches while they run
+    impatient: bool = False
+    fault_seed: int = 0
+    calls: int = 300  # API calls in a generated episode
+
+    @property
+    def device_slots(self) -> int:
+        return self.page_size * self.device_pages
+
+    @property
+    def deterministic(self) -> bool:
+        return self.engine == "fake" and self.storage == "none"
+
+    def runtime_config(self) -> RuntimeConfig:
+        ps = self.page_size
+        return RuntimeConfig(
+            num_layers=NUM_LAYERS, num_kv_heads=NUM_HEADS, head_dim=HEAD_DIM, kv_dtype="float32",
+            page_size=ps, device_slots=self.device_slots, host_tokens=self.host_pages * ps,
+            host_layout=self.host_layout, write_policy=self.write_policy, write_through_threshold=2,
+            eviction_policy=self.eviction_policy, copy_engine="cpu", copy_workers=1,
+            decode_offload=self.decode_offload,
+            offload_stride=self.offload_stride_pages * ps if self.decode_offload else None,
+            prefetch_policy=self.prefetch_policy, prefetch_timeout_base_s=0.05, prefetch_timeout_max_s=0.2,
+            debug_invariants=True)
+
+
+def draw_config(rng: random.Random) -> FuzzConfig:
+    ps = rng.choice((1, 4, 4, 16))
+    device_pages = {1: rng.randint(16, 40), 4: rng.randint(6, 16), 16: rng.randint(3, 8)}[ps]
+    host_pages = 0 if rng.random() < 0.1 else rng.randint(max(2, device_pages // 2), 2 * device_pages)
+    storage = "none" if host_pages == 0 or rng.random() < 0.5 else rng.choice(("file", "faulty"))
+    return FuzzConfig(
+        page_size=ps, device_pages=device_pages, host_pages=host_pages,
+        write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
+        eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")),
+        host_layout=rng.choice(("layer_first", "page_first")),
+        storage=storage,
+        storage_fail_rate=rng.choice((0.05, 0.2)) if storage == "faulty" else 0.0,
+        storage_page_fail_rate=rng.choice((0.0, 0.1)) if storage == "faulty" else 0.0,
+        storage_fault_mode=rng.choice(("raise", "miss")),
+        prefetch_policy=rng.choice(("wait_complete", "wait_complete", "best_effort", "timeout")),
+        decode_offload=host_pages > 0 and rng.random() < 0.2,
+        offload_stride_pages=rng.choice((1, 2)),
+        engine="cpu" if rng.random() < 0.2 else "fake",
+        copy_faults=host_pages > 0 and rng.random() < 0.25,
+        fault_seed=rng.randrange(1 << 30),
+        impatient=rng.random() < 0.2,
+        calls=rng.randint(150, 350),
+    )
+
+
+def _storage_for(cfg: FuzzConfig, directory: str) -> Any:
+    rc = cfg.runtime_config()
+    fb = FileBackend(directory, rc.page_size * rc.bytes_per_token)
+    if cfg.storage == "file":
+        return fb
+    return FaultyBackend(fb, FaultPlan(fail_rate=cfg.storage_fail_rate, page_fail_rate=cfg.storage_page_fail_rate,
+                                       mode=cfg.storage_fault_mode, seed=cfg.fault_seed))
+
+
+def _engine_factory(cfg: FuzzConfig) -> Callable[[Any], Any]:
+    if cfg.engine == "fake":
+        return FakeCopyEngine
+
+    def fault(op_id: int, layer: int) -> None:
+        if random.Random(f"{cfg.fault_seed}:{op_id}:{layer}").random() < 0.08:
+            raise RuntimeError(f"injected copy fault (op {op_id}, layer {layer})")
+
+    return lambda pools: CpuCopyEngine(pools, workers_per_direction=1, copy_threads=1,
+                                       fault=fault if cfg.copy_faults else None)
+
+
+# -- vocabulary ---------------------------------------------------------------------------------
+
+
+class Vocab:
+    """Shared prefixes: a few system prompts, conversations over them (each turn boundary is a
+    prompt that extends the earlier turns), and unique prompts. Every plan is `D` tokens long
+    (a request's prompt, then what it will generate)."""
+
+    NAMESPACES: tuple[Hashable, ...] = (None, None, None, None, "tenant-a", ("lora", 7))
+
+    def __init__(self, rng: random.Random, cfg: FuzzConfig) -> None:
+        self.rng = rng
+        self.D = cfg.device_slots
+        self.unit = max(1, self.D // 12)
+        self.systems = [self.rand(rng.randint(self.unit, 3 * self.unit)) for _ in range(3)]
+        self.convs: list[tuple[list[int], list[int]]] = []
+        for _ in range(5):
+            toks = list(rng.choice(self.systems))
+            bounds = [len(toks)] if rng.random() < 0.3 else []
+            while len(toks) < self.D:
+                toks += self.rand(rng.randint(1, 2 * self.unit))
+                bounds.append(min(len(toks), self.D))
+            self.convs.append((toks[: self.D], bounds))
+
+    def rand(self, n: int) -> list[int]:
+        return [self.rng.randrange(VOCAB) for _ in range(n)]
+
+    def namespace(self) -> Hashable:
+        return self.rng.choice(self.NAMESPACES)
+
+    def conversation(self) -> list[int]:
+        return list(self.rng.choice(self.convs)[0])
+
+    def prompt(self) -> tuple[list[int], list[int]]:
+        """(tokens, continuation): a prompt and the D - len tokens that follow it."""
+        rng, D = self.rng, self.D
+        r = rng.random()
+        if r < 0.65:
+            toks, bounds = rng.choice(self.convs)
+            fit = [b for b in bounds if b <= max(1, int(0.6 * D))] or [min(bounds[0], D - 1)]
+            b = rng.choice(fit)
+            plan = list(toks) if rng.random() < 0.8 else toks[:b] + self.rand(D - b)  # a reply of its own
+        elif r < 0.85:
+            system = list(rng.choice(self.systems))
+            b = len(system) + rng.randint(1, 2 * self.unit)
+            plan = (system + self.rand(D))[:D]
+        else:
+            plan = self.rand(D)
+            b = rng.randint(1, max(1, D // 2))
+        b = max(1, min(b, D - 1))
+        return plan[:b], plan[b:D]
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+
+def _paged(slots: np.ndarray, ps: int) -> np.ndarray | None:
+    """Every slot of the pages that `slots` (positions 0..n-1) lie in; None unless `slots` is made
+    of whole, aligned pages (a page is `ps` consecutive slots from a multiple of `ps`)."""
+    starts = slots[::ps]
+    if len(slots) == 0:
+        return slots.astype(np.int64)
+    if np.any(starts % ps):
+        return None
+    full = (starts[:, None] + np.arange(ps)).reshape(-1).astype(np.int64)
+    if not np.array_equal(full[: len(slots)], slots):
+        return None
+    return full
+
+
+def _up(n: int, ps: int) -> int:
+    return -(-n // ps) * ps
+
+
+def _down(n: int, ps: int) -> int:
+    return n - n % ps
+
+
+@dataclass
+class Req:
+    rid: Hashable
+    gen: int
+    ns: Hashable
+    plan: np.ndarray  # int32, D tokens: the prompt, then what this request will generate
+    hashes: np.ndarray  # prefix hash of every plan position (the fingerprint's input)
+    prompt_len: int
+    seq_len: int
+    slots: np.ndarray  # device slot of every position of its pages (len = _up(seq_len))
+    record_len: int  # the runtime's token record is plan[:record_len]
+    cached: int  # its prefix held by the tree (rec.cached_len; 0 for a session turn)
+    base: int  # positions [0, base) came cached (ready once `readiness` is)
+    computed: int  # positions [base, computed) hold KV the harness wrote
+    committed: int
+    readiness: tuple[Any, ...] = ()
+    session: Hashable = None
+    session_kv: int = 0
+    failed: bool = False
+
+
+@dataclass
+class Sess:
+    sid: Hashable
+    ns: Hashable
+    plan: np.ndarray  # the conversation its turns follow; its tokens are plan[:kv]
+    hashes: np.ndarray
+    kv: int = 0
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    turn: Hashable = None
+
+
+Pred = tuple[tuple[type, ...], tuple[type, ...]]  # (one of these must be raised, these may be raised)
+OK: Pred = ((), ())
+
+
+def _names(types: tuple[type, ...]) -> str:
+    return "/".join(t.__name__ for t in types)
+
+
+# -- what the harness reads inside the tree actor -------------------------------------------------
+
+
+@dataclass
+class Observation:
+    invariant_error: str | None
+    requests: dict[Hashable, tuple]
+    sessions: dict[Hashable, tuple]
+    owned: dict[Hashable, tuple]  # per live request / session: its device (and host) slots in the ledger
+
+
+def _observe(core: Any, with_host: bool) -> Observation:
+    try:
+        check_invariants(core)
+        err = None
+    except Exception as exc:  # noqa: BLE001 - the checker's own crash is a finding too
+        err = f"{type(exc).__name__}: {exc}"
+    empty = np.zeros(0, np.int64)
+    reqs, sess, owned = {}, {}, {}
+    for rid, rec in core.requests.items():
+        dups = np.sort(np.asarray(getattr(rec, "dups", empty)))
+        reqs[rid] = (rec.generation, rec.slots.copy(), rec.seq_len, rec.committed_len, rec.cached_len,
+                     rec.tokens.copy(), dups, rec.session)
+        owned[("r", rid)] = (core.device.owned_slots(rec.owner),
+                             core.host.owned_slots(rec.owner) if with_host and core.host is not None else None)
+    for sid, s in core.sessions.items():
+        sess[sid] = (s.tokens.copy(), s.slots.copy(), s.turn)
+        owned[("s", sid)] = (core.device.owned_slots(s.owner),
+                             core.host.owned_slots(s.owner) if with_host and core.host is not None else None)
+    return Observation(err, reqs, sess, owned)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return a is not None and b is not None and np.array_equal(np.asarray(a), np.asarray(b))
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any) -> list[str]:
+    """Every tree node's ready device copy and host copy holds the fingerprint of its prefix
+    (invariant 6 for nodes; a node whose device copy is still loading is exempt)."""
+    slots_d, hashes_d, slots_h, hashes_h, where = [], [], [], [], []
+    for node in core.tree.nodes():
+        n = node.num_tokens
+        h = prefix_hashes(core.tree.path_tokens(node), node.extra_key)[-n:]
+        if node.device is not None and node.id not in core.loading:
+            slots_d.append(node.device)
+            hashes_d.append(h)
+        if node.host is not None and host_pool is not None:
+            slots_h.append(node.host)
+            hashes_h.append(h)
+        where.append(node.id)
+    out = []
+    for tier, pool, slots, hashes in (("device", device_pool, slots_d, hashes_d), ("host", host_pool, slots_h, hashes_h)):
+        if not slots:
+            continue
+        s, h = np.concatenate(slots), np.concatenate(hashes)
+        bad = _bad_positions(pool, s, h)
+        if len(bad):
+            out.append(f"{tier} slots {s[bad][:8].tolist()} of tree nodes do not hold their prefix's KV")
+    return out
+
+
+def _bad_positions(pool: Any, slots: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+    shape = pool.shape
+    want = fingerprint_kv(hashes, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    got = pool.read_slots(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))).to(torch.float32)
+    return torch.nonzero((got != want).flatten(3).any(-1).any(0).any(0)).flatten().numpy()
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+class Driver:
+    """Runs one episode against one runtime: generates (or replays) steps, keeps the model,
+    checks the oracles. `steps` is the record of what ran."""
+
+    def __init__(self, rt: CacheRuntime, cfg: FuzzConfig, rng: random.Random) -> None:
+        self.rt, self.cfg, self.rng = rt, cfg, rng
+        self.ps = cfg.page_size
+        self.D = cfg.device_slots
+        self.engine = rt.engine if isinstance(rt.engine, FakeCopyEngine) else None
+        self.vocab = Vocab(rng, cfg)
+        self.reqs: dict[Hashable, Req] = {}
+        self.sessions: dict[Hashable, Sess] = {}
+        self.prepared: set[Hashable] = set()  # rids prepare() said it reads for: abort of them may succeed
+        self.gone: list[Hashable] = []  # rids released lately (double finish, reuse)
+        self.next_rid = 0
+        self.next_sid = 0
+        self.steps: list[Step] = []
+        self.index = 0
+        self.calls = 0
+        self.checks = 0
+        self.prev: Observation | None = None
+        self.with_host = not cfg.decode_offload  # offload copies give requests host pages at any time
+
+    # -- running ---------------------------------------------------------------------------------
+    async def run(self, steps: list[Step] | None) -> None:
+        self.prev = await self._inspect_observation()
+        if steps is None:
+            while self.calls < self.cfg.calls:
+                step = self.generate()
+                self.steps.append(step)
+                await self.execute(step)
+                self.index += 1
+        else:
+            for step in steps:
+                self.steps.append(step)
+                await self.execute(step)
+                self.index += 1
+
+    async def execute(self, step: Step) -> None:
+        name, args = step
+        await getattr(self, f"x_{name}")(**args)
+
+    async def inspect(self, fn: Callable[[Any], Any]) -> Any:
+        """`rt.inspect`, a failed runtime being a violation (the harness's own reads never fail it)."""
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                return await self.rt.inspect(fn)
+        except TimeoutError:
+            raise self.fail("hang", "the tree actor did not answer an inspect") from None
+        except Exception as exc:  # noqa: BLE001
+            raise self.fail("runtime-failed", f"{exc!r} (cause {self.rt._sup.failure!r})") from exc
+
+    def fail(self, kind: str, detail: str) -> Violation:
+        return Violation(kind, detail, self.index)
+
+    async def call(self, what: str, make: Callable[[], Awaitable[Any]], cancel: int | None = None) -> tuple[Any, Any]:
+        """Run one API call: (result, None), (None, a CallerError) or (None, CANCELLED). Anything
+        else (RuntimeFailed, RuntimeClosed, a hang, a stray exception) is a violation."""
+        self.calls += 1
+        try:
+            if cancel is None:
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    return await make(), None
+            task = asyncio.ensure_future(make())
+            for _ in range(cancel):
+                await asyncio.sleep(0)
+            task.cancel()
+            try:
+                return await task, None
+            except asyncio.CancelledError:
+                # the admission (if the message went) is released by the runtime; two round trips
+                # let the actor handle the message, then the release it posts
+                await self.inspect(lambda core: None)
+                await self.inspect(lambda core: None)
+                return None, CANCELLED
+        except CallerError as exc:
+            return None, exc
+        except Violation:
+            raise
+        except TimeoutError:
+            raise self.fail("hang", f"{what} did not answer in {CALL_TIMEOUT_S} s") from None
+        except Exception as exc:  # noqa: BLE001
+            raise self.fail("runtime-failed" if self.rt.failed else "unexpected-error",
+                            f"{what} raised {exc!r} (cause {getattr(exc, '__cause__', None)!r})") from exc
+
+    def outcome(self, what: str, pred: Pred, exc: Any) -> bool:
+        """Whether the call took effect, checked against the prediction."""
+        must, may = pred
+        if exc is None:
+            if must:
+                raise self.fail("accepted-invalid", f"{what} succeeded; expected {_names(must)}")
+            return True
+        if must:
+            if isinstance(exc, must):
+                return False
+            raise self.fail("wrong-error", f"{what} raised {exc!r}; expected {_names(must)}")
+        if isinstance(exc, may):
+            return False
+        raise self.fail("refused-valid", f"{what} raised {exc!r} for a call the model holds valid")
+
+    # -- predictions (from the model only) ---------------------------------------------------------
+    def p_admit(self, rid: Hashable, toks: np.ndarray, session: Hashable) -> Pred:
+        if self._facade_refuses(toks):
+            return (LengthError,), ()
+        must: list[type] = []
+        if rid in self.reqs:
+            must.append(DuplicateRequestError)
+        if session is not None:
+            s = self.sessions.get(session)
+            if s is None:
+                must.append(UnknownRequestError)
+            elif s.turn is not None or len(toks) <= s.kv or not np.array_equal(toks[: s.kv], s.plan[: s.kv]):
+                must.append(StateError)
+        return tuple(must), (CapacityError,)
+
+    def p_extend(self, rid: Hashable, n: int) -> Pred:
+        r = self.reqs.get(rid)
+        if r is None:
+            return (UnknownRequestError,), ()
+        if n <= 0 or r.seq_len + n > self.D:
+            return (LengthError,), ()
+        return (), (CapacityError,)
+
+    def p_commit(self, rid: Hashable, c: int) -> Pred:
+        r = self.reqs.get(rid)
+        if r is None:
+            return (UnknownRequestError,), ()
+        if not r.committed <= c <= r.seq_len:
+            return (LengthError,), ()
+        return OK
+
+    def _kv_tokens_errors(self, r: Req, toks: np.ndarray) -> list[type]:
+        must: list[type] = []
+        if len(toks) == 0 or len(toks) > r.seq_len:
+            must.append(LengthError)
+        k = min(len(toks), r.record_len)
+        if not np.array_equal(toks[:k], r.plan[:k]):
+            must.append(StateError)
+        return must
+
+    def _load_doubt(self, r: Req) -> tuple[bool, bool]:
+        """(its load failed, it may have failed): a failed load makes cache/finish a TransferError."""
+        failed = r.failed or any(x.error() is not None for x in r.readiness)
+        return failed, failed or not all(x.done() for x in r.readiness)
+
+    def _facade_refuses(self, toks: np.ndarray) -> bool:
+        """The façade refuses empty or longer-than-the-pool tokens before anything is sent."""
+        return len(toks) == 0 or len(toks) > self.D
+
+    def p_cache(self, rid: Hashable, toks: np.ndarray) -> Pred:
+        if self._facade_refuses(toks):
+            return (LengthError,), ()
+        r = self.reqs.get(rid)
+        if r is None:
+            return (UnknownRequestError,), ()
+        if r.session is not None:
+            return (StateError,), ()
+        failed, doubt = self._load_doubt(r)
+        if failed:
+            return (TransferError,), ()
+        must = self._kv_tokens_errors(r, toks)
+        return (tuple(must) + ((TransferError,) if doubt and must else ())), ((TransferError,) if doubt else ())
+
+    def p_finish(self, rid: Hashable, toks: np.ndarray, fl: int | None) -> Pred:
+        if self._facade_refuses(toks):
+            return (LengthError,), ()
+        r = self.reqs.get(rid)
+        if r is None:
+            return (UnknownRequestError,), ()
+        failed, doubt = self._load_doubt(r)
+        if failed:
+            return (TransferError,), ()
+        must = self._kv_tokens_errors(r, toks)
+        if fl is not None and not r.prompt_len <= r.prompt_len + fl <= len(toks):
+            must.append(LengthError)
+        may: tuple[type, ...] = (TransferError,) if doubt else ()
+        if r.session is not None and len(toks) < r.session_kv:
+            # a turn that keeps less than its session had: refusing it is as good as trimming
+            may += (LengthError, StateError)
+        return (tuple(must) + ((TransferError,) if doubt and must else ())), may
+
+    def p_rewind(self, rid: Hashable, n: int) -> Pred:
+        r = self.reqs.get(rid)
+        if r is None:
+            return (UnknownRequestError,), ()
+        floor = r.session_kv if r.session is not None else r.cached
+        if not floor <= n <= r.seq_len:
+            return (LengthError,), ()
+        # decode offload refuses a rewind that would cut an offload in flight
+        return (), ((StateError,) if self.cfg.decode_offload else ())
+
+    def p_abort(self, rid: Hashable) -> Pred:
+        if rid in self.reqs:
+            return OK
+        if rid in self.prepared:
+            return (), (UnknownRequestError,)
+        return (UnknownRequestError,), ()
+
+    # -- model updates -------------------------------------------------------------------------------
+    def _hashes(self, plan: np.ndarray, ns: Hashable) -> np.ndarray:
+        return prefix_hashes(plan, ns)
+
+    def _check_not_shared(self, rid: Hashable, own: np.ndarray, cached: np.ndarray) -> None:
+        """A request's own new slots belong to no other holder; its cached slots to no other's own part."""
+        for other in self.reqs.values():
+            if other.rid == rid:
+                continue
+            other_own = other.slots[_up(other.session_kv, self.ps) if other.session is not None else other.cached:]
+            # a request whose load failed maps nothing valid below its own part (rolled back, freed)
+            failed = other.failed or any(x.error() is not None for x in other.readiness)
+            hit = np.intersect1d(own, other_own if failed else other.slots)
+            if len(hit) == 0:
+                hit = np.intersect1d(cached, other_own)
+            if len(hit):
+                raise self.fail("slot-shared", f"{rid!r} was given slots {hit[:8].tolist()} that {other.rid!r} holds")
+        for s in self.sessions.values():
+            if s.turn == rid:
+                continue
+            hit = np.intersect1d(np.concatenate((own, cached)), s.slots)
+            if len(hit):
+                raise self.fail("slot-shared", f"{rid!r} was given slots {hit[:8].tolist()} of session {s.sid!r}")
+
+    def apply_admit(self, rid: Hashable, toks: np.ndarray, cont: np.ndarray, ns: Hashable, session: Hashable,
+                    res: Any) -> None:
+        ps = self.ps
+        if type(res) is not AdmitResult or res.rid != rid or len(res.slots) != len(toks):
+            raise self.fail("admit-result", f"admit of {rid!r} ({len(toks)} tokens) returned {res!r}")
+        full = _paged(res.slots.numpy().astype(np.int64), ps)
+        if full is None:
+            raise self.fail("admit-result", f"admit of {rid!r}: slots {res.slots.tolist()[:16]} are not whole pages")
+        plan = np.concatenate((toks, cont)).astype(np.int32)
+        if session is not None:
+            s = self.sessions[session]
+            n = len(s.slots)  # whole pages: the turn's slots start with all of the session's
+            if res.cached_device != s.kv or res.loaded_host or not np.array_equal(full[:n], s.slots[:n]):
+                raise self.fail("admit-result", f"turn {rid!r} of {session!r}: cached {res.cached_device} (kv {s.kv}), "
+                                f"slots {full[:n].tolist()[:8]} vs the session's {s.slots[:n].tolist()[:8]}")
+            own_from = len(s.slots)
+            r = Req(rid, res.generation, s.ns, plan, self._hashes(plan, s.ns), len(toks), len(toks), full, len(toks),
+                    0, s.kv, s.kv, s.kv, (), session, s.kv)
+            s.turn = rid
+        else:
+            cached = res.cached
+            if cached % ps or res.cached_device % ps or not 0 <= cached <= len(toks) - 1:
+                raise self.fail("admit-result", f"admit of {rid!r} ({len(toks)} tokens): cached {res.cached_device} + "
+                                f"{res.loaded_host} is not whole pages short of the last token")
+            own_from = cached
+            r = Req(rid, res.generation, ns, plan, self._hashes(plan, ns), len(toks), len(toks), full, len(toks),
+                    cached, cached, cached, cached, tuple(res.readiness))
+        self._check_not_shared(rid, full[own_from:], full[:own_from])
+        self.reqs[rid] = r
+        self.prepared.discard(rid)
+
+    def release(self, rid: Hashable) -> None:
+        r = self.reqs.pop(rid)
+        if r.session is not None:
+            self.sessions[r.session].turn = None
+        self.gone = (self.gone + [rid])[-8:]
+
+    async def ready(self, r: Req) -> None:
+        """A patient caller's wait for the request's loads before it computes: on the fake engine the
+        harness completes those copies (as time would), then waits for their readiness."""
+        if self.cfg.impatient or all(x.done() for x in r.readiness):
+            return
+        if self.engine is not None:
+            pending = set(self.engine.pending())
+            for x in r.readiness:
+                if x.op_id in pending:
+                    try:
+                        self.engine.release(x.op_id)
+                    except StateError:
+                        pass
+            await self.wait_acks()
+        for x in r.readiness:
+            try:
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    await x.wait_all()
+            except TransferError:
+                r.failed = True
+            except TimeoutError:
+                raise self.fail("hang", f"the loads of {r.rid!r} never completed") from None
+
+    async def compute(self, r: Req, upto: int) -> None:
+        """The model step: write the fingerprint KV of positions [computed, upto) into their slots."""
+        upto = min(upto, r.seq_len)
+        if upto <= r.computed:
+            return
+        await self.ready(r)
+        a = r.computed
+        data = fingerprint_kv(r.hashes[a:upto], NUM_LAYERS, NUM_HEADS, HEAD_DIM)
+        self.rt.device_pool.write_slots(torch.from_numpy(r.slots[a:upto].copy()), data)
+        r.computed = upto
+
+    def tokens_of(self, rid: Hashable, m: int, flip: int | None, given: list[int] | None) -> np.ndarray:
+        r = self.reqs.get(rid)
+        if given is not None or r is None:
+            return np.asarray(given if given is not None else [1] * max(m, 0), dtype=np.int32)
+        toks = r.plan[:m].copy()
+        if flip is not None and flip < len(toks):
+            toks[flip] = (toks[flip] + 1) % VOCAB
+        return toks
+
+    # -- oracles after every call -----------------------------------------------------------------------
+    async def _inspect_observation(self) -> Observation:
+        with_host = self.with_host
+        return await self.inspect(lambda core: _observe(core, with_host))
+
+    async def check(self, what: str, exc: Any) -> None:
+        if self.rt.failed:
+            raise self.fail("runtime-failed", f"after {what}: {self.rt._sup.failure!r}")
+        obs = await self._inspect_observation()
+        if obs.invariant_error is not None:
+            raise self.fail("invariant", f"after {what}: {obs.invariant_error}")
+        if isinstance(exc, ValidationError) and self.prev is not None:
+            self._unchanged(what, exc, self.prev, obs)
+        self.prev = obs
+        self._compare(what, obs)
+        self._check_kv(what)
+        self.checks += 1
+        if self.checks % TREE_EVERY == 0:
+            await self.check_tree(what)
+
+    def _unchanged(self, what: str, exc: Any, before: Observation, after: Observation) -> None:
+        for name in ("requests", "sessions", "owned"):
+            a, b = getattr(before, name), getattr(after, name)
+            if set(a) != set(b):
+                raise self.fail("validation-changed-state", f"{what} raised {exc!r} but live {name} went "
+                                f"from {sorted(map(repr, a))} to {sorted(map(repr, b))}")
+            for key in a:
+                if not _same(a[key], b[key]):
+                    raise self.fail("validation-changed-state", f"{what} raised {exc!r} but {name[:-1]} {key!r} "
+                                    f"changed: {a[key]!r} -> {b[key]!r}")
+
+    def _compare(self, what: str, obs: Observation) -> None:
+        if set(obs.requests) != set(self.reqs):
+            extra = sorted(map(repr, set(obs.requests) - set(self.reqs)))
+            missing = sorted(map(repr, set(self.reqs) - set(obs.requests)))
+            raise self.fail("live-set", f"after {what}: live in the runtime but not given to the caller: {extra}; "
+                            f"live for the caller but gone from the runtime: {missing}")
+        for rid, r in self.reqs.items():
+            gen, slots, seq_len, committed, cached, tokens, _dups, session = obs.requests[rid]
+            problems = []
+            if gen != r.gen:
+                problems.append(f"generation {gen} != {r.gen}")
+            if not np.array_equal(slots, r.slots):
+                diff = np.flatnonzero(slots[: len(r.slots)] != r.slots[: len(slots)])[:4].tolist() \
+                    if len(slots) and len(r.slots) else []
+                problems.append(f"slots changed under the caller (positions {diff}, {len(slots)} vs {len(r.slots)} slots: "
+                                f"runtime {slots.tolist()[:16]} caller {r.slots.tolist()[:16]})")
+            if seq_len != r.seq_len:
+                problems.append(f"seq_len {seq_len} != {r.seq_len}")
+            if committed != r.committed:
+                problems.append(f"committed {committed} != {r.committed}")
+            if cached != r.cached:
+                problems.append(f"cached {cached} != {r.cached}")
+            if not np.array_equal(tokens, r.plan[: r.record_len]):
+                problems.append(f"token record has {len(tokens)} tokens, the caller gave {r.record_len}"
+                                f"{'' if len(tokens) != r.record_len else ' (different ones)'}")
+            if session != r.session:
+                problems.append(f"session {session!r} != {r.session!r}")
+            if problems:
+                kind = "slots-changed" if any(p.startswith("slots") for p in problems) else \
+                    "token-record" if any(p.startswith("token") for p in problems) else "request-record"
+                raise self.fail(kind, f"after {what}: request {rid!r}: " + "; ".join(problems))
+        if set(obs.sessions) != set(self.sessions):
+            raise self.fail("session-set", f"after {what}: sessions {sorted(map(repr, obs.sessions))} != "
+                            f"{sorted(map(repr, self.sessions))}")
+        for sid, s in self.sessions.items():
+            tokens, slots, turn = obs.sessions[sid]
+            if not np.array_equal(tokens, s.plan[: s.kv]) or not np.array_equal(slots, s.slots) or turn != s.turn:
+                raise self.fail("session-record", f"after {what}: session {sid!r}: tokens {len(tokens)} (model {s.kv}), "
+                                f"slots {slots.tolist()[:12]} (model {s.slots.tolist()[:12]}), turn {turn!r} ({s.turn!r})")
+
+    def _check_kv(self, what: str) -> None:
+        slots, hashes, owners = [], [], []
+        for r in self.reqs.values():
+            if r.failed or any(x.error() is not None for x in r.readiness):
+                r.failed = True
+                continue
+            start = 0 if all(x.all_ready() for x in r.readiness) else r.base
+            if r.computed > start:
+                slots.append(r.slots[start: r.computed])
+                hashes.append(r.hashes[start: r.computed])
+                owners += [(r.rid, p) for p in range(start, r.computed)]
+        for s in self.sessions.values():
+            if s.turn is None and s.kv:
+                slots.append(s.slots[: s.kv])
+                hashes.append(s.hashes[: s.kv])
+                owners += [(f"session {s.sid!r}", p) for p in range(s.kv)]
+        if not slots:
+            return
+        bad = _bad_positions(self.rt.device_pool, np.concatenate(slots), np.concatenate(hashes))
+        if len(bad):
+            who = [owners[i] for i in bad[:6]]
+            raise self.fail("kv-content", f"after {what}: positions (holder, position) {who} do not hold the KV of "
+                            "their own token prefix")
+
+    async def check_tree(self, what: str) -> None:
+        dev, host = self.rt.device_pool, self.rt.host_pool
+        errors = await self.inspect(lambda core: _tree_kv_errors(core, dev, host))
+        if errors:
+            raise self.fail("tree-kv-content", f"after {what}: " + "; ".join(errors))
+
+    # -- copies ---------------------------------------------------------------------------------------
+    async def wait_acks(self, timeout: float = 10.0) -> None:
+        """Until every completed copy whose ack may go has been applied. Acks go in issue order per
+        direction, so a completed copy behind a pending one of its direction waits (by design)."""
+        assert self.engine is not None
+        pending = set(self.engine.pending())
+        blocked: set[Any] = set()
+        due: list[int] = []
+        for plan in self.engine.submitted:
+            if plan.op_id in pending:
+                blocked.add(plan.direction)
+            elif plan.direction not in blocked:
+                due.append(plan.op_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            late = await self.inspect(lambda core: [op for op in due if op in core.ops])
+            if not late:
+                return
+            if loop.time() > deadline:
+                raise self.fail("ack-lost", f"copies {late[:8]} completed, none before them pending, but their "
+                                "acks were never applied")
+            await asyncio.sleep(0.0003)
+
+    async def settle(self, timeout: float = 15.0) -> None:
+        """Until nothing is in flight: copies (released here on the fake engine), storage ops,
+        prefetches, retired decode-offload requests."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def busy(core: Any) -> int:
+            return (len(core.ops) + len(core.storage_ops) + len(core.prefetches) + len(core.offload_retired)
+                    + len(core.offload_inflight))
+
+        while True:
+            if self.engine is not None:
+                for op in self.engine.pending():
+                    try:
+                        self.engine.release(op)
+                    except Exception:  # noqa: BLE001 - finished by another path meanwhile
+                        pass
+            if self.rt.failed:
+                raise self.fail("runtime-failed", f"while settling: {self.rt._sup.failure!r}")
+            if not await self.inspect(busy):
+                return
+            if loop.time() > deadline:
+                left = await self.inspect(lambda core: (list(core.ops), list(core.storage_ops), list(core.prefetches),
+                                                           list(core.offload_retired)))
+                raise self.fail("never-settles", f"still in flight after {timeout} s: {left}")
+            await asyncio.sleep(0.0005)
+
+    # -- step executors (x_<name>) ------------------------------------------------------------------------
+    async def x_admit(self, rid: Hashable, tokens: list[int], cont: list[int], ns: Hashable = None,
+                      session: Hashable = None, cancel: int | None = None) -> None:
+        toks = np.asarray(tokens, dtype=np.int32)
+        pred = self.p_admit(rid, toks, session)
+        what = f"admit({rid!r}, {len(toks)} tokens{', session ' + repr(session) if session is not None else ''})"
+        res, exc = await self.call(what, lambda: self.rt.admit(rid, toks, ns, session=session), cancel)
+        if exc is CANCELLED:
+            await self.check(what + " cancelled", None)
+            return
+        if self.outcome(what, pred, exc):
+            self.apply_admit(rid, toks, np.asarray(cont, dtype=np.int32), ns, session, res)
+        await self.check(what, exc)
+
+    async def x_compute(self, rid: Hashable, upto: int) -> None:
+        r = self.reqs.get(rid)
+        if r is not None:
+            await self.compute(r, upto)
+
+    async def x_extend(self, rid: Hashable, n: int) -> None:
+        pred = self.p_extend(rid, n)
+        what = f"extend({rid!r}, {n})"
+        res, exc = await self.call(what, lambda: self.rt.extend(rid, n))
+        if self.outcome(what, pred, exc):
+            self.apply_extend(self.reqs[rid], n, res)
+        await self.check(what, exc)
+
+    def apply_extend(self, r: Req, n: int, res: Any) -> None:
+        got = np.asarray(res, dtype=np.int64)
+        if len(got) != n:
+            raise self.fail("extend-result", f"extend({r.rid!r}, {n}) returned {len(got)} slots")
+        full = _paged(np.concatenate((r.slots[: r.seq_len], got)), self.ps)
+        if full is None or not np.array_equal(full[: len(r.slots)], r.slots[: len(full)]):
+            raise self.fail("extend-result", f"extend({r.rid!r}, {n}) returned slots {got.tolist()[:16]} that are not "
+                            f"whole pages continuing its own {r.slots.tolist()[-self.ps:]}")
+        new = full[len(r.slots):]
+        r.seq_len += n
+        r.slots = full
+        self._check_not_shared(r.rid, new, np.zeros(0, np.int64))
+
+    async def x_commit(self, rid: Hashable, c: int) -> None:
+        r = self.reqs.get(rid)
+        if r is not None:
+            await self.compute(r, c)  # committed tokens have their KV written (decode offload copies them)
+        pred = self.p_commit(rid, c)
+        what = f"commit({rid!r}, {c})"
+        res, exc = await self.call(what, lambda: self.rt.commit(rid, c))
+        if self.outcome(what, pred, exc):
+            if res != c:
+                raise self.fail("commit-result", f"{what} returned {res!r}")
+            self.reqs[rid].committed = c
+        await self.check(what, exc)
+
+    async def x_cache(self, rid: Hashable, m: int, flip: int | None = None, tokens: list[int] | None = None) -> None:
+        toks = self.tokens_of(rid, m, flip, tokens)
+        r = self.reqs.get(rid)
+        if r is not None:
+            await self.compute(r, len(toks))
+        pred = self.p_cache(rid, toks)
+        what = f"cache({rid!r}, {len(toks)} tokens{', flipped at ' + str(flip) if flip is not None else ''})"
+        res, exc = await self.call(what, lambda: self.rt.cache(rid, toks))
+        self.apply_cache(rid, toks, pred, res, exc, what)
+        await self.check(what, exc)
+
+    def apply_cache(self, rid: Hashable, toks: np.ndarray, pred: Pred, res: Any, exc: Any, what: str) -> None:
+        if not self.outcome(what, pred, exc):
+            if isinstance(exc, TransferError) and rid in self.reqs:
+                self.reqs[rid].failed = True
+            return
+        r = self.reqs[rid]
+        m = len(toks)
+        r.record_len = max(r.record_len, m)
+        if _down(m, self.ps) > r.cached:
+            r.cached = _down(m, self.ps)
+            r.committed = max(r.committed, min(m, r.seq_len))
+        if res != r.cached:
+            raise self.fail("cache-result", f"{what} returned {res!r}; the prefix cached is {r.cached}")
+
+    async def x_finish(self, rid: Hashable, m: int, finished_len: int | None = None, flip: int | None = None,
+                       tokens: list[int] | None = None) -> None:
+        toks = self.tokens_of(rid, m, flip, tokens)
+        r = self.reqs.get(rid)
+        if r is not None:
+            await self.compute(r, len(toks))
+        pred = self.p_finish(rid, toks, finished_len)
+        what = f"finish({rid!r}, {len(toks)} tokens, finished_len={finished_len})"
+        res, exc = await self.call(what, lambda: self.rt.finish(rid, toks, finished_len))
+        self.apply_finish(rid, toks, finished_len, pred, res, exc, what)
+        await self.check(what, exc)
+
+    def apply_finish(self, rid: Hashable, toks: np.ndarray, fl: int | None, pred: Pred, res: Any, exc: Any,
+                     what: str) -> None:
+        if not self.outcome(what, pred, exc):
+            if isinstance(exc, TransferError) and rid in self.reqs:
+                self.release(rid)  # a finish whose load failed releases the request
+            return
+        r = self.reqs[rid]
+        keep = len(toks) if fl is None else r.prompt_len + fl
+        if r.session is not None:
+            s = self.sessions[r.session]
+            s.plan, s.hashes, s.kv = r.plan, r.hashes, keep
+            s.slots = r.slots[: _up(keep, self.ps)].copy()
+            want = keep
+        elif self.cfg.decode_offload:
+            want = r.cached
+        else:
+            want = max(r.cached, _down(keep, self.ps))
+        if res != want:
+            raise self.fail("finish-result", f"{what} returned {res!r}; expected {want}")
+        self.release(rid)
+
+    async def x_abort(self, rid: Hashable) -> None:
+        pred = self.p_abort(rid)
+        what = f"abort({rid!r})"
+        _, exc = await self.call(what, lambda: self.rt.abort(rid))
+        if self.outcome(what, pred, exc) and rid in self.reqs:
+            self.release(rid)
+        self.prepared.discard(rid)
+        await self.check(what, exc)
+
+    async def x_rewind(self, rid: Hashable, new_len: int, redraw: list[int] | None = None) -> None:
+        pred = self.p_rewind(rid, new_len)
+        what = f"rewind({rid!r}, {new_len})"
+        res, exc = await self.call(what, lambda: self.rt.rewind(rid, new_len))
+        if self.outcome(what, pred, exc):
+            if res != new_len:
+                raise self.fail("rewind-result", f"{what} returned {res!r}")
+            r = self.reqs[rid]
+            r.seq_len = new_len
+            r.slots = r.slots[: _up(new_len, self.ps)]
+            r.record_len = min(r.record_len, new_len)
+            r.computed = min(r.computed, new_len)
+            r.committed = min(r.committed, new_len)
+            if redraw is not None:  # generation goes another way from here
+                r.plan = np.concatenate((r.plan[:new_len], np.asarray(redraw, np.int32)))[: self.D].astype(np.int32)
+                r.hashes = self._hashes(r.plan, r.ns)
+        await self.check(what, exc)
+
+    async def x_open_session(self, sid: Hashable, plan: list[int], ns: Hashable = None) -> None:
+        must = (DuplicateRequestError,) if sid in self.sessions else ()
+        what = f"open_session({sid!r})"
+        _, exc = await self.call(what, lambda: self.rt.open_session(sid, ns))
+        if self.outcome(what, (must, ()), exc):
+            p = np.asarray(plan, np.int32)
+            self.sessions[sid] = Sess(sid, ns, p, self._hashes(p, ns))
+        await self.check(what, exc)
+
+    async def x_close_session(self, sid: Hashable, insert: bool) -> None:
+        s = self.sessions.get(sid)
+        must = (UnknownRequestError,) if s is None else (StateError,) if s.turn is not None else ()
+        what = f"close_session({sid!r}, insert={insert})"
+        res, exc = await self.call(what, lambda: self.rt.close_session(sid, insert=insert))
+        if self.outcome(what, (must, ()), exc):
+            assert s is not None
+            want = _down(s.kv, self.ps) if insert else 0
+            if res != want:
+                raise self.fail("close-session-result", f"{what} returned {res!r}; expected {want}")
+            del self.sessions[sid]
+        await self.check(what, exc)
+
+    async def x_prepare(self, rid: Hashable, tokens: list[int], ns: Hashable = None) -> None:
+        toks = np.asarray(tokens, np.int32)
+        what = f"prepare({rid!r}, {len(toks)} tokens)"
+        res, exc = await self.call(what, lambda: self.rt.prepare(rid, toks, ns))
+        self.outcome(what, OK, exc)
+        if type(res) is not int or not 0 <= res <= len(toks) or (self.cfg.storage == "none" and res):
+            raise self.fail("prepare-result", f"{what} returned {res!r}")
+        if res:
+            self.prepared.add(rid)
+        await self.check(what, exc)
+
+    async def x_match_prefix(self, tokens: list[int], ns: Hashable = None, cancel: int | None = None) -> None:
+        toks = np.asarray(tokens, np.int32)
+        what = f"match_prefix({len(toks)} tokens)"
+        res, exc = await self.call(what, lambda: self.rt.match_prefix(toks, ns), cancel)
+        if exc is not CANCELLED and self.outcome(what, OK, exc):
+            d, h = res.get("device"), res.get("host")
+            if d % self.ps or h % self.ps or d < 0 or h < 0 or d + h > len(toks) or (self.cfg.host_pages == 0 and h):
+                raise self.fail("match-result", f"{what} returned {res!r}")
+        await self.check(what, None if exc is CANCELLED else exc)
+
+    async def x_can_admit(self, tokens: list[int], ns: Hashable = None, cancel: int | None = None) -> None:
+        toks = np.asarray(tokens, np.int32)
+        what = f"can_admit({len(toks)} tokens)"
+        res, exc = await self.call(what, lambda: self.rt.can_admit(toks, ns), cancel)
+        if exc is not CANCELLED and self.outcome(what, OK, exc) and type(res) is not bool:
+            raise self.fail("can-admit-result", f"{what} returned {res!r}")
+        await self.check(what, None if exc is CANCELLED else exc)
+
+    async def x_can_then_admit(self, rid: Hashable, tokens: list[int], cont: list[int], ns: Hashable = None) -> None:
+        """can_admit, then admit of the same tokens: they decide by one answer (API, "Capacity").
+        Checked where nothing can land in between: fake engine, no storage, no decode offload."""
+        toks = np.asarray(tokens, np.int32)
+        what = f"can_admit({len(toks)} tokens)"
+        can, exc = await self.call(what, lambda: self.rt.can_admit(toks, ns))
+        self.outcome(what, OK, exc)
+        await self.check(what, exc)
+        pred = self.p_admit(rid, toks, None)
+        what = f"admit({rid!r}, {len(toks)} tokens) after can_admit said {can}"
+        res, exc = await self.call(what, lambda: self.rt.admit(rid, toks, ns))
+        strict = self.cfg.deterministic and not self.cfg.decode_offload and not pred[0]
+        if strict and can and isinstance(exc, CapacityError):
+            raise self.fail("can-admit-disagrees", f"{what} raised {exc!r}")
+        if strict and not can and exc is None:
+            raise self.fail("can-admit-disagrees", f"{what} succeeded")
+        if self.outcome(what, pred, exc):
+            self.apply_admit(rid, toks, np.asarray(cont, np.int32), ns, None, res)
+        await self.check(what, exc)
+
+    async def x_available(self) -> None:
+        res, exc = await self.call("available()", self.rt.available)
+        self.outcome("available()", OK, exc)
+        free, evictable = res["device_free"], res["device_evictable"]
+        if not (0 <= free and 0 <= evictable and free + evictable <= self.D and free % self.ps == 0):
+            raise self.fail("available-result", f"available() returned {res!r}")
+        await self.check("available()", exc)
+
+    async def x_stats(self) -> None:
+        res, exc = await self.call("stats()", self.rt.stats)
+        self.outcome("stats()", OK, exc)
+        if res["live_requests"] != len(self.reqs) or res["inflight_copies"] < 0:
+            raise self.fail("stats-result", f"stats() says {res['live_requests']} live requests; the caller holds "
+                            f"{len(self.reqs)}")
+        await self.check("stats()", exc)
+
+    async def x_flush(self) -> None:
+        def quiet(core: Any) -> bool:
+            return not (core.requests or core.ops or core.storage_ops or core.prefetches or core.offload_retired)
+
+        # with nothing locked and nothing able to land meanwhile, a flush leaves an empty tree
+        expect_empty = self.cfg.deterministic and await self.inspect(quiet)
+        res, exc = await self.call("flush()", self.rt.flush)
+        self.outcome("flush()", OK, exc)
+        if type(res) is not int or res < 0:
+            raise self.fail("flush-result", f"flush() returned {res!r}")
+        if expect_empty:
+            left = await self.inspect(lambda core: [n.id for n in core.tree.nodes()])
+            if left:
+                raise self.fail("flush-left-nodes", f"flush() with nothing locked left nodes {left[:8]}")
+        await self.check("flush()", exc)
+
+    async def x_batch(self, items: list[tuple[str, dict[str, Any]]], cancel: int | None = None) -> None:
+        msgs: list[Any] = []
+        toks_of: list[np.ndarray | None] = []
+        for kind, a in items:
+            rid = a["rid"]
+            r = self.reqs.get(rid)
+            toks = None
+            if kind == "admit":
+                toks = np.asarray(a["tokens"], np.int32)
+                msgs.append(Admit(rid, toks, a.get("ns")))
+            elif kind == "extend":
+                msgs.append(Extend(rid, a["n"]))
+            elif kind == "commit":
+                if r is not None:
+                    await self.compute(r, a["c"])
+                msgs.append(Commit(rid, a["c"]))
+            elif kind in ("cache", "finish"):
+                toks = self.tokens_of(rid, a["m"], a.get("flip"), a.get("tokens"))
+                if r is not None:
+                    await self.compute(r, len(toks))
+                msgs.append(Cache(rid, toks) if kind == "cache" else Finish(rid, toks, a.get("finished_len")))
+            else:
+                msgs.append(Abort(rid))
+            toks_of.append(toks)
+        what = "step([" + ", ".join(f"{k}({a['rid']!r})" for k, a in items) + "])"
+        # a step whose items are all admits may be cancelled: its admissions are released
+        only_admits = all(k == "admit" for k, _ in items)
+        res, exc = await self.call(what, lambda: self.rt.step(msgs), cancel if only_admits else None)
+        if exc is CANCELLED:
+            await self.check(what + " cancelled", None)
+            return
+        if exc is not None:
+            raise self.fail("step-raised", f"{what} raised {exc!r}")
+        if type(res) is not tuple or len(res) != len(items):
+            raise self.fail("step-result", f"{what} returned {res!r}")
+        any_error = None
+        for (kind, a), toks, r in zip(items, toks_of, res):
+            rid = a["rid"]
+            err = r if isinstance(r, BaseException) else None
+            if err is not None and not isinstance(err, CallerError):
+                raise self.fail("step-result", f"{what}: item {kind}({rid!r}) gave {err!r}")
+            any_error = any_error or err
+            sub = f"{what} item {kind}({rid!r})"
+            if kind == "admit":
+                if self.outcome(sub, self.p_admit(rid, toks, None), err):
+                    self.apply_admit(rid, toks, np.asarray(a["cont"], np.int32), a.get("ns"), None, r)
+            elif kind == "extend":
+                if self.outcome(sub, self.p_extend(rid, a["n"]), err):
+                    self.apply_extend(self.reqs[rid], a["n"], r)
+            elif kind == "commit":
+                if self.outcome(sub, self.p_commit(rid, a["c"]), err):
+                    if r != a["c"]:
+                        raise self.fail("commit-result", f"{sub} returned {r!r}")
+                    self.reqs[rid].committed = a["c"]
+            elif kind == "cache":
+                self.apply_cache(rid, toks, self.p_cache(rid, toks), r, err, sub)
+            elif kind == "finish":
+                self.apply_finish(rid, toks, a.get("finished_len"), self.p_finish(rid, toks, a.get("finished_len")),
+                                  r, err, sub)
+            else:
+                if self.outcome(sub, self.p_abort(rid), err) and rid in self.reqs:
+                    self.release(rid)
+                self.prepared.discard(rid)
+        # a failed item changes nothing, but the others do: only a batch of failures is compared whole
+        all_failed = all(isinstance(r, BaseException) for r in res)
+        await self.check(what, any_error if all_failed else None)
+
+    async def x_release(self, which: int, layers: int | None = None, fail: bool = False) -> None:
+        """Complete (or fail) one copy in flight; wait for its ack (not an API call)."""
+        if self.engine is None:
+            await asyncio.sleep(0.001)  # the CPU engine's copies land by themselves
+            return
+        pending = self.engine.pending()
+        if not pending:
+            return
+        op = pending[which % len(pending)]
+        try:
+            if fail:
+                self.engine.fail(op, RuntimeError("injected copy fault"))
+            else:
+                self.engine.release(op, layers)
+        except StateError:
+            return
+        if fail or layers is None:
+            await self.wait_acks()
+            await self.check(f"{'failing' if fail else 'completing'} copy {op}", None)
+
+    async def x_settle(self) -> None:
+        await self.settle()
+        await self.check("settling every copy", None)
+
+    async def x_bad(self, kind: str, rid: Hashable = "r0") -> None:
+        """Arguments of a wrong type or value: refused by the façade, nothing sent."""
+        rt = self.rt
+        calls: dict[str, tuple[Callable[[], Awaitable[Any]], tuple[type, ...]]] = {
+            "float_rid": (lambda: rt.admit(1.5, [1, 2, 3]), (ArgumentError,)),
+            "bool_tokens": (lambda: rt.admit("bad", [True, 2, 3]), (TokenError,)),
+            "negative_token": (lambda: rt.cache(rid, [-1, 2]), (TokenError,)),
+            "float_count": (lambda: rt.extend(rid, 1.0), (LengthError,)),
+            "float_finished_len": (lambda: rt.finish(rid, [1, 2], 1.0), (LengthError,)),
+            "list_namespace": (lambda: rt.match_prefix([1, 2, 3], ["ns"]), (ArgumentError,)),
+            "int_insert": (lambda: rt.close_session("s-none", insert=1), (ArgumentError,)),
+        }
+        make, must = calls[kind]
+        what = f"bad call {kind}"
+        _, exc = await self.call(what, make)
+        self.outcome(what, (must, ()), exc)
+        await self.check(what, exc)
+
+    async def x_step_junk(self) -> None:
+        what = "step(['junk'])"
+        res, exc = await self.call(what, lambda: self.rt.step(["junk"]))
+        if exc is not None or type(res) is not tuple or not isinstance(res[0], ArgumentError):
+            raise self.fail("step-result", f"{what} gave {res!r} / {exc!r}")
+        await self.check(what, res[0])
+
+    # -- generation -------------------------------------------------------------------------------------
+    def _live(self) -> list[Hashable]:
+        return list(self.reqs)
+
+    def _pick(self, seq: list[Any]) -> Any:
+        return self.rng.choice(seq) if seq else None
+
+    def _ghost(self) -> Hashable:
+        return self._pick(self.gone) if self.gone and self.rng.random() < 0.6 else f"ghost{self.rng.randrange(4)}"
+
+    def _new_rid(self) -> Hashable:
+        free = [g for g in self.gone if g not in self.reqs and g not in self.prepared]
+        if free and self.rng.random() < 0.15:
+            return self.rng.choice(free)  # a released rid comes back (a new generation)
+        self.next_rid += 1
+        return f"r{self.next_rid}"
+
+    def generate(self) -> Step:
+        rng = self.rng
+        live = len(self.reqs)
+        fake = self.engine is not None
+        table: list[tuple[float, Callable[[], Step | None]]] = [
+            (14 if live < 4 else 4, self.g_admit),
+            (6, self.g_compute),
+            (10, self.g_extend),
+            (6, self.g_commit),
+            (8, self.g_cache),
+            (10 if live < 4 else 18, self.g_finish),
+            (3, self.g_abort),
+            (4, self.g_rewind),
+            (6, self.g_batch),
+            (1.5, self.g_open_session),
+            (4, self.g_turn),
+            (1.5, self.g_close_session),
+            (3 if self.cfg.storage != "none" else 0.3, self.g_prepare),
+            (2, self.g_match_prefix),
+            (2, self.g_can_admit),
+            (2, self.g_can_then_admit),
+            (1, lambda: ("available", {})),
+            (1, lambda: ("stats", {})),
+            (1, lambda: ("flush", {})),
+            (14 if fake else 2, self.g_release),
+            (1, lambda: ("settle", {})),
+            (1, self.g_bad),
+        ]
+        weights = [w for w, _ in table]
+        while True:
+            _, make = rng.choices(table, weights)[0]
+            step = make()
+            if step is not None:
+                return step
+
+    def _bad(self, p: float = 0.12) -> bool:
+        return self.rng.random() < p
+
+    def g_admit(self) -> Step:
+        rng = self.rng
+        toks, cont = self.vocab.prompt()
+        ns = self.vocab.namespace()
+        rid = self._new_rid()
+        if self._bad():
+            choice = rng.randrange(3)
+            if choice == 0 and self.reqs:
+                rid = rng.choice(self._live())  # duplicate of a live rid
+            elif choice == 1:
+                toks, cont = [], list(toks) + cont  # empty
+            else:
+                toks, cont = self.vocab.rand(self.D + rng.randint(0, 1)), []  # the whole pool, or more
+        cancel = rng.choice((0, 1)) if rng.random() < 0.06 else None
+        return "admit", {"rid": rid, "tokens": toks, "cont": cont[: max(0, self.D - len(toks))], "ns": ns,
+                         "session": None, "cancel": cancel}
+
+    def g_compute(self) -> Step | None:
+        rid = self._pick(self._live())
+        if rid is None:
+            return None
+        r = self.reqs[rid]
+        return "compute", {"rid": rid, "upto": self.rng.randint(r.computed, r.seq_len)}
+
+    def g_extend(self) -> Step | None:
+        rid = self._pick(self._live())
+        if rid is None or self._bad(0.08):
+            return "extend", {"rid": self._ghost() if rid is None or self._bad(0.5) else rid,
+                              "n": self.rng.choice((0, -1, self.D))}
+        return "extend", {"rid": rid, "n": self.rng.randint(1, 2 * self.ps)}
+
+    def g_commit(self) -> Step | None:
+        rid = self._pick(self._live())
+        if rid is None:
+            return None
+        r = self.reqs[rid]
+        if self._bad(0.1):
+            return "commit", {"rid": rid, "c": self.rng.choice((r.committed - 1, r.seq_len + 1))}
+        return "commit", {"rid": rid, "c": self.rng.choice((r.seq_len, self.rng.randint(r.committed, r.seq_len)))}
+
+    def _m(self, r: Req) -> int:
+        rng = self.rng
+        n = max(1, r.seq_len)  # a rewind to 0 leaves nothing: 1 token is then one too many
+        return rng.choice((n, n, max(1, n - 1), rng.randint(1, n)))
+
+    def g_cache(self) -> Step | None:
+        rid = self._pick([x for x in self._live() if self.reqs[x].session is None] or self._live())
+        if rid is None:
+            return None
+        r = self.reqs[rid]
+        m, flip = self._m(r), None
+        if self._bad():
+            if self.rng.random() < 0.5 and min(m, r.record_len) > 0:
+                flip = self.rng.randrange(min(m, r.record_len))  # tokens that contradict its record
+            else:
+                m = r.seq_len + self.rng.randint(1, 3)  # more tokens than it has slots for
+        return "cache", {"rid": rid, "m": m, "flip": flip}
+
+    def g_finish(self) -> Step | None:
+        rng = self.rng
+        rid = self._pick(self._live())
+        if rid is None or self._bad(0.06):
+            return "finish", {"rid": self._ghost(), "m": 3, "tokens": [1, 2, 3]}  # double finish / unknown
+        r = self.reqs[rid]
+        m, fl, flip = self._m(r), None, None
+        if m >= r.prompt_len and rng.random() < 0.4:
+            fl = rng.randint(0, m - r.prompt_len)
+        if self._bad(0.1):
+            c = rng.randrange(3)
+            if c == 0:
+                fl = rng.choice((-1, m - r.prompt_len + 1))
+            elif c == 1 and min(m, r.record_len) > 0:
+                flip = rng.randrange(min(m, r.record_len))
+            else:
+                m = r.seq_len + 1
+        return "finish", {"rid": rid, "m": m, "finished_len": fl, "flip": flip}
+
+    def g_abort(self) -> Step:
+        rid = self._pick(self._live())
+        return "abort", {"rid": rid if rid is not None and not self._bad(0.2) else self._ghost()}
+
+    def g_rewind(self) -> Step | None:
+        rid = self._pick(self._live())
+        if rid is None:
+            return None
+        r = self.reqs[rid]
+        floor = r.session_kv if r.session is not None else r.cached
+        if self._bad(0.15):
+            n = self.rng.choice((floor - 1, r.seq_len + 1)) if floor else r.seq_len + 1
+            return "rewind", {"rid": rid, "new_len": n}
+        n = self.rng.randint(floor, r.seq_len)
+        redraw = self.vocab.rand(self.D - n) if self.rng.random() < 0.5 else None
+        return "rewind", {"rid": rid, "new_len": n, "redraw": redraw}
+
+    def g_batch(self) -> Step:
+        rng = self.rng
+        items: list[tuple[str, dict[str, Any]]] = []
+        used: set[Hashable] = set()
+        for _ in range(rng.randint(1, 4)):
+            live = [x for x in self._live() if x not in used]
+            kind = rng.choice(("admit", "admit", "extend", "commit", "cache", "finish", "abort")) if live else "admit"
+            if kind == "admit":
+                _, a = self.g_admit()
+                if a["rid"] in used or a["rid"] in self.reqs and not self._bad(0.3):
+                    continue
+                a = {k: a[k] for k in ("rid", "tokens", "cont", "ns")}
+            else:
+                step = {"extend": self.g_extend, "commit": self.g_commit, "cache": self.g_cache,
+                        "finish": self.g_finish, "abort": self.g_abort}[kind]()
+                if step is None:
+                    continue
+                a = dict(step[1])
+                if a["rid"] in used:
+                    continue
+            used.add(a["rid"])
+            items.append((kind, a))
+        if not items:
+            return "stats", {}
+        cancel = rng.choice((0, 1)) if rng.random() < 0.08 else None
+        return "batch", {"items": items, "cancel": cancel}
+
+    def g_open_session(self) -> Step:
+        if self.sessions and self._bad(0.1):
+            sid = self.rng.choice(list(self.sessions))
+        else:
+            self.next_sid += 1
+            sid = f"s{self.next_sid}"
+        return "open_session", {"sid": sid, "plan": self.vocab.conversation(), "ns": self.vocab.namespace()}
+
+    def g_turn(self) -> Step | None:
+        rng = self.rng
+        idle = [s for s in self.sessions.values() if s.turn is None]
+        if not self.sessions:
+            return None
+        s = rng.choice(idle) if idle and not self._bad(0.08) else rng.choice(list(self.sessions.values()))
+        if s.kv >= self.D - 1:
+            return "close_session", {"sid": s.sid, "insert": rng.random() < 0.5}
+        b = min(self.D - 1, s.kv + rng.randint(1, 2 * self.vocab.unit))
+        plan = [int(t) for t in s.plan]
+        toks = plan[:b]
+        if self._bad(0.08) and s.kv:
+            toks[rng.randrange(s.kv)] = (toks[0] + 1) % VOCAB  # does not extend the session
+        cancel = rng.choice((0, 1)) if rng.random() < 0.04 else None
+        rid = self._new_rid()
+        return "admit", {"rid": rid, "tokens": toks, "cont": plan[b: self.D], "ns": None, "session": s.sid,
+                         "cancel": cancel}
+
+    def g_close_session(self) -> Step | None:
+        if not self.sessions or self._bad(0.1):
+            return "close_session", {"sid": "s-none", "insert": False}
+        return "close_session", {"sid": self.rng.choice(list(self.sessions)), "insert": self.rng.random() < 0.5}
+
+    def g_prepare(self) -> Step:
+        toks, _ = self.vocab.prompt()
+        return "prepare", {"rid": self._new_rid(), "tokens": toks, "ns": self.vocab.namespace()}
+
+    def _question_tokens(self) -> tuple[list[int], Hashable]:
+        toks, cont = self.vocab.prompt()
+        return (toks + cont)[: self.rng.randint(1, self.D)], self.vocab.namespace()
+
+    def g_match_prefix(self) -> Step:
+        toks, ns = self._question_tokens()
+        return "match_prefix", {"tokens": toks, "ns": ns, "cancel": 1 if self.rng.random() < 0.05 else None}
+
+    def g_can_admit(self) -> Step:
+        toks, ns = self._question_tokens()
+        return "can_admit", {"tokens": toks, "ns": ns, "cancel": 1 if self.rng.random() < 0.05 else None}
+
+    def g_can_then_admit(self) -> Step:
+        toks, cont = self.vocab.prompt()
+        if self.rng.random() < 0.3:  # a long one: capacity is the question
+            toks, cont = (toks + cont)[: self.rng.randint(self.D // 2, self.D - 1)], []
+            cont = self.vocab.rand(self.D - len(toks))
+        return "can_then_admit", {"rid": self._new_rid(), "tokens": toks, "cont": cont, "ns": self.vocab.namespace()}
+
+    def g_release(self) -> Step:
+        rng = self.rng
+        fail = self.cfg.copy_faults and rng.random() < 0.12
+        layers = 0 if not fail and rng.random() < 0.1 else None
+        return "release", {"which": rng.randrange(1 << 16), "layers": layers, "fail": fail}
+
+    def g_bad(self) -> Step:
+        if self.rng.random() < 0.15:
+            return "step_junk", {}
+        kind = self.rng.choice(("float_rid", "bool_tokens", "negative_token", "float_count", "float_finished_len",
+                                "list_namespace", "int_insert"))
+        return "bad", {"kind": kind, "rid": self._pick(self._live()) or "r0"}
+
+    # -- the end of an episode ---------------------------------------------------------------------------
+    async def teardown(self) -> None:
+        """Release everything, wait until nothing is in flight, check that nothing leaked."""
+        self.index = len(self.steps)
+        for rid in list(self.reqs):
+            await self.x_abort(rid)
+        for sid in list(self.sessions):
+            await self.x_close_session(sid, insert=len(str(sid)) % 2 == 0)
+        await self.settle()
+        err = await self.inspect(lambda core: _quiescent_error(core))
+        if err:
+            raise self.fail("leak", f"after releasing everything: {err}")
+        await self.check_tree("teardown")
+        st, exc = await self.call("stats()", self.rt.stats)
+        self.outcome("stats()", OK, exc)
+        busy = {k: st.get(k, 0) for k in ("live_requests", "inflight_copies", "inflight_storage_ops",
+                                          "inflight_offloads", "offload_retired_requests")}
+        if any(busy.values()):
+            raise self.fail("leak", f"stats() after releasing everything: {busy}")
+        av, exc = await self.call("available()", self.rt.available)
+        self.outcome("available()", OK, exc)
+        if av["device_free"] + av["device_evictable"] != self.D:
+            raise self.fail("leak", f"with nothing live, {self.D - av['device_free'] - av['device_evictable']} "
+                            f"device slots are neither free nor evictable: {av}")
+
+
+def _quiescent_error(core: Any) -> str | None:
+    try:
+        check_invariants(core, quiescent=True)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    if core.sessions:
+        return f"sessions left: {list(core.sessions)}"
+    return None
+
+
+# -- episodes -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EpisodeResult:
+    cfg: FuzzConfig
+    steps: list[Step]
+    calls: int
+    violation: Violation | None
+
+
+def episode_rng(seed: int, episode: int) -> random.Random:
+    return random.Random(f"hicache-fuzz:{seed}:{episode}")
+
+
+async def _close(rt: CacheRuntime, engine: FakeCopyEngine | None) -> None:
+    """Close, completing the fake engine's copies while close waits for them."""
+    closing = asyncio.ensure_future(rt.close())
+    while not closing.done():
+        if engine is not None:
+            for op in engine.pending():
+                try:
+                    engine.release(op)
+                except Exception:  # noqa: BLE001
+                    pass
+        await asyncio.sleep(0.001)
+    await closing
+
+
+async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Step] | None = None) -> EpisodeResult:
+    """One episode: generated from `rng` (steps None) or replayed from `steps`."""
+    tmp = tempfile.mkdtemp(prefix="hicache-fuzz-") if cfg.storage != "none" else None
+    storage = _storage_for(cfg, tmp) if tmp else None
+    violation: Violation | None = None
+    driver: Driver | None = None
+    try:
+        rt = CacheRuntime(cfg.runtime_config(), engine_factory=_engine_factory(cfg), storage=storage)
+        await rt._sup.start()
+        engine = rt.engine if isinstance(rt.engine, FakeCopyEngine) else None
+        driver = Driver(rt, cfg, rng)
+        try:
+            await driver.run(steps)
+            await driver.teardown()
+        except Violation as exc:
+            violation = exc
+        finally:
+            await _close(rt, engine)
+        if violation is None:
+            violation = await _after_close(rt, driver)
+    finally:
+        if storage is not None:
+            storage.close()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    assert driver is not None
+    return EpisodeResult(cfg, driver.steps, driver.calls, violation)
+
+
+async def _after_close(rt: CacheRuntime, driver: Driver) -> Violation | None:
+    step = len(driver.steps)
+    if rt.failed:
+        return Violation("runtime-failed", f"at close: {rt._sup.failure!r}", step)
+    err = _quiescent_error(rt._core)  # the actors are stopped: the state at rest, read directly
+    if err:
+        return Violation("leak", f"after close: {err}", step)
+    for what, make in (("admit", lambda: rt.admit("after-close", [1, 2, 3])), ("stats", rt.stats),
+                       ("extend", lambda: rt.extend("r1", 1))):
+        try:
+            async with asyncio.timeout(5):
+                await make()
+        except RuntimeClosed:
+            continue
+        except Exception as exc:  # noqa: BLE001
+            return Violation("after-close", f"{what} after close raised {exc!r}, not RuntimeClosed", step)
+        return Violation("after-close", f"{what} after close succeeded", step)
+    driver.calls += 3
+    return None
+
+
+def run_episode(cfg: FuzzConfig, rng: random.Random, steps: list[Step] | None = None) -> EpisodeResult:
+    return asyncio.run(run_episode_async(cfg, rng, steps))
+
+
+def generate_episode(seed: int, episode: int) -> tuple[FuzzConfig, random.Random]:
+    rng = episode_rng(seed, episode)
+    return draw_config(rng), rng
+
+
+# -- shrinking --------------------------------------------------------------------------------------------
+
+
+def _fails(cfg: FuzzConfig, steps: list[Step], kind: str, tries: int) -> bool:
+    for i in range(tries):
+        res = run_episode(cfg, random.Random(0), steps)
+        if res.violation is not None and res.violation.kind == kind:
+            return True
+    return False
+
+
+def shrink(cfg: FuzzConfig, steps: list[Step], violation: Violation, budget_s: float = 60.0) -> list[Step]:
+    """Delta debugging over the recorded steps: drop chunks (halves, quarters, ...), then single
+    steps, keeping a candidate when its replay still fails with the same kind of violation.
+    Bounded by `budget_s`; non-deterministic configurations get two tries per candidate."""
+    deadline = time.monotonic() + budget_s
+    tries = 1 if cfg.deterministic else 2
+    kind = violation.kind
+    cur = list(steps[: (len(steps) if violation.step is None else violation.step) + 1])
+    if not _fails(cfg, cur, kind, tries):
+        cur = list(steps)
+    n = 2
+    while len(cur) >= 2 and time.monotonic() < deadline:
+        chunk = max(1, len(cur) // n)
+        removed = False
+        start = 0
+        while start < len(cur) and time.monotonic() < deadline:
+            cand = cur[:start] + cur[start + chunk:]
+            if cand and _fails(cfg, cand, kind, tries):
+                cur = cand
+                removed = True
+            else:
+                start += chunk
+        if chunk == 1 and not removed:
+            break
+        n = n if removed else min(len(cur), n * 2)
+    # then the items of batch steps, one at a time
+    for i in range(len(cur)):
+        j = 0
+        while cur[i][0] == "batch" and j < len(cur[i][1]["items"]) and time.monotonic() < deadline:
+            items = cur[i][1]["items"]
+            if len(items) > 1:
+                cand = cur[:i] + [("batch", {**cur[i][1], "items": items[:j] + items[j + 1:]})] + cur[i + 1:]
+                if _fails(cfg, cand, kind, tries):
+                    cur = cand
+                    continue
+            j += 1
+    return cur
+
+
+# -- the fuzz loop and its report -------------------------------------------------------------------------------
+
+
+@dataclass
+class FuzzReport:
+    seed: int
+    episodes: int = 0
+    calls: int = 0
+    seconds: float = 0.0
+    failure: EpisodeResult | None = None
+    failed_episode: int | None = None
+    shrunk: list[Step] | None = None
+    calls_to_find: int | None = None
+    passed_over: list[tuple[int, Violation]] = field(default_factory=list)  # violations `want` did not ask for
+
+    @property
+    def calls_per_s(self) -> float:
+        return self.calls / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        return (f"API fuzzer: seed {self.seed}, {self.episodes} episodes, {self.calls} API calls in "
+                f"{self.seconds:.1f} s ({self.calls_per_s:.0f} calls/s)")
+
+
+def fuzz(seed: int, min_calls: int, *, max_seconds: float = 1e9, first_episode: int = 0, shrink_s: float = 60.0,
+         want: Callable[[Violation], bool] | None = None, log: Callable[[str], None] | None = None) -> FuzzReport:
+    """Episodes `first_episode`, ... of `seed` until `min_calls` API calls ran (or `max_seconds`
+    passed); stops at the first violation (the first one `want` accepts, when given: the others
+    are recorded in `passed_over`) and shrinks it for `shrink_s` seconds."""
+    report = FuzzReport(seed)
+    t0 = time.monotonic()
+    ep = first_episode
+    while report.calls < min_calls and time.monotonic() - t0 < max_seconds:
+        cfg, rng = generate_episode(seed, ep)
+        res = run_episode(cfg, rng)
+        report.episodes += 1
+        report.calls += res.calls
+        v = res.violation
+        if v is not None and want is not None and not want(v):
+            report.passed_over.append((ep, v))
+        elif v is not None:
+            report.seconds = time.monotonic() - t0
+            report.failure, report.failed_episode, report.calls_to_find = res, ep, report.calls
+            if log:
+                log(f"episode {ep} failed after {res.calls} calls: {v}; shrinking")
+            report.shrunk = shrink(cfg, res.steps, v, shrink_s) if shrink_s > 0 else res.steps
+            return report
+        ep += 1
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def format_steps(steps: list[Step]) -> str:
+    return "[\n" + "".join(f"    {step!r},\n" for step in steps) + "]"
+
+
+def reproduction(report: FuzzReport) -> str:
+    res = report.failure
+    assert res is not None and res.violation is not None
+    steps = report.shrunk if report.shrunk is not None else res.steps
+    cfg_fields = ", ".join(f"{f.name}={getattr(res.cfg, f.name)!r}" for f in fields(res.cfg))
+    return (
+        f"{res.violation}\n"
+        f"replay: HICACHE_FUZZ_SEED={report.seed} HICACHE_FUZZ_EPISODE={report.failed_episode} "
+        f".venv/bin/python -m pytest tests/fuzz -k replay -q -p no:cacheprovider\n"
+        f"shrunk to {len(steps)} of {len(res.steps)} steps (deterministic: {res.cfg.deterministic}):\n\n"
+        f"from tests.fuzz.harness import FuzzConfig, replay_steps\n"
+        f"cfg = FuzzConfig({cfg_fields})\n"
+        f"steps = {format_steps(steps)}\n"
+        f"print(replay_steps(cfg, steps))\n")
+
+
+def replay_steps(cfg: FuzzConfig, steps: list[Step]) -> Violation | None:
+    """Run recorded steps on a fresh runtime; the violation they hit, if any."""
+    return run_episode(cfg, random.Random(0), steps).violation
+
+
+def env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def signature(v: Violation) -> str:
+    """A violation with its numbers blanked: episodes that hit the same bug share it."""
+    import re
+
+    detail = re.sub(r"^(after )?step\(\[.*?\]\)( item)? ", "", v.detail)  # a batch item as the call itself
+    return f"{v.kind}: {re.sub(r'[0-9]+', 'N', detail)[:100]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tests.fuzz.harness --seed S --calls N [--all]`: fuzz, print the figures and a
+    shrunk reproduction of the first violation (of each distinct one with `--all`)."""
+    import argparse
+
+    from runtime.trace import configure_logging
+
+    ap = argparse.ArgumentParser(description="model-based fuzzer of the CacheRuntime API")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=20_000)
+    ap.add_argument("--first-episode", type=int, default=0)
+    ap.add_argument("--shrink-s", type=float, default=60.0)
+    ap.add_argument("--all", action="store_true", help="keep going past violations; report each distinct one")
+    args = ap.parse_args(argv)
+    configure_logging()
+    seen: dict[str, tuple[int, Violation]] = {}
+
+    def new_kind(v: Violation) -> bool:
+        return signature(v) not in seen
+
+    report = fuzz(args.seed, args.calls, first_episode=args.first_episode, shrink_s=0,
+                  want=(lambda v: False) if args.all else None)
+    print(report.summary())
+    found = [(ep, v) for ep, v in report.passed_over]
+    if report.failure is not None and report.failure.violation is not None:
+        found.append((report.failed_episode or 0, report.failure.violation))
+    for ep, v in found:
+        if new_kind(v):
+            seen[signature(v)] = (ep, v)
+    for sig, (ep, v) in seen.items():
+        n = sum(1 for _, w in found if signature(w) == sig)
+        sub = fuzz(args.seed, 1, first_episode=ep, shrink_s=args.shrink_s)
+        print(f"\n=== {n} episode(s): {sig}")
+        print(reproduction(sub) if sub.failure is not None else f"episode {ep} did not fail again (not deterministic)")
+    return 1 if seen else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
