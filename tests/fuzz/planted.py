@@ -1,0 +1,130 @@
+"""Planted bugs: deliberately broken variants of the tree core that the API fuzzer must find.
+
+Each plant wraps or replaces one function of the pure-Python core the way a regression would
+(the compiled twins bind their calls at build time, so run with `HICACHE_PURE_PYTHON=1`):
+
+- `remap_duplicates`: `cache`/`finish` of a prefix another request cached first frees the
+  request's own duplicate pages and remaps its slots to the tree's (the behaviour before the
+  slot contract). The invariant checker is content with that state; only a caller's view can
+  see its slots change.
+- `shorten_record`: a `cache` with fewer tokens than the request's record shortens the record.
+- `host_leaf_ignores_children`: the tree's evictable-host-leaf rule forgets "no child with host
+  slots" (seed 004).
+
+    HICACHE_PURE_PYTHON=1 .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
+
+prints the reproduction to stderr and one JSON line (found, seed, episode, calls to find...) last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Plant:
+    install: Callable[[], Callable[[], None]]  # returns the undo
+    kinds: frozenset[str]  # violation kinds that show this bug
+    detail: str = ""  # ...whose detail holds this text
+
+    def wanted(self, v: "object") -> bool:
+        return getattr(v, "kind", None) in self.kinds and self.detail in getattr(v, "detail", "")
+
+
+def _remap_duplicates() -> Callable[[], None]:
+    from runtime.tree.cache import CacheCore
+
+    insert = CacheCore._insert
+
+    def broken(self: CacheCore, rec, tokens) -> None:
+        insert(self, rec, tokens)
+        if len(rec.dups):
+            # the old way: free the request's duplicates now and map the tree's pages instead
+            self.device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
+            parts, node = [], rec.last_node
+            while node is not None and node.parent is not None:
+                parts.append(node.device)
+                node = node.parent
+            held = np.concatenate(parts[::-1])[: rec.cached_len]
+            rec.slots = np.concatenate((held, rec.slots[rec.cached_len:]))
+            rec.dups = rec.dups[:0]
+
+    CacheCore._insert = broken
+    return lambda: setattr(CacheCore, "_insert", insert)
+
+
+def _shorten_record() -> Callable[[], None]:
+    from runtime.tree.cache import CacheCore
+
+    insert = CacheCore._insert
+
+    def broken(self: CacheCore, rec, tokens) -> None:
+        insert(self, rec, tokens)
+        if len(tokens) < len(rec.tokens):
+            rec.tokens = tokens
+
+    CacheCore._insert = broken
+    return lambda: setattr(CacheCore, "_insert", insert)
+
+
+def _host_leaf_ignores_children() -> Callable[[], None]:
+    from runtime.tree.radix import RadixTree
+
+    rule = RadixTree.__dict__["_is_host_leaf"]
+    RadixTree._is_host_leaf = staticmethod(
+        lambda node: node.device is None and node.host is not None and node.host_protect == 0)
+    return lambda: setattr(RadixTree, "_is_host_leaf", rule)
+
+
+PLANTS: dict[str, Plant] = {
+    "remap_duplicates": Plant(_remap_duplicates, frozenset({"slots-changed", "slot-shared", "kv-content"})),
+    "shorten_record": Plant(_shorten_record, frozenset({"token-record"})),
+    "host_leaf_ignores_children": Plant(_host_leaf_ignores_children, frozenset({"invariant", "runtime-failed"}),
+                                        "evictable host leaves"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plant", choices=sorted(PLANTS))
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=20_000, help="give up after this many API calls")
+    ap.add_argument("--shrink-s", type=float, default=30.0)
+    args = ap.parse_args(argv)
+
+    from runtime import _compiled
+    from runtime.trace import configure_logging
+    from tests.fuzz import harness
+
+    configure_logging()
+    if any(v == "compiled" for k, v in _compiled.status().items() if k in ("runtime.tree.cache", "runtime.tree.radix")):
+        print("run with HICACHE_PURE_PYTHON=1: compiled twins do not see a patched method", file=sys.stderr)
+        return 2
+    plant = PLANTS[args.plant]
+    undo = plant.install()
+    try:
+        report = harness.fuzz(args.seed, args.calls, shrink_s=args.shrink_s, want=plant.wanted)
+    finally:
+        undo()
+    out = {"plant": args.plant, "seed": args.seed, "found": report.failure is not None,
+           "episodes": report.episodes, "calls": report.calls, "seconds": round(report.seconds, 1),
+           "passed_over": [f"episode {ep}: {v.kind}" for ep, v in report.passed_over]}
+    if report.failure is not None:
+        v = report.failure.violation
+        assert v is not None and report.shrunk is not None
+        print(harness.reproduction(report), file=sys.stderr)
+        out.update(kind=v.kind, detail=v.detail[:300], episode=report.failed_episode,
+                   calls_to_find=report.calls_to_find, steps_in_episode=(v.step or 0) + 1,
+                   shrunk_steps=len(report.shrunk), deterministic=report.failure.cfg.deterministic)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

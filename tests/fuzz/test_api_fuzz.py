@@ -1,0 +1,57 @@
+"""The API fuzzer's entry points (tests/fuzz/harness.py; docs/TESTING.md, "API fuzzer").
+
+- `test_api_fuzz`: the default suite's run, >= 20,000 API calls from a fixed seed
+  (`HICACHE_FUZZ_SEED` picks another);
+- `test_api_fuzz_long`: `--runslow`, >= 10**6 calls (`HICACHE_FUZZ_CALLS` overrides);
+- `test_replay`: one episode, `HICACHE_FUZZ_SEED=S HICACHE_FUZZ_EPISODE=E pytest tests/fuzz -k replay`
+  (the line a failure prints), shrunk again and printed when it fails.
+
+A failure prints the violation, the replay line and the shrunk steps as Python code.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.fuzz import harness as H
+
+CI_SEED = 1
+CI_CALLS = 20_000
+SLOW_CALLS = 1_000_000
+
+
+def _report(report: H.FuzzReport, record_property, capsys) -> None:
+    record_property("api_calls", report.calls)
+    record_property("api_calls_per_s", round(report.calls_per_s))
+    with capsys.disabled():  # the figures show in a plain run (docs/TESTING.md quotes them)
+        print(f"\n{report.summary()}")
+    if report.failure is not None:
+        pytest.fail(H.reproduction(report), pytrace=False)
+
+
+def test_api_fuzz(record_property, capsys):
+    seed = H.env_int("HICACHE_FUZZ_SEED", CI_SEED)
+    assert seed is not None
+    report = H.fuzz(seed, CI_CALLS, max_seconds=600, shrink_s=60)
+    _report(report, record_property, capsys)
+    assert report.calls >= CI_CALLS, f"only {report.calls} calls ran in the time limit"
+
+
+@pytest.mark.slow
+def test_api_fuzz_long(record_property, capsys):
+    seed = H.env_int("HICACHE_FUZZ_SEED", CI_SEED + 1000)
+    calls = H.env_int("HICACHE_FUZZ_CALLS", SLOW_CALLS)
+    assert seed is not None and calls is not None
+    report = H.fuzz(seed, calls, shrink_s=300)
+    _report(report, record_property, capsys)
+    assert report.calls >= calls
+
+
+@pytest.mark.skipif(not os.environ.get("HICACHE_FUZZ_EPISODE"), reason="set HICACHE_FUZZ_SEED and HICACHE_FUZZ_EPISODE")
+def test_replay(record_property, capsys):
+    seed, episode = H.env_int("HICACHE_FUZZ_SEED", CI_SEED), H.env_int("HICACHE_FUZZ_EPISODE", 0)
+    assert seed is not None and episode is not None
+    report = H.fuzz(seed, 1, first_episode=episode, shrink_s=120)
+    _report(report, record_property, capsys)

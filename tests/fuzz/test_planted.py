@@ -1,0 +1,42 @@
+"""The API fuzzer finds planted bugs within the default run's budget (issue 13's acceptance).
+
+Each plant (tests/fuzz/planted.py) runs in a child process with `HICACHE_PURE_PYTHON=1` (a
+compiled twin would not see the patched method). The fuzzer must report a violation of the
+plant's kind within `BUDGET` API calls - the budget of `test_api_fuzz` - and shrink it to a
+replayable reproduction no longer than the episode that found it. Violations of other kinds
+(real bugs of the runtime, if any) are passed over and listed, not counted as finding the plant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fuzz.planted import PLANTS
+from tests.fuzz.test_api_fuzz import CI_CALLS
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = 1
+BUDGET = CI_CALLS
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_fuzzer_finds_the_planted_bug(plant, capsys):
+    env = {**os.environ, "HICACHE_PURE_PYTHON": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.planted", plant, "--seed", str(SEED), "--calls", str(BUDGET),
+         "--shrink-s", "20"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    with capsys.disabled():
+        print(f"\nplanted {plant}: {json.dumps({k: v for k, v in out.items() if k != 'detail'})}")
+    assert out["found"], f"{plant} not found in {out['calls']} API calls ({out['passed_over']})"
+    assert out["kind"] in PLANTS[plant].kinds
+    assert out["calls_to_find"] <= BUDGET + 400  # the episode that crossed the budget may finish
+    assert 1 <= out["shrunk_steps"] <= out["steps_in_episode"]
