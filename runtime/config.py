@@ -52,11 +52,12 @@ class RuntimeConfig:
     storage_backend: str = "none"
     storage_dir: str | None = None  # file backend directory
     storage_cap_bytes: int | None = None  # file backend size cap (whole directory)
-    prefetch_policy: str = "wait_complete"
+    prefetch_policy: str = "timeout"  # SGLang's default: an admit waits for a prefetch at most prefetch_timeout()
     prefetch_threshold: int = 0  # tokens beyond the device + host hit below which no prefetch starts
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_1k_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    storage_timeout_s: float = 5.0  # deadline of one backend call; past it the op is overdue (docs/STORAGE.md)
     # Actors
     mailbox_capacity: int = 4096
     # Debugging and tracing
@@ -121,6 +122,9 @@ class RuntimeConfig:
             value = getattr(self, name)
             need(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
                  f"{name} must be a non-negative number, got {value!r}")
+        need(isinstance(self.storage_timeout_s, (int, float)) and not isinstance(self.storage_timeout_s, bool)
+             and 0 < self.storage_timeout_s < float("inf"),
+             f"storage_timeout_s must be a positive number of seconds, got {self.storage_timeout_s!r}")
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
         if self.vocab_size is not None:
             need(type(self.vocab_size) is int and 0 < self.vocab_size <= 1 << 31,

@@ -248,6 +248,16 @@ class StorageAck:
     reply: None = None
 
 
+@message
+class StorageOverdue:
+    """A storage op's backend call has run past `storage_timeout_s` (sent once). The op is still in
+    flight: its worker may still write into the op's pinned host pages, so its `StorageAck` follows
+    when the call returns; until then nothing of it may be freed."""
+
+    op_id: int
+    reply: None = None
+
+
 TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned | MatchPrefix | CanAdmit
                | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck | Prepare | StorageAck)
 

@@ -9,6 +9,13 @@ are internal sends), in issue order per direction.
 
 Back-pressure: at most `max_inflight_loads` loads and `max_queued_backups` backups are
 in the engine at once; more wait in this actor's queues (never fail).
+
+Storage backends are not trusted: every value one returns is checked against its contract
+(`checked_count` / `checked_flags`; out of contract, the whole op is a miss, logged and counted
+in `storage_backend_errors`), and every storage op has a deadline (`storage_timeout_s`): past
+it the requester gets one `StorageOverdue` and the op stays in flight until its call returns
+(its worker may still be writing into pinned host pages), and a drain for close no longer
+waits for it.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import torch
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
 from runtime.completion import CompletionBridge, LayerReadiness, as_transfer_error
 from runtime.errors import RuntimeClosed, TransferError
-from runtime.messages import Direction, StorageAck, TransferAck, TransferPlan
-from runtime.storage.backend import read_prefix
+from runtime.messages import Direction, StorageAck, StorageOverdue, TransferAck, TransferPlan
+from runtime.storage.backend import ContractViolation, checked_count, checked_flags, read_prefix
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine
 
@@ -45,7 +52,8 @@ class SubmitCopy:
 
 @dataclass(frozen=True, slots=True)
 class DrainCopies:
-    """Reply once nothing is queued or in flight (used by close)."""
+    """Reply once no copy is queued or in flight and every storage op still in flight is overdue
+    (used by close: a backend call that never returns must not hold close forever)."""
 
     reply: Reply[None] | None = field(default=None, compare=False)
 
@@ -84,6 +92,7 @@ class _StorageDone:
     pages: int
     ok: tuple[bool, ...]
     error: str | None
+    violation: ContractViolation | None = None  # the backend returned a value outside its contract
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +120,7 @@ class TransferActor(Actor[TransferMessage]):
     # -- state -------------------------------------------------------------------
     def __init__(self, engine: CopyEngine, *, max_inflight_loads: int, max_queued_backups: int,
                  mailbox_capacity: int, bytes_per_slot: int = 0, storage: Any = None,
-                 host_pool: Any = None) -> None:
+                 host_pool: Any = None, storage_timeout_s: float = 5.0) -> None:
         super().__init__(mailbox_capacity)
         self.engine = engine
         self.bridge: CompletionBridge | None = None
@@ -127,6 +136,9 @@ class TransferActor(Actor[TransferMessage]):
         self.storage = storage
         self.host_pool = host_pool
         self.storage_inflight: dict[int, SubmitStorage] = {}
+        self.storage_timeout_s = storage_timeout_s
+        self._storage_timers: dict[int, asyncio.TimerHandle] = {}
+        self.storage_overdue: set[int] = set()  # in flight past their deadline (a subset of storage_inflight)
         self._storage_pool: ThreadPoolExecutor | None = None
         # page_first host pool: page p is one contiguous row, read and written in place
         self._page_rows: np.ndarray | None = None
@@ -137,7 +149,8 @@ class TransferActor(Actor[TransferMessage]):
         self._probe_inline = storage is not None and getattr(storage, "exists_is_local", False) is True
         if storage is not None:
             self.counters.update({"storage_ops_done": 0, "storage_ops_failed": 0, "storage_bytes_written": 0,
-                                  "storage_bytes_read": 0, "storage_errors": 0})
+                                  "storage_bytes_read": 0, "storage_errors": 0, "storage_backend_errors": 0,
+                                  "storage_ops_overdue": 0})
         self.handlers = {
             SubmitCopy: self.on_submit,
             _CopyDone: self.on_copy_done,
@@ -153,6 +166,9 @@ class TransferActor(Actor[TransferMessage]):
         try:
             await super().run()
         finally:
+            for timer in self._storage_timers.values():  # nobody to tell any more
+                timer.cancel()
+            self._storage_timers.clear()
             self._abandon_queued()
             await self.bridge.aclose()
             await asyncio.to_thread(self.engine.close)
@@ -210,25 +226,28 @@ class TransferActor(Actor[TransferMessage]):
             self._storage_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-storage")
         loop = asyncio.get_running_loop()
         fut = self._storage_pool.submit(self._run_storage, msg)
+        # armed before the worker can finish: `_storage_done` (on this thread, later) cancels it
+        self._storage_timers[msg.op_id] = loop.call_later(self.storage_timeout_s, self._on_storage_deadline, msg.op_id)
         # straight back onto the loop from the worker (no asyncio future in between)
         fut.add_done_callback(lambda f, op_id=msg.op_id: self._post_storage_future(loop, op_id, f))
 
     def _absent(self, key: bytes) -> bool:
         """Inline probe (local backends only): True when storage surely lacks `key`."""
         try:
-            return int(self.storage.exists_prefix([key])) == 0
+            return checked_count("exists_prefix", self.storage.exists_prefix([key]), 1) == 0
         except Exception:  # noqa: BLE001 - let the worker path meet (and count) the error
             return False
 
     def _run_storage(self, msg: SubmitStorage) -> tuple[int, tuple[bool, ...]]:
-        """In a worker thread: one batch call (a write), or one read of the leading present pages."""
+        """In a worker thread: one batch call (a write), or one read of the leading present pages.
+        Every result is checked against the backend contract (`ContractViolation` otherwise)."""
         backend, pool, rows = self.storage, self.host_pool, self._page_rows
         if msg.write:
             srcs = [rows[p] for p in msg.pages] if rows is not None else [pool.read_page(p) for p in msg.pages]
-            ok = tuple(bool(x) for x in backend.set_batch(list(msg.keys), srcs))
+            ok = checked_flags("set_batch", backend.set_batch(list(msg.keys), srcs), len(msg.keys))
             return sum(ok), ok
         if not msg.pages:  # a lookup
-            return int(backend.exists_prefix(list(msg.keys))), ()
+            return checked_count("exists_prefix", backend.exists_prefix(list(msg.keys)), len(msg.keys)), ()
         if rows is not None:
             # page_first keeps a page contiguous in the canonical form: read straight into the pool
             # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
@@ -258,6 +277,9 @@ class TransferActor(Actor[TransferMessage]):
         between two of this actor's handlers (they are all synchronous, so never inside one)."""
         if fut.cancelled():
             done = _StorageDone(op_id, 0, (), "cancelled")
+        elif isinstance(fut.exception(), ContractViolation):
+            exc = fut.exception()
+            done = _StorageDone(op_id, 0, (), f"backend contract violation: {exc}", exc)
         elif fut.exception() is not None:
             done = _StorageDone(op_id, 0, (), repr(fut.exception()))
         else:
@@ -274,14 +296,46 @@ class TransferActor(Actor[TransferMessage]):
     def on_storage_callback_failed(self, msg: _StorageCallbackFailed) -> None:
         raise RuntimeError(f"applying a storage completion failed: {msg.error!r}") from msg.error
 
+    def _on_storage_deadline(self, op_id: int) -> None:
+        """On the loop thread, `storage_timeout_s` after the op was submitted, if its call has not
+        returned: tell the requester once (it may stop waiting for the op), keep the op in flight."""
+        try:
+            self._storage_timers.pop(op_id, None)
+            submit = self.storage_inflight.get(op_id)
+            if submit is None:
+                return
+            self.storage_overdue.add(op_id)
+            self.counters["storage_ops_overdue"] += 1
+            log.warning("storage_op_overdue", op=op_id, write=submit.write, lookup=not submit.write and not submit.pages,
+                        pages=len(submit.keys), timeout_s=self.storage_timeout_s)
+            try:
+                submit.ack_to.put_internal(StorageOverdue(op_id))
+            except RuntimeClosed:
+                log.warning("ack_undeliverable", op=op_id, direction="storage_overdue")
+            self._maybe_drained()
+        except Exception as exc:  # noqa: BLE001 - a bug: fail whole, from inside the actor
+            try:
+                self.mailbox.put_internal(_StorageCallbackFailed(exc))
+            except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
+                pass
+
     def _storage_done(self, msg: _StorageDone) -> None:
         submit = self.storage_inflight.pop(msg.op_id)
+        timer = self._storage_timers.pop(msg.op_id, None)
+        if timer is not None:
+            timer.cancel()
+        self.storage_overdue.discard(msg.op_id)
         page_bytes = self.bytes_per_slot * (self.host_pool.page_size if self.host_pool is not None else 0)
         if msg.error is None:
             self.counters["storage_ops_done"] += 1
             if submit.write or submit.pages:  # a lookup moves no bytes
                 key = "storage_bytes_written" if submit.write else "storage_bytes_read"
                 self.counters[key] += msg.pages * page_bytes
+        elif msg.violation is not None:
+            self.counters["storage_ops_failed"] += 1
+            self.counters["storage_backend_errors"] += 1
+            log.warning("storage_backend_contract_violation", op=msg.op_id, call=msg.violation.call,
+                        value=msg.violation.value, write=submit.write)
         else:
             self.counters["storage_ops_failed"] += 1
             self.counters["storage_errors"] += 1
@@ -371,7 +425,12 @@ class TransferActor(Actor[TransferMessage]):
                         f"copy {submit.plan.op_id} never started: the transfer actor stopped"))
 
     def _maybe_drained(self) -> None:
-        if self.drain_waiters and not self.inflight and not self.storage_inflight:
+        # overdue storage ops do not hold a drain: their calls may never return (the ops stay in
+        # flight; their pages stay pinned, and their acks still go out if the calls come back)
+        if self.drain_waiters and not self.inflight and len(self.storage_overdue) == len(self.storage_inflight):
+            if self.storage_inflight:
+                log.warning("storage_ops_abandoned_at_close", count=len(self.storage_inflight),
+                            ops=sorted(self.storage_inflight))
             for reply in self.drain_waiters:
                 reply.set_result(None)
             self.drain_waiters.clear()

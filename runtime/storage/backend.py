@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import reprlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,18 @@ MAX_KEY_BYTES = 64
 
 class StorageError(HiCacheError):
     """A storage call failed as a whole (transport down, injected fault). The caller counts a miss."""
+
+
+class ContractViolation(StorageError):
+    """A backend call returned a value outside its contract: a count that is not an int in
+    ``[0, len(keys)]``, or per-page flags that are not exactly ``len(keys)`` bools. The runtime
+    trusts no such value (a count of -1 would adopt host pages nothing was read into): the whole
+    op is a miss."""
+
+    def __init__(self, call: str, value: object, expected: str) -> None:
+        self.call = call
+        self.value = reprlib.repr(value)
+        super().__init__(f"{call} returned {self.value}, expected {expected}")
 
 
 @runtime_checkable
@@ -80,17 +93,42 @@ class StorageBackend(Protocol):
 #   answers a read whose first page is absent without a worker thread.
 
 
+# -- results checked against the contract -------------------------------------------------------
+# Every value a backend hands the runtime goes through one of these two (the transfer actor's
+# lookups and writes, and `read_prefix`); anything else raises `ContractViolation`.
+
+def checked_count(call: str, value: object, nkeys: int) -> int:
+    """``value`` as a page count of a call over ``nkeys`` keys: a Python or numpy integer (not a
+    bool) in ``[0, nkeys]``."""
+    if isinstance(value, (int, np.integer)) and type(value) is not bool and 0 <= value <= nkeys:
+        return int(value)
+    raise ContractViolation(call, value, f"an int in [0, {nkeys}]")
+
+
+def checked_flags(call: str, value: object, nkeys: int) -> tuple[bool, ...]:
+    """``value`` as per-page results of a call over ``nkeys`` keys: a list, tuple or 1-D numpy bool
+    array of exactly ``nkeys`` bools."""
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.bool_ and value.ndim == 1 and len(value) == nkeys:
+            return tuple(bool(x) for x in value)
+    elif isinstance(value, (list, tuple)) and len(value) == nkeys \
+            and all(type(x) is bool or isinstance(x, np.bool_) for x in value):
+        return tuple(bool(x) for x in value)
+    raise ContractViolation(call, value, f"{nkeys} bools")
+
+
 def read_prefix(backend: Any, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
     """How many leading pages of ``keys`` were read whole into ``dests``: ``backend.get_prefix`` when
     the backend has one, else `exists_prefix` then `get_batch` of the leading existing pages (a
-    page found missing or unreadable ends the prefix: presence is only a hint)."""
+    page found missing or unreadable ends the prefix: presence is only a hint). Every result is
+    checked (`ContractViolation`), so the count returned is always in ``[0, len(keys)]``."""
     get_prefix = getattr(backend, "get_prefix", None)
     if get_prefix is not None:
-        return int(get_prefix(keys, dests))
-    n = int(backend.exists_prefix(keys))
-    if n <= 0:
+        return checked_count("get_prefix", get_prefix(keys, dests), len(keys))
+    n = checked_count("exists_prefix", backend.exists_prefix(keys), len(keys))
+    if n == 0:
         return 0
-    return leading_hits(backend.get_batch(keys[:n], dests[:n]))
+    return leading_hits(checked_flags("get_batch", backend.get_batch(keys[:n], dests[:n]), n))
 
 
 def leading_hits(got: Sequence[bool]) -> int:

@@ -26,7 +26,7 @@ from runtime.errors import TransferError
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.memory.pools import DevicePool, HostPool, KVShape
-from runtime.messages import Direction, PoolTransfer, TransferAck, TransferPlan
+from runtime.messages import Direction, PoolTransfer, StorageAck, TransferAck, TransferPlan
 from runtime.supervisor import State, Supervisor
 from runtime.transfer.fake_engine import FakeCopyEngine
 
@@ -499,3 +499,223 @@ async def test_layer_zero_is_read_while_later_layers_are_in_flight(layout):
         assert seen == {layer: True for layer in range(SHAPE.num_layers)}
         await until(lambda: len(h.req.acks) == 1)
         assert h.req.acks[0].ok and h.req.total_pins() == 0
+
+
+# ---------------------------------------------------------------------------------------
+# storage ops: results checked against the backend contract, a deadline per op (issue 13)
+# ---------------------------------------------------------------------------------------
+
+PAGE_BYTES = SHAPE.bytes_per_token * PS
+
+
+class LyingBackend:
+    """A backend whose results are whatever a test says (`lies`: call name -> fn(nkeys) -> value);
+    calls without a lie answer truthfully for a store holding every key. Without a "get_prefix"
+    lie it has no get_prefix (reads go through exists_prefix + get_batch)."""
+
+    page_bytes = PAGE_BYTES
+    exists_is_local = False
+
+    def __init__(self, **lies: Callable[[int], Any]) -> None:
+        self.lies = lies
+        if "get_prefix" not in lies:
+            self.get_prefix = None
+
+    def exists_prefix(self, keys):
+        return self.lies.get("exists_prefix", lambda n: n)(len(keys))
+
+    def get_prefix(self, keys, dests):  # noqa: F811 - shadowed per instance when not lied about
+        for d in dests:
+            d[:] = 7  # a read writes the destination pages (page_first: pool rows)
+        return self.lies["get_prefix"](len(keys))
+
+    def get_batch(self, keys, dests):
+        return self.lies.get("get_batch", lambda n: [True] * n)(len(keys))
+
+    def set_batch(self, keys, srcs):
+        return self.lies.get("set_batch", lambda n: [True] * n)(len(keys))
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self.seen.append((event, kw))
+
+    def debug(self, event: str, **kw: Any) -> None:
+        pass
+
+    def named(self, event: str) -> list[dict]:
+        return [kw for e, kw in self.seen if e == event]
+
+
+@asynccontextmanager
+async def storage_actor(backend: Any, *, layout: str = "page_first", timeout_s: float | None = None,
+                        ) -> AsyncIterator[tuple[Supervisor, TransferActor, Mailbox[Any]]]:
+    """A transfer actor with a storage backend, alone; its acks go to a plain mailbox. `timeout_s`:
+    its storage_timeout_s (None: the default)."""
+    dev = DevicePool(SHAPE, DEV_PAGES * PS, PS)
+    host = HostPool(SHAPE, HOST_PAGES * PS, PS, layout, pin_memory=False)
+    kwargs: dict[str, Any] = {} if timeout_s is None else {"storage_timeout_s": timeout_s}
+    transfer = TransferActor(FakeCopyEngine({"kv": (dev, host)}), max_inflight_loads=3, max_queued_backups=8,
+                             mailbox_capacity=64, bytes_per_slot=SHAPE.bytes_per_token, storage=backend,
+                             host_pool=host, **kwargs)
+    sup = Supervisor([transfer])
+    await sup.start()
+    try:
+        yield sup, transfer, Mailbox(64)
+    finally:
+        await sup.stop()
+    sup.raise_if_failed()
+
+
+async def next_msgs(box: Mailbox[Any], timeout: float = 5.0) -> list[Any]:
+    return await asyncio.wait_for(box.get_burst(), timeout)
+
+
+def storage_op(op_id: int, kind: str, ack_to: Mailbox[Any], n: int = 3) -> Any:
+    from runtime.actors.transfer_actor import SubmitStorage
+
+    keys = tuple(f"key{op_id}-{i}".encode() for i in range(n))
+    pages = () if kind == "lookup" else tuple(range(n))
+    return SubmitStorage(op_id, kind == "write", keys, pages, ack_to)
+
+
+@pytest.mark.parametrize("kind,lies", [
+    ("lookup", dict(exists_prefix=lambda n: -1)),
+    ("lookup", dict(exists_prefix=lambda n: n + 3)),
+    ("lookup", dict(exists_prefix=lambda n: None)),
+    ("lookup", dict(exists_prefix=lambda n: True)),  # a bool is not a count
+    ("lookup", dict(exists_prefix=lambda n: 1.0)),
+    ("read", dict(get_prefix=lambda n: -1)),
+    ("read", dict(get_prefix=lambda n: n + 3)),
+    ("read", dict(get_prefix=lambda n: np.int64(n + 1))),
+    ("read", dict(exists_prefix=lambda n: -2)),  # no get_prefix: exists_prefix + get_batch
+    ("read", dict(get_batch=lambda n: [True] * (n + 1))),
+    ("read", dict(get_batch=lambda n: [1] * n)),  # ints, not bools
+    ("read", dict(get_batch=lambda n: None)),
+    ("write", dict(set_batch=lambda n: [True] * (n - 1))),
+    ("write", dict(set_batch=lambda n: [True] * (n + 1))),
+    ("write", dict(set_batch=lambda n: None)),
+    ("write", dict(set_batch=lambda n: "yes")),
+])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+async def test_a_result_outside_the_backend_contract_is_a_miss_for_the_whole_op(kind, lies, layout, monkeypatch):
+    """Every value a backend returns is checked before use: out of contract, the op's ack says 0
+    pages (no per-page flags) with an error, and it is counted and logged. On 3a097f5 counts were
+    passed on (acks of pages=-1, 6, 4, 1 for a bool) and so were wrong-length flags; None and
+    non-bools failed with a TypeError/IndexError ack that named no contract and counted nothing."""
+    from runtime.actors import transfer_actor
+
+    events = _Events()
+    monkeypatch.setattr(transfer_actor, "log", events)
+    async with storage_actor(LyingBackend(**lies), layout=layout) as (sup, transfer, acks):
+        transfer.mailbox.put_internal(storage_op(1, kind, acks))
+        [ack] = await next_msgs(acks)
+        assert isinstance(ack, StorageAck)
+        assert (ack.op_id, ack.pages, ack.ok) == (1, 0, ())
+        assert ack.error is not None and "contract" in ack.error
+        st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+        assert (st["storage_backend_errors"], st["storage_ops_failed"], st["storage_errors"]) == (1, 1, 0)
+        assert st["storage_bytes_read"] == st["storage_bytes_written"] == 0
+        [ev] = events.named("storage_backend_contract_violation")
+        assert ev["op"] == 1 and ev["call"] in lies and isinstance(ev["value"], str)
+
+
+@pytest.mark.parametrize("kind,lies,pages", [
+    ("lookup", dict(exists_prefix=lambda n: np.int64(2)), 2),  # numpy integers are counts
+    ("lookup", dict(exists_prefix=lambda n: 0), 0),
+    ("read", dict(get_prefix=lambda n: n), 3),
+    ("read", dict(get_prefix=lambda n: np.uint32(1)), 1),
+    ("read", dict(get_batch=lambda n: [True, False, True][:n]), 1),  # a prefix ends at a miss
+    ("write", dict(set_batch=lambda n: [np.bool_(True), False, True]), 2),
+    ("write", dict(set_batch=lambda n: np.array([True, True, False])), 2),
+])
+async def test_results_inside_the_contract_are_used(kind, lies, pages):
+    async with storage_actor(LyingBackend(**lies)) as (sup, transfer, acks):
+        transfer.mailbox.put_internal(storage_op(1, kind, acks))
+        [ack] = await next_msgs(acks)
+        assert (ack.pages, ack.error) == (pages, None)
+        if kind == "write":
+            assert len(ack.ok) == 3 and sum(ack.ok) == pages
+        st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+        assert st["storage_backend_errors"] == 0 and st["storage_ops_done"] == 1
+
+
+@pytest.mark.parametrize("kind,method", [("lookup", "exists_prefix"), ("read", "get_batch"), ("write", "set_batch")])
+async def test_a_held_backend_call_is_overdue_at_its_deadline_and_acked_when_it_returns(tmp_path, kind, method,
+                                                                                       monkeypatch):
+    """A backend call still running at `storage_timeout_s`: the requester gets one StorageOverdue
+    (logged, counted), the op stays in flight (no early ack), a drain for close completes without
+    it, and the real StorageAck follows when the call returns. On 3a097f5 it failed at once: there
+    was no StorageOverdue (ImportError) and no deadline (TransferActor took no storage_timeout_s)."""
+    from runtime.actors import transfer_actor
+    from runtime.messages import StorageOverdue
+    from runtime.storage.backend import FaultPlan, FaultyBackend
+    from runtime.storage.file_backend import FileBackend
+
+    events = _Events()
+    monkeypatch.setattr(transfer_actor, "log", events)
+    inner = FileBackend(tmp_path, PAGE_BYTES)
+    fb = FaultyBackend(inner, FaultPlan(hold_at={1}, methods={method}))
+    keys = [f"key1-{i}".encode() for i in range(3)]
+    if kind != "write":
+        inner.set_batch(keys, [np.full(PAGE_BYTES, i, np.uint8) for i in range(3)])
+    loop = asyncio.get_running_loop()
+    try:
+        async with storage_actor(fb, timeout_s=0.3) as (sup, transfer, acks):
+            t0 = loop.time()
+            transfer.mailbox.put_internal(storage_op(1, kind, acks))
+            assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+            [overdue] = await next_msgs(acks)
+            assert isinstance(overdue, StorageOverdue) and overdue.op_id == 1
+            assert loop.time() - t0 >= 0.25
+            st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+            assert (st["storage_ops_overdue"], st["inflight_storage_ops"]) == (1, 1)
+            assert [e["op"] for e in events.named("storage_op_overdue")] == [1]
+            # a drain (close) no longer waits for the overdue op, and says it left it behind
+            await asyncio.wait_for(sup.ask_internal(transfer.mailbox, DrainCopies(Reply())), 2.0)
+            assert [e["count"] for e in events.named("storage_ops_abandoned_at_close")] == [1]
+            await idle(20)
+            assert acks.depth == 0  # sent once; no ack while the call is held
+            fb.release()
+            [ack] = await next_msgs(acks)
+            assert isinstance(ack, StorageAck) and ack.op_id == 1 and ack.error is None
+            assert ack.pages == 3  # every page was stored / found / read
+            st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+            assert (st["storage_ops_overdue"], st["inflight_storage_ops"], st["storage_ops_done"]) == (1, 0, 1)
+    finally:
+        fb.release()
+        inner.close()
+
+
+async def test_an_op_done_before_its_deadline_gets_no_overdue_and_the_drain_waits_for_it(tmp_path):
+    """The deadline only covers calls that outlive it; before it, a drain waits for the op."""
+    from runtime.storage.backend import FaultPlan, FaultyBackend
+    from runtime.storage.file_backend import FileBackend
+
+    inner = FileBackend(tmp_path, PAGE_BYTES)
+    fb = FaultyBackend(inner, FaultPlan(hold_at={1}, methods={"set_batch"}))
+    try:
+        async with storage_actor(fb, timeout_s=30.0) as (sup, transfer, acks):
+            transfer.mailbox.put_internal(storage_op(1, "write", acks))
+            assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+            drain = asyncio.ensure_future(sup.ask_internal(transfer.mailbox, DrainCopies(Reply())))
+            await idle(50)
+            assert not drain.done() and acks.depth == 0
+            fb.release()
+            [ack] = await next_msgs(acks)
+            assert isinstance(ack, StorageAck) and ack.pages == 3
+            await asyncio.wait_for(drain, 2.0)
+            st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+            assert st["storage_ops_overdue"] == 0 and not transfer._storage_timers
+    finally:
+        fb.release()
+        inner.close()
