@@ -7,7 +7,14 @@ allocates space and keeps the object index; a metadata service (the standalone
 each other. Objects are immutable once written and evicted (approximately LRU) by the master
 when the pool fills, so presence is a hint.
 
-Keys are ``key_prefix + page_hash.hex()``; values are exactly ``page_bytes`` bytes.
+Keys are ``key_prefix + page_hash.hex()``; values are exactly ``page_bytes`` bytes. Each page
+has a companion object ``<page key>/xxh64``: 8 bytes, the page's checksum (XXH64 of the payload
+seeded by the key, `runtime.storage.checksum`, as in the file backend's trailer). A companion
+key and not a trailer in the page object: a page object read straight into the registered host
+pool must be exactly one pool page long. The page is written first, its checksum second, and a
+read verifies the bytes it received against the checksum (one more small ``get_batch`` per
+read), so a page without a checksum (being written, evicted apart, or written by an older
+version) or with a wrong one is a miss; a wrong one is counted (``corrupt_pages``) and logged.
 
 Data paths:
 - *zero-copy*: a buffer that lies inside memory registered with `register_buffer` (the host
@@ -29,6 +36,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -52,10 +60,13 @@ from runtime.storage.backend import (
     closed_error,
     leading_hits,
 )
+from runtime.storage.checksum import page_checksum
 from runtime.trace import get_logger
 
 _log = get_logger("hicache.storage.mooncake")
 
+SUM_SUFFIX = "/xxh64"  # companion object of a page: its checksum, 8 bytes little-endian
+_SUM = struct.Struct("<Q")
 INSTALL_HINT = "install it with scripts/install_mooncake.sh (Debian libibverbs1 libnl-3-200 libnl-route-3-200 + " \
                "pip mooncake-transfer-engine-non-cuda)"
 _SIZE_SUFFIXES = (("tb", 1 << 40), ("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("t", 1 << 40),
@@ -197,7 +208,7 @@ class MooncakeBackend:
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "pages_written",
             "write_failures", "zero_copy_pages_read", "zero_copy_pages_written", "bytes_read", "bytes_written",
-            "errors"), 0)
+            "errors", "corrupt_pages"), 0)
 
     # -- registration --------------------------------------------------------------------------
     def register_buffer(self, buf: Buffer) -> None:
@@ -304,13 +315,37 @@ class MooncakeBackend:
         out = [False] * len(keys)
         if zc_i:
             self._get_into([skeys[i] for i in zc_i], zc_a, zc_i, out)
-        zc_ok = sum(1 for i in zc_i if out[i])
         if plain:
             self._get_plain(skeys, dests, plain, out)
+        corrupt = self._verify(keys, skeys, dests, out)
+        zc_ok = sum(1 for i in zc_i if out[i])
         hits = sum(out)
-        self._count(get_calls=1, pages_read=hits, read_misses=len(out) - hits, zero_copy_pages_read=zc_ok,
-                    bytes_read=hits * pb)
+        self._count(get_calls=1, pages_read=hits, read_misses=len(out) - hits - corrupt, corrupt_pages=corrupt,
+                    zero_copy_pages_read=zc_ok, bytes_read=hits * pb)
         return out
+
+    def _verify(self, keys: Sequence[bytes], skeys: list[str], dests: Sequence[Buffer], out: list[bool]) -> int:
+        """Check every page read (``out[i]``) against its stored checksum, in place in its destination
+        (a zero-copy read stays zero-copy). A page without a checksum is a miss, one with a wrong
+        checksum is a miss that is logged and returned in the count of corrupt pages."""
+        hit = [i for i, ok in enumerate(out) if ok]
+        if not hit:
+            return 0
+        try:
+            sums = self._store.get_batch([skeys[i] + SUM_SUFFIX for i in hit])
+        except Exception as exc:  # noqa: BLE001 - unverifiable: a miss
+            self._error("get_batch", exc)
+            sums = [None] * len(hit)
+        corrupt = 0
+        pb = self.page_bytes
+        for i, raw in zip(hit, sums):
+            if raw is None or len(raw) != _SUM.size:
+                out[i] = False
+            elif _SUM.unpack(raw)[0] != page_checksum(bytes(keys[i]), byte_view(dests[i], pb, writable=False)):
+                out[i] = False
+                corrupt += 1
+                _log.warning("storage_page_corrupt", key=bytes(keys[i]).hex(), object=skeys[i], reason="checksum")
+        return corrupt
 
     def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
         """Read the leading present pages into ``dests``; returns how many were read whole. One
@@ -403,6 +438,7 @@ class MooncakeBackend:
                         out[i] = e == 1
             except Exception as exc:  # noqa: BLE001
                 self._error("put_batch", exc)
+        self._put_sums(keys, skeys, srcs, [i for i in first.values() if out[i]], out)
         for i, j in dup:
             out[i] = out[j]
         ok = sum(out[i] for i in first.values())
@@ -410,8 +446,31 @@ class MooncakeBackend:
                     bytes_written=ok * pb)
         return out
 
+    def _put_sums(self, keys: Sequence[bytes], skeys: list[str], srcs: Sequence[Buffer], stored: list[int],
+                  out: list[bool]) -> None:
+        """Store the checksum of every page stored (``stored``: indices); a page whose checksum could
+        not be stored is not stored (``out[i] = False``: a reader would miss it). A checksum already
+        present counts as stored, like a page."""
+        if not stored:
+            return
+        pb = self.page_bytes
+        sum_keys = [skeys[i] + SUM_SUFFIX for i in stored]
+        vals = [_SUM.pack(page_checksum(bytes(keys[i]), byte_view(srcs[i], pb, writable=False))) for i in stored]
+        try:
+            rc = self._store.put_batch(sum_keys, vals, self._rconf)
+            if rc == 0:
+                return
+            self._error("put_batch", rc)
+            present = self._store.batch_is_exist(sum_keys)
+        except Exception as exc:  # noqa: BLE001
+            self._error("put_batch", exc)
+            present = [0] * len(stored)
+        for i, e in zip(stored, present):
+            out[i] = out[i] and e == 1
+
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Remove pages (admin/tests; fails for objects under a read lease). Returns how many went."""
+        """Remove pages and their checksums (admin/tests; fails for objects under a read lease).
+        Returns how many pages went."""
         self._check_open()
         check_keys(keys)
         n = 0
@@ -419,6 +478,7 @@ class MooncakeBackend:
             try:
                 if self._store.remove(k) == 0:
                     n += 1
+                self._store.remove(k + SUM_SUFFIX)
             except Exception as exc:  # noqa: BLE001
                 self._error("remove", exc)
         return n

@@ -175,6 +175,46 @@ class TestMooncakeBackend:
         assert backend.exists_prefix([key(1, "ws")]) == 1  # present, but not a page of ours
         assert backend.get_batch([key(1, "ws")], [np.zeros(PB, np.uint8)]) == [False]
 
+    def test_every_read_is_verified_against_the_page_checksum(self, backend):
+        """Each page has a companion checksum object (XXH64 seeded by the key). A page whose bytes
+        do not match it (a flipped byte; another key's page and checksum copied under this key) is
+        a counted miss, on the zero-copy path too; a page without a checksum is a plain miss. On
+        3a097f5 it failed at its first line: there were no page checksums (runtime.storage.checksum)."""
+        from runtime.storage.checksum import page_checksum
+        from runtime.storage.mooncake_backend import SUM_SUFFIX
+
+        good = [key(i, "ck") for i in range(3)]
+        assert backend.set_batch(good, [page(500 + i) for i in range(3)]) == [True] * 3
+        sk = backend._keys(good)
+        assert backend._store.batch_is_exist([k + SUM_SUFFIX for k in sk]) == [1, 1, 1]
+        put = backend._store.put
+        flipped, forged, unsummed = key(0, "ckflip"), key(0, "ckforge"), key(0, "cknosum")
+        bad = page(510).copy()
+        bad[PB // 2] ^= 0x01
+        fk, gk, uk = backend._keys([flipped, forged, unsummed])
+        assert put(fk, bad.tobytes()) == 0
+        assert put(fk + SUM_SUFFIX, page_checksum(flipped, memoryview(page(510))).to_bytes(8, "little")) == 0
+        assert put(gk, page(500).tobytes()) == 0  # page 0 and its checksum, copied under another key
+        assert put(gk + SUM_SUFFIX, bytes(backend._store.get(sk[0] + SUM_SUFFIX))) == 0
+        assert put(uk, page(511).tobytes()) == 0
+        before = backend.stats()
+        dests = [np.zeros(PB, np.uint8) for _ in range(4)]
+        assert backend.get_batch([good[0], flipped, forged, unsummed], dests) == [True, False, False, False]
+        assert np.array_equal(dests[0], page(500))
+        after = backend.stats()
+        assert after["corrupt_pages"] - before["corrupt_pages"] == 2
+        assert after["read_misses"] - before["read_misses"] == 1  # the page without a checksum
+        pool = torch.zeros(3, PB, dtype=torch.uint8)  # zero-copy reads are verified in place
+        backend.register_buffer(pool)
+        try:
+            assert backend.get_prefix([good[0], good[1], flipped], [pool[i] for i in range(3)]) == 2
+            assert backend.get_prefix([flipped, good[2]], [pool[0], pool[1]]) == 0
+            assert backend.stats()["corrupt_pages"] - before["corrupt_pages"] == 4
+            assert backend.get_batch(good, [pool[i] for i in range(3)]) == [True] * 3
+            assert all(np.array_equal(pool[i].numpy(), page(500 + i)) for i in range(3))
+        finally:
+            backend.unregister_buffer(pool)
+
     def test_validation(self, backend):
         with pytest.raises(ValidationError):
             backend.set_batch([key(0)], [np.zeros(PB - 1, np.uint8)])
