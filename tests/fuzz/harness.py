@@ -305,6 +305,19 @@ Pred = tuple[tuple[type, ...], tuple[type, ...]]  # (one of these must be raised
 OK: Pred = ((), ())
 
 
+def _summary(res: Any, exc: Any) -> str:
+    if exc is not None:
+        return type(exc).__name__
+    if type(res) is AdmitResult:
+        return f"slots {res.slots.tolist()} cached {res.cached_device}+{res.loaded_host}"
+    if isinstance(res, torch.Tensor):
+        return f"slots {res.tolist()}"
+    if type(res) is tuple:  # a step's results
+        return "(" + ", ".join(_summary(None, r) if isinstance(r, BaseException) else _summary(r, None)
+                               for r in res) + ")"
+    return repr(res)
+
+
 def _names(types: tuple[type, ...]) -> str:
     return "/".join(t.__name__ for t in types)
 
@@ -403,6 +416,7 @@ class Driver:
         self.steps: list[Step] = []
         self.index = 0
         self.calls = 0
+        self.outcomes: list[str] = []  # what every call answered (replays must answer the same)
         self.checks = 0
         self.prev: Observation | None = None
         self.with_host = not cfg.decode_offload  # offload copies give requests host pages at any time
@@ -443,6 +457,11 @@ class Driver:
         """Run one API call: (result, None), (None, a CallerError) or (None, CANCELLED). Anything
         else (RuntimeFailed, RuntimeClosed, a hang, a stray exception) is a violation."""
         self.calls += 1
+        res, exc = await self._call(what, make, cancel)
+        self.outcomes.append(f"{what} -> {_summary(res, exc)}")
+        return res, exc
+
+    async def _call(self, what: str, make: Callable[[], Awaitable[Any]], cancel: int | None) -> tuple[Any, Any]:
         try:
             if cancel is None:
                 async with asyncio.timeout(CALL_TIMEOUT_S):
@@ -1483,6 +1502,7 @@ class EpisodeResult:
     steps: list[Step]
     calls: int
     violation: Violation | None
+    outcomes: list[str] = field(default_factory=list)
 
 
 def episode_rng(seed: int, episode: int) -> random.Random:
@@ -1503,8 +1523,10 @@ async def _close(rt: CacheRuntime, engine: FakeCopyEngine | None) -> None:
     await closing
 
 
-async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Step] | None = None) -> EpisodeResult:
-    """One episode: generated from `rng` (steps None) or replayed from `steps`."""
+async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Step] | None = None,
+                            teardown: bool = True) -> EpisodeResult:
+    """One episode: generated from `rng` (steps None) or replayed from `steps`; without `teardown`
+    (a shrink replay looking for a violation of the steps themselves) it ends with a plain close."""
     tmp = tempfile.mkdtemp(prefix="hicache-fuzz-") if cfg.storage != "none" else None
     storage = _storage_for(cfg, tmp) if tmp else None
     violation: Violation | None = None
@@ -1516,12 +1538,13 @@ async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Ste
         driver = Driver(rt, cfg, rng)
         try:
             await driver.run(steps)
-            await driver.teardown()
+            if teardown:
+                await driver.teardown()
         except Violation as exc:
             violation = exc
         finally:
             await _close(rt, engine)
-        if violation is None:
+        if violation is None and teardown:
             violation = await _after_close(rt, driver)
     finally:
         if storage is not None:
@@ -1529,7 +1552,7 @@ async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Ste
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     assert driver is not None
-    return EpisodeResult(cfg, driver.steps, driver.calls, violation)
+    return EpisodeResult(cfg, driver.steps, driver.calls, violation, driver.outcomes)
 
 
 async def _after_close(rt: CacheRuntime, driver: Driver) -> Violation | None:
@@ -1553,8 +1576,9 @@ async def _after_close(rt: CacheRuntime, driver: Driver) -> Violation | None:
     return None
 
 
-def run_episode(cfg: FuzzConfig, rng: random.Random, steps: list[Step] | None = None) -> EpisodeResult:
-    return asyncio.run(run_episode_async(cfg, rng, steps))
+def run_episode(cfg: FuzzConfig, rng: random.Random, steps: list[Step] | None = None,
+                teardown: bool = True) -> EpisodeResult:
+    return asyncio.run(run_episode_async(cfg, rng, steps, teardown))
 
 
 def generate_episode(seed: int, episode: int) -> tuple[FuzzConfig, random.Random]:
@@ -1565,9 +1589,9 @@ def generate_episode(seed: int, episode: int) -> tuple[FuzzConfig, random.Random
 # -- shrinking --------------------------------------------------------------------------------------------
 
 
-def _fails(cfg: FuzzConfig, steps: list[Step], kind: str, tries: int) -> bool:
-    for i in range(tries):
-        res = run_episode(cfg, random.Random(0), steps)
+def _fails(cfg: FuzzConfig, steps: list[Step], kind: str, tries: int, teardown: bool) -> bool:
+    for _ in range(tries):
+        res = run_episode(cfg, random.Random(0), steps, teardown)
         if res.violation is not None and res.violation.kind == kind:
             return True
     return False
@@ -1580,8 +1604,10 @@ def shrink(cfg: FuzzConfig, steps: list[Step], violation: Violation, budget_s: f
     deadline = time.monotonic() + budget_s
     tries = 1 if cfg.deterministic else 2
     kind = violation.kind
+    # a violation of the steps themselves needs no teardown in the replays (a leak found there does)
+    teardown = violation.step is None or violation.step >= len(steps)
     cur = list(steps[: (len(steps) if violation.step is None else violation.step) + 1])
-    if not _fails(cfg, cur, kind, tries):
+    if not _fails(cfg, cur, kind, tries, teardown):
         cur = list(steps)
     n = 2
     while len(cur) >= 2 and time.monotonic() < deadline:
@@ -1590,7 +1616,7 @@ def shrink(cfg: FuzzConfig, steps: list[Step], violation: Violation, budget_s: f
         start = 0
         while start < len(cur) and time.monotonic() < deadline:
             cand = cur[:start] + cur[start + chunk:]
-            if cand and _fails(cfg, cand, kind, tries):
+            if cand and _fails(cfg, cand, kind, tries, teardown):
                 cur = cand
                 removed = True
             else:
@@ -1605,7 +1631,7 @@ def shrink(cfg: FuzzConfig, steps: list[Step], violation: Violation, budget_s: f
             items = cur[i][1]["items"]
             if len(items) > 1:
                 cand = cur[:i] + [("batch", {**cur[i][1], "items": items[:j] + items[j + 1:]})] + cur[i + 1:]
-                if _fails(cfg, cand, kind, tries):
+                if _fails(cfg, cand, kind, tries, teardown):
                     cur = cand
                     continue
             j += 1

@@ -55,3 +55,20 @@ def test_replay(record_property, capsys):
     assert seed is not None and episode is not None
     report = H.fuzz(seed, 1, first_episode=episode, shrink_s=120)
     _report(report, record_property, capsys)
+
+
+def test_deterministic_episodes_replay_step_for_step():
+    """The replay line and the shrinker rely on it: an episode on the fake engine without storage,
+    replayed from its recorded steps, makes the same calls and ends the same way."""
+    checked = 0
+    for episode in range(40):
+        cfg, rng = H.generate_episode(CI_SEED, episode)
+        if not cfg.deterministic or checked == 3:
+            continue
+        first = H.run_episode(cfg, rng)
+        again = H.run_episode(cfg, H.random.Random(0), first.steps)
+        assert again.outcomes == first.outcomes
+        assert (again.violation and (again.violation.kind, again.violation.step)) == \
+            (first.violation and (first.violation.kind, first.violation.step))
+        checked += 1
+    assert checked == 3

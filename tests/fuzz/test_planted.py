@@ -30,7 +30,7 @@ def test_fuzzer_finds_the_planted_bug(plant, capsys):
     env = {**os.environ, "HICACHE_PURE_PYTHON": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.fuzz.planted", plant, "--seed", str(SEED), "--calls", str(BUDGET),
-         "--shrink-s", "20"],
+         "--shrink-s", "30"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
