@@ -1724,7 +1724,7 @@ def signature(v: Violation) -> str:
     """A violation with its numbers blanked: episodes that hit the same bug share it."""
     import re
 
-    detail = re.sub(r"^(after )?step\(\[.*?\]\)( item)? ", "", v.detail)  # a batch item as the call itself
+    detail = re.sub(r"^(after )?step\(\[.*?\]\)(:| item)? ", "", v.detail)  # a batch (item) as the call itself
     return f"{v.kind}: {re.sub(r'[0-9]+', 'N', detail)[:100]}"
 
 
