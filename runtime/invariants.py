@@ -127,6 +127,8 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     for op in core.ops.values():
         if op.direction is Direction.BACKUP:
             claim("host", op.host, op.host_owner, f"backup op {op.op_id} destination")
+        elif getattr(op, "orphaned", False):  # its nodes were rolled back: its slots wait for its ack
+            claim("device", op.device, Owner.node(op.node.id), f"orphaned load {op.op_id}")
         for page in _pages(op.device, ps):
             pins["device"][page] += 1
         for page in _pages(op.host, ps):
@@ -219,7 +221,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     }
     host_leaves = {
         n for n in nodes
-        if n.device is None and n.host is not None and n.host_protect == 0
+        if n.device is None and n.host is not None and n.host_protect == 0 and n.lock_ref == 0
         and not any(c.host is not None for c in n.children.values())
     }
     if set(core.tree.device_leaves) != device_leaves:

@@ -259,7 +259,7 @@ class StorageOverdue:
 
 
 TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned | MatchPrefix | CanAdmit
-               | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck | Prepare | StorageAck)
+               | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck | Prepare | StorageAck | StorageOverdue)
 
 
 # -- decode offload (tree actor <-> offload actor) ----------------------------------------

@@ -149,7 +149,8 @@ class CacheRuntime:
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
-            bytes_per_slot=config.bytes_per_token, storage=self.storage, host_pool=self.host_pool)
+            bytes_per_slot=config.bytes_per_token, storage=self.storage, host_pool=self.host_pool,
+            storage_timeout_s=config.storage_timeout_s)
         self._core = CacheCore(config, self.tracer)
         if self.storage is not None:
             self._core.enable_storage()
@@ -220,7 +221,11 @@ class CacheRuntime:
         await sup.stop()
         self.tracer.close()
         if self._own_storage and self.storage is not None and not self._abandoned_copies:
-            self.storage.close()
+            if self._transfer.storage_inflight:
+                # overdue calls still run in worker threads and use the backend: leave it open
+                log.warning("storage_left_open", ops=sorted(self._transfer.storage_inflight))
+            else:
+                self.storage.close()
 
     async def _close_cancelled(self, closer: asyncio.Task[None]) -> None:
         """The caller of `close` was cancelled: finish the close anyway, bounded by `close_grace_s`."""

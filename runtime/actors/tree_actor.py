@@ -35,6 +35,7 @@ from runtime.messages import (
     Prepare,
     Rewind,
     StorageAck,
+    StorageOverdue,
     TransferAck,
     TreeMessage,
     TreeStats,
@@ -63,6 +64,9 @@ class TreeActor(Actor[TreeMessage]):
         self.transfer_mailbox = transfer_mailbox
         self.debug_invariants = debug_invariants
         self.quiesce_waiters: list[Reply[None]] = []
+        # storage ops past their deadline: still in flight (pages pinned) until their ack, but
+        # nothing waits for them any more (admits, Quiesce)
+        self.storage_overdue: set[int] = set()
         self.offload_mailbox = offload_mailbox  # decode offload: where OffloadCommit/Finish/Ack go
         self.handlers = {
             Admit: self.on_admit,
@@ -86,7 +90,7 @@ class TreeActor(Actor[TreeMessage]):
         }
         self.handlers.update({StartOffload: self.on_start_offload, ReleaseOffloaded: self.on_release_offloaded})
         self.handlers.update({Prepare: self.on_prepare, StorageAck: self.on_storage_ack,
-                              _PrefetchTimeout: self.on_prefetch_timeout})
+                              StorageOverdue: self.on_storage_overdue, _PrefetchTimeout: self.on_prefetch_timeout})
 
     # -- handlers ----------------------------------------------------------------
     def on_admit(self, msg: Admit) -> Any:
@@ -104,6 +108,7 @@ class TreeActor(Actor[TreeMessage]):
                 pf = core.prefetches.get(msg.rid)
                 if pf is None and core.prepare(msg.rid, msg.tokens, msg.extra_key):
                     pf = core.prefetches[msg.rid]
+                    pf.by_prepare = False  # the admit's own: its rid is not one the caller prepared
                 if pf is not None:
                     pf.waiters.append(msg)
                     if policy == "timeout":
@@ -171,7 +176,7 @@ class TreeActor(Actor[TreeMessage]):
         }
 
     def on_quiesce(self, msg: Quiesce) -> Any:
-        if not self.core.ops and not self.core.storage_ops:
+        if self._quiet():
             return None
         if msg.reply is not None:
             self.quiesce_waiters.append(msg.reply)
@@ -184,8 +189,13 @@ class TreeActor(Actor[TreeMessage]):
         self.core.apply_ack(msg.op_id, msg.error)
         self._maybe_quiesced()
 
+    def _quiet(self) -> bool:
+        """No copy in flight and no storage op but overdue ones (their calls may never return)."""
+        core = self.core
+        return not core.ops and len(core.storage_ops) == len(self.storage_overdue)
+
     def _maybe_quiesced(self) -> None:
-        if not self.core.ops and not self.core.storage_ops and self.quiesce_waiters:
+        if self.quiesce_waiters and self._quiet():
             for reply in self.quiesce_waiters:
                 reply.set_result(None)
             self.quiesce_waiters.clear()
@@ -235,8 +245,22 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.prepare(msg.rid, msg.tokens, msg.extra_key)
 
     def on_storage_ack(self, msg: StorageAck) -> None:
+        self.storage_overdue.discard(msg.op_id)
         pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok)
         if pf is not None:
+            self._release_waiters(pf)
+        self._maybe_quiesced()
+
+    def on_storage_overdue(self, msg: StorageOverdue) -> None:
+        """A storage call ran past its deadline: a prefetch's waiting admits go on without it (it
+        still lands into the tree if its call ever returns); Quiesce stops waiting for the op."""
+        sop = self.core.storage_ops.get(msg.op_id)
+        if sop is None:  # its ack came first
+            return
+        self.storage_overdue.add(msg.op_id)
+        pf = sop.prefetch
+        if pf is not None and pf.waiters:
+            self.core._prefetch_detach(pf)
             self._release_waiters(pf)
         self._maybe_quiesced()
 

@@ -47,6 +47,7 @@ from runtime.tree.policies import policy_by_name
 from runtime.tree.radix import MatchResult, Node, RadixTree
 
 EMPTY = np.zeros(0, dtype=np.int64)
+_log = get_logger("hicache.tree")
 
 
 @dataclass(slots=True)
@@ -108,6 +109,9 @@ class CopyOp:
     readiness: LayerReadiness | None = None
     evict_after: bool = False
     users: set[Hashable] = field(default_factory=set)
+    # a load issued under another load that failed first: its nodes lost their device copies, and
+    # its device slots stay with it (owner: its deepest node's id) until its ack frees them
+    orphaned: bool = False
 
 
 def _aligned(n: int, page_size: int) -> int:
@@ -200,6 +204,8 @@ class CacheCore:
             slots=slots, seq_len=len(tokens), committed_len=cached, cached_len=cached,
             last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
         self.requests[rid] = rec
+        if self.storage_on:  # a lookup that landed while this admit waited marked it prepared
+            self.prefetched.discard(rid)
         self.stats["requests_admitted"] += 1
         self.stats["tokens_device_hit"] += m.device_len
         self.stats["tokens_host_hit"] += host_len
@@ -248,6 +254,7 @@ class CacheCore:
         if rec.failed is not None:
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); abort it")
         tokens = self._check_kv_tokens(rec, tokens)
+        self._check_loaded(rec)
         self._insert(rec, tokens)
         return rec.cached_len
 
@@ -261,6 +268,7 @@ class CacheCore:
             self.stats["requests_aborted"] += 1
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); it was released")
         tokens = self._trimmed(rec, tokens, finished_len)
+        self._check_loaded(rec)
         if rec.session is not None:
             self._finish_turn(rec, tokens)
             self.stats["requests_finished"] += 1
@@ -306,6 +314,8 @@ class CacheCore:
         if sess.turn is not None:
             raise StateError(f"session {sid!r} has turn {sess.turn!r} running")
         keep = _aligned(sess.kv_len, self.page_size) if insert else 0
+        if keep and self.loading:
+            keep = self._loading_cap(sess.tokens, keep, sess.extra_key)
         if keep:
             res = self.tree.insert(sess.tokens[:keep], sess.extra_key, sess.slots[:keep])
             for node, slots in res.adopted:
@@ -368,6 +378,14 @@ class CacheCore:
                 if err is not None:
                     rec.failed = repr(err)
                     return
+
+    def _check_loaded(self, rec: RequestRecord) -> None:
+        """KV computed past a prefix that is still loading may rest on data that never arrives:
+        it enters the tree (cache, finish) only once every load the request waits on is done."""
+        for r in rec.readiness:
+            if not r.done():
+                raise StateError(f"request {rec.rid!r} still waits for a load of its cached prefix (op "
+                                 f"{r.op_id}): await its readiness before cache or finish")
 
     def _session(self, sid: Hashable) -> SessionRecord:
         sess = self.sessions.get(sid)
@@ -461,6 +479,8 @@ class CacheCore:
         n = _aligned(len(tokens), self.page_size)
         if len(tokens) > len(rec.tokens):  # the record only grows (the caller checked they agree)
             rec.tokens = tokens
+        if self.loading and n > rec.cached_len:
+            n = self._loading_cap(tokens, n, rec.extra_key)
         if n <= rec.cached_len:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
@@ -489,6 +509,19 @@ class CacheCore:
         if self.host is not None and self.config.write_policy == "write_through":
             for node, _ in res.adopted:
                 self._maybe_backup(node)
+
+    def _loading_cap(self, tokens: np.ndarray, n: int, extra_key: Hashable) -> int:
+        """How much of tokens[:n] an insert may cover: it stops at a node whose load is in flight
+        (a layer not ready yet), so that nothing new hangs below KV that a failed load takes back
+        (a request waiting on that load cannot get here: `_check_loaded`)."""
+        m = self.tree.match(tokens[:n], extra_key, split=False, touch=False)
+        pos = 0
+        for node in m.nodes:
+            r = self.loading.get(node.id)
+            if r is not None and not r.all_ready():
+                return pos
+            pos += node.num_tokens
+        return n
 
     def _release(self, rec: RequestRecord) -> None:
         """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
@@ -584,9 +617,19 @@ class CacheCore:
     def _finish_load(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
         for node in chain:
             self.loading.pop(node.id, None)
+        if op.orphaned:  # its nodes were rolled back with a failed load above them
+            self.device.free(op.device, Owner.node(op.node.id), node=op.node.id, reason="load_orphaned")
+            return
+        if error is not None and op.readiness is not None and op.readiness.all_ready():
+            # every layer was reported on device: its users computed on it, and KV below it
+            # may be in the tree already (`_loading_cap`), so the load stands
+            _log.warning("load_error_after_all_layers_ready", op=op.op_id, error=error)
+            error = None
         if error is None:
             return
-        # roll back: the device copies never became valid; requests that used them are failed
+        # roll back: the device copies never became valid, nor did those of the loads started
+        # under them (their users are this one's too); requests that used them are failed
+        self._orphan_loads_below(op, chain[0], error)
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
             self.device.free(slots, Owner.node(node.id), node=node.id, reason="load_failed")
@@ -594,6 +637,38 @@ class CacheCore:
             rec = self.requests.get(rid)
             if rec is not None:
                 rec.failed = error
+
+    def _orphan_loads_below(self, failed: CopyOp, top: Node, error: str) -> None:
+        """Before the chain of `failed` (from `top` down) loses its device copies: take them from
+        the nodes of every other load in flight below `top` (deepest first), each load keeping its
+        slots until its own ack. Nothing else can be on device below a load in flight
+        (`_loading_cap`; acks come in issue order)."""
+        def depth(node: Node) -> int | None:
+            d = 0
+            while node is not top:
+                if node.parent is None:
+                    return None
+                node, d = node.parent, d + 1
+            return d
+
+        below = []
+        for op in self.ops.values():
+            if op.direction is Direction.LOAD and not op.orphaned and op is not failed:
+                d = depth(op.node)
+                if d is not None:
+                    below.append((d, op))
+        for _, op in sorted(below, key=lambda x: -x[0]):
+            owner = Owner.node(op.node.id)
+            for node in reversed(self.tree.split_chain(op.node, op.length)):
+                self.loading.pop(node.id, None)
+                slots = self.tree.detach_device(node, force=True)
+                if node is not op.node:
+                    self.device.assign(slots, Owner.node(node.id), owner, node=op.node.id, reason="load_orphaned")
+            op.orphaned = True
+            for rid in op.users:
+                rec = self.requests.get(rid)
+                if rec is not None:
+                    rec.failed = error
 
     def _load_op_of(self, readiness: LayerReadiness, missing_ok: bool = False) -> CopyOp | None:
         for op in self.ops.values():
@@ -745,6 +820,7 @@ class CacheCore:
         ps = self.page_size
         backup_first = self.host is not None and self.config.write_policy == "write_back"
         left: dict[Node, int] = {}  # device children a parent still has in the dry run
+        deleted: dict[Node, int] = {}  # children the dry run deleted (no host copy): gone for good
         leaves = iter(self.tree.device_leaves)
         ready: list[Node] = []
         got = 0
@@ -757,10 +833,13 @@ class CacheCore:
                     break
                 if node in keep:
                     continue
-            if node.host is None and self.host is not None and (backup_first or node.children):
+            if node.host is None and self.host is not None and (
+                    backup_first or len(node.children) > deleted.get(node, 0)):
                 continue
             got += len(node.device) // ps
             parent = node.parent
+            if node.host is None:
+                deleted[parent] = deleted.get(parent, 0) + 1
             if parent.parent is None or parent.lock_ref or parent in keep:
                 continue
             n = left.get(parent, parent.n_dev_children) - 1
@@ -772,7 +851,7 @@ class CacheCore:
     def _evictable_host_tokens(self) -> int:
         # O(nodes): informational (available()), not on the hot path
         return sum(len(n.host) for n in self.tree.nodes()
-                   if n.host is not None and n.device is None and n.host_protect == 0)
+                   if n.host is not None and n.device is None and n.host_protect == 0 and n.lock_ref == 0)
 
     # -- helpers: validation -------------------------------------------------------------
     def _record(self, rid: Hashable) -> RequestRecord:
@@ -792,13 +871,16 @@ class CacheCore:
     def _trimmed(self, rec: RequestRecord, tokens: Any, finished_len: int | None) -> np.ndarray:
         """The tokens a finishing request keeps: prompt + `finished_len` (all when None)."""
         arr = self._check_kv_tokens(rec, tokens)
-        if finished_len is None:
-            return arr
-        keep = rec.prompt_len + finished_len if isinstance(finished_len, int) and finished_len >= 0 else -1
-        if not rec.prompt_len <= keep <= len(arr):
-            raise LengthError(f"finished_len {finished_len!r} of {rec.rid!r} must keep between "
-                              f"{rec.prompt_len} and {len(arr)} tokens")
-        return arr[:keep]
+        if finished_len is not None:
+            keep = rec.prompt_len + finished_len if isinstance(finished_len, int) and finished_len >= 0 else -1
+            if not rec.prompt_len <= keep <= len(arr):
+                raise LengthError(f"finished_len {finished_len!r} of {rec.rid!r} must keep between "
+                                  f"{rec.prompt_len} and {len(arr)} tokens")
+            arr = arr[:keep]
+        if rec.session is not None and len(arr) < self.sessions[rec.session].kv_len:
+            raise LengthError(f"turn {rec.rid!r} must keep at least the {self.sessions[rec.session].kv_len} "
+                              f"tokens its session {rec.session!r} had, got {len(arr)}")
+        return arr
 
     def _free_tail(self, rec: RequestRecord, keep: int) -> None:
         """Free the request's own pages past `keep` tokens. The start is aligned up to the next
@@ -1122,6 +1204,7 @@ class Prefetch:
     host: np.ndarray
     cancelled: bool = False
     detached: bool = False  # admitted without waiting for it: it lands into the tree for whoever comes next
+    by_prepare: bool = True  # started by the caller's prepare (False: by an admit that waits for it)
     waiters: list[Any] = field(default_factory=list)  # admits deferred until it lands (tree actor)
     # the anchor: the cached prefix [0, start) the read pages will hang under, kept in the tree
     # until the prefetch ends (else making host room for the read could evict it)
@@ -1352,7 +1435,7 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
         if found and self._prefetch_read(pf, sop.keys[:found]):
             return None  # its waiters wait for the read
         self._release_anchor(pf)
-        if not pf.cancelled and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
+        if pf.by_prepare and not pf.cancelled and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
             self.prefetched.add(pf.rid)  # prepared: a later abort of the rid is not an unknown rid
         if self.prefetches.get(pf.rid) is pf:
             del self.prefetches[pf.rid]
@@ -1367,7 +1450,7 @@ def apply_storage_ack(self: CacheCore, op_id: int, pages: int, error: str | None
     if pf.cancelled:
         pages = 0
     else:
-        if not pf.detached and len(self.prefetched) < _PREPARED_CAP:
+        if pf.by_prepare and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
             self.prefetched.add(pf.rid)
         self.storage_known.difference_update(sop.keys[pages:])  # gone (evicted elsewhere): rewrite it next time
         self.stats["storage_read_misses"] += len(sop.keys) - pages

@@ -384,9 +384,11 @@ class RadixTree:
 
     @staticmethod
     def _is_host_leaf(node: Node) -> bool:
-        """Evictable host leaf (seed 004): off device, host slots, not host-protected,
-        and no child that *has host slots* (not: no child evicted from device)."""
-        return node.device is None and node.host is not None and node.host_protect == 0 and node.n_host_children == 0
+        """Evictable host leaf (seed 004): off device, host slots, not host-protected, unlocked
+        (a failed load leaves its users' locks on nodes without a device copy), and no child
+        that *has host slots* (not: no child evicted from device)."""
+        return (node.device is None and node.host is not None and node.host_protect == 0 and node.lock_ref == 0
+                and node.n_host_children == 0)
 
     def _refresh(self, node: Node) -> None:
         """Recompute both set memberships of one node (O(1))."""
@@ -792,9 +794,11 @@ class RadixTree:
         while node.parent is not None:
             if node.lock_ref == 0:
                 node.lock_ref = 1
-                dl.discard(node)
                 if node.device is not None:
+                    dl.discard(node)
                     self.locked_device_tokens += len(node.device)
+                else:
+                    self.host_leaves.discard(node)
             else:
                 node.lock_ref += 1
             node = node.parent
@@ -821,9 +825,11 @@ class RadixTree:
         for nd in path:
             if nd.lock_ref == 0:
                 nd.lock_ref = 1
-                dl.discard(nd)
                 if nd.device is not None:
+                    dl.discard(nd)
                     self.locked_device_tokens += len(nd.device)
+                else:
+                    self.host_leaves.discard(nd)
             else:
                 nd.lock_ref += 1
 
@@ -843,6 +849,7 @@ class RadixTree:
                     cur.lock_ref += 1
                     if cur.lock_ref == 1:
                         self.device_leaves.discard(cur)
+                        self.host_leaves.discard(cur)
                         if cur.device is not None:
                             self.locked_device_tokens += len(cur.device)
                     cur = cur.parent
@@ -857,6 +864,8 @@ class RadixTree:
                         self.device_leaves.add(node)
                         if not node._dq:
                             self._push_dev(node)
+                elif node.host is not None:  # off device (a failed load): maybe a host leaf now
+                    self._refresh(node)
             node = node.parent
 
     # ------------------------------------------------------------------ host protection

@@ -78,7 +78,7 @@ def _host_leaf_ignores_children() -> Callable[[], None]:
 
     rule = RadixTree.__dict__["_is_host_leaf"]
     RadixTree._is_host_leaf = staticmethod(
-        lambda node: node.device is None and node.host is not None and node.host_protect == 0)
+        lambda node: node.device is None and node.host is not None and node.host_protect == 0 and node.lock_ref == 0)
     return lambda: setattr(RadixTree, "_is_host_leaf", rule)
 
 

@@ -593,6 +593,8 @@ def _kill_child(directory: str, progress: str) -> None:
                 with open(progress, "a") as f:
                     f.write(f"{i}\n")
                 res = await rt.admit(i, a)
+                for r in res.readiness:  # pages an earlier attempt stored load first
+                    await r.wait_all()
                 compute(rt, res.slots, a)
                 await rt.finish(i, a[:KILL_TOKENS])
                 await settle_all(rt, timeout=60)

@@ -127,6 +127,9 @@ async def test_flush_never_leaves_a_node_without_a_copy_above_a_host_child():
         h = np.concatenate((x, toks(9, 12)))
         pp = np.concatenate((p, toks(1, 13)))
         r = await rt.admit("p", pp)
+        await release_all(rt, engine)  # P may come from storage: its load lands first
+        for x in r.readiness:
+            await x.wait_all()
         compute(rt, r.slots, pp)
         await rt.finish("p", p)
 
@@ -300,6 +303,9 @@ async def test_prefetch_keeps_the_prefix_its_pages_hang_under(tmp_path):
     async with fake_runtime(cfg) as (rt, engine):  # B: a fresh process over the same storage
         pp = np.concatenate((p, toks(1, 54)))
         r = await rt.admit("p", pp)
+        await release_all(rt, engine)  # P may come from storage: its load lands first
+        for x in r.readiness:
+            await x.wait_all()
         compute(rt, r.slots, pp)
         await rt.finish("p", p)
         await release_all(rt, engine)  # P backed up on host
@@ -318,5 +324,95 @@ async def test_prefetch_keeps_the_prefix_its_pages_hang_under(tmp_path):
         await release_all(rt, engine)
         assert bad_positions(rt.device_pool, res.slots[:24], t[:24]) == []
         await rt.abort("t")
+        await release_all(rt, engine)
+        await rt.inspect(lambda core: check_invariants(core, quiescent=True))
+
+
+# -- a failed load takes back only what hangs on it -------------------------------------------
+
+
+async def _host_only_chain(rt, engine, x, y):
+    """Cache x then x+y (two nodes, backed up to host), then push both off device with a large
+    unrelated request (aborted): the tree holds them host-only."""
+    for rid, t in (("x", x), ("xy", np.concatenate((x, y)))):
+        full = np.concatenate((t, toks(1, 90)))
+        res = await rt.admit(rid, full)
+        compute(rt, res.slots, full)
+        await rt.finish(rid, t)
+    await release_all(rt, engine)
+    av = await rt.available()
+    big = toks(av["device_free"] + av["device_evictable"], 91)
+    await rt.admit("big", big)
+    await rt.abort("big")
+    assert await rt.match_prefix(np.concatenate((x, y))) == {"device": 0, "host": len(x) + len(y)}
+
+
+@pytest.mark.parametrize("second", ["released_first", "released_after", "failed"])
+async def test_a_failed_load_takes_back_the_loads_started_under_it(second):
+    """X (16 tokens) and its child Y (8) are host-only. `c` matches X: its load starts. `d`
+    matches X (on device, still loading) and Y: Y's load starts under X's. X's load fails: Y's
+    device copy must go too (residency is prefix-closed), its slots staying with its load until
+    that one's ack, whether Y's copy completed before, completes after or fails. c and d learn it
+    (TransferError), X and Y stay cached on host, nothing leaks. On the code before this fix the
+    rollback failed the runtime (TreeError: detach_device ... device children=1)."""
+    from runtime.errors import TransferError
+
+    async with fake_runtime(small_config(device_slots=64, host_tokens=256)) as (rt, engine):
+        x, y = toks(16, 20), toks(8, 21)
+        await _host_only_chain(rt, engine, x, y)
+        c = np.concatenate((x, toks(3, 22)))
+        rc = await rt.admit("c", c)
+        assert rc.loaded_host == 16
+        await until(lambda: len(engine.pending()) == 1)
+        load_x = engine.pending()[0]
+        d = np.concatenate((x, y, toks(3, 23)))
+        rd = await rt.admit("d", d)
+        assert (rd.cached_device, rd.loaded_host) == (16, 8)
+        await until(lambda: len(engine.pending()) == 2)
+        load_y = [op for op in engine.pending() if op != load_x][0]
+        if second == "released_first":
+            engine.release(load_y)
+        engine.fail(load_x, RuntimeError("injected"))
+        await asyncio.sleep(0.01)
+        await rt.inspect(check_invariants)
+        if second == "released_after":
+            engine.release(load_y)
+        elif second == "failed":
+            engine.fail(load_y, RuntimeError("injected"))
+        await settle(rt)
+        for rid, t in (("c", c), ("d", d)):
+            with pytest.raises(TransferError):
+                await rt.finish(rid, t)
+        await release_all(rt, engine)
+        assert await rt.match_prefix(np.concatenate((x, y, toks(1, 24)))) == {"device": 0, "host": 24}
+        await rt.inspect(lambda core: check_invariants(core, quiescent=True))
+
+
+async def test_an_insert_stops_at_a_node_still_loading():
+    """`e` was admitted before X was cached and computed X itself; X is then loaded for `c`
+    (in flight) when e caches X + Z: e's KV may not hang under X's load (its failure takes X's
+    device copy back), so the insert stops above X and e keeps its pages; cache says so (0).
+    After X's load fails, e finishes with its own KV intact. Before the fix the rollback failed
+    the runtime (TreeError: detach_device ... device children=1). `c` caching before its load is
+    done is refused (StateError) and changes nothing."""
+    async with fake_runtime(small_config(device_slots=64, host_tokens=256)) as (rt, engine):
+        x, y = toks(16, 30), toks(8, 31)
+        e = np.concatenate((x, toks(9, 32)))
+        re = await rt.admit("e", e)
+        compute(rt, re.slots, e)
+        await _host_only_chain(rt, engine, x, y)
+        c = np.concatenate((x, toks(3, 33)))
+        rc = await rt.admit("c", c)
+        compute(rt, rc.slots, c, start=16)
+        with pytest.raises(StateError):
+            await rt.cache("c", c)
+        assert await rt.cache("e", e[:24]) == 0
+        await until(lambda: bool(engine.pending()))
+        engine.fail(engine.pending()[0], RuntimeError("injected"))
+        await settle(rt)
+        assert bad_positions(rt.device_pool, re.slots, e) == []
+        assert await rt.finish("e", e) == 24
+        assert (await rt.match_prefix(e))["device"] == 24
+        await rt.abort("c")
         await release_all(rt, engine)
         await rt.inspect(lambda core: check_invariants(core, quiescent=True))

@@ -149,7 +149,8 @@ def check_tree(tree: RadixTree, model: Model | None = None, in_pass: bool = Fals
         kids = list(n.children.values())
         if n.device is not None and n.lock_ref == 0 and not any(c.device is not None for c in kids):
             exp_dev_leaves.add(n)
-        if n.device is None and n.host is not None and n.host_protect == 0 and not any(c.host is not None for c in kids):
+        if (n.device is None and n.host is not None and n.host_protect == 0 and n.lock_ref == 0
+                and not any(c.host is not None for c in kids)):
             exp_host_leaves.add(n)
 
     assert tree.device_leaves == exp_dev_leaves, "evictable device leaves != definition"
