@@ -123,6 +123,9 @@ class FuzzConfig:
     impatient: bool = False
     fault_seed: int = 0
     calls: int = 300  # API calls in a generated episode
+    # "loads": few conversations, a large host pool and copy faults: prefixes go host-only and
+    # come back often, loads start under loads and fail (the host->device path's rollbacks)
+    focus: str = "mixed"
 
     @property
     def device_slots(self) -> int:
@@ -150,6 +153,12 @@ def draw_config(rng: random.Random) -> FuzzConfig:
     device_pages = {1: rng.randint(16, 40), 4: rng.randint(6, 16), 16: rng.randint(3, 8)}[ps]
     host_pages = 0 if rng.random() < 0.1 else rng.randint(max(2, device_pages // 2), 2 * device_pages)
     storage = "none" if host_pages == 0 or rng.random() < 0.5 else rng.choice(("file", "faulty"))
+    if rng.random() < 0.15:
+        return FuzzConfig(
+            page_size=ps, device_pages=2 * device_pages, host_pages=8 * device_pages,
+            write_policy=rng.choice(("write_through", "write_back")), eviction_policy=rng.choice(("lru", "lfu")),
+            host_layout=rng.choice(("layer_first", "page_first")), copy_faults=True,
+            impatient=rng.random() < 0.2, calls=rng.randint(150, 350), focus="loads")
     return FuzzConfig(
         page_size=ps, device_pages=device_pages, host_pages=host_pages,
         write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
@@ -205,9 +214,12 @@ class Vocab:
         self.rng = rng
         self.D = cfg.device_slots
         self.unit = max(1, self.D // 12)
+        # the longest prompt, as a share of the device pool ("loads": short ones, so that live
+        # requests leave the tree room and cached prefixes come back instead of being recomputed)
+        self.max_prompt = 0.3 if cfg.focus == "loads" else 0.6
         self.systems = [self.rand(rng.randint(self.unit, 3 * self.unit)) for _ in range(3)]
         self.convs: list[tuple[list[int], list[int]]] = []
-        for _ in range(5):
+        for _ in range(2 if cfg.focus == "loads" else 5):
             toks = list(rng.choice(self.systems))
             bounds = [len(toks)] if rng.random() < 0.3 else []
             while len(toks) < self.D:
@@ -230,7 +242,7 @@ class Vocab:
         r = rng.random()
         if r < 0.65:
             toks, bounds = rng.choice(self.convs)
-            fit = [b for b in bounds if b <= max(1, int(0.6 * D))] or [min(bounds[0], D - 1)]
+            fit = [b for b in bounds if b <= max(1, int(self.max_prompt * D))] or [min(bounds[0], D - 1)]
             b = rng.choice(fit)
             plan = list(toks) if rng.random() < 0.8 else toks[:b] + self.rand(D - b)  # a reply of its own
         elif r < 0.85:
@@ -1063,6 +1075,20 @@ class Driver:
             raise self.fail("can-admit-result", f"{what} returned {res!r}")
         await self.check(what, None if exc is CANCELLED else exc)
 
+    async def x_crowd(self, pressure: dict[str, Any] | None, items: list[tuple[str, dict[str, Any]]]) -> None:
+        """`pressure`: a long unrelated prompt passes through first (admitted, then aborted): cached
+        prefixes lose their device copies, those backed up stay on host. Then one batch of `items`."""
+        if pressure is not None:
+            # as long as the pool allows: every evictable device copy goes
+            av, _ = await self.call("available()", self.rt.available)
+            room = av["device_free"] + av["device_evictable"] if av else 0
+            toks = pressure["tokens"][:room]
+            if len(toks) >= 2:
+                await self.x_admit(pressure["rid"], toks, pressure["cont"] + pressure["tokens"][room:])
+                if pressure["rid"] in self.reqs:
+                    await self.x_abort(pressure["rid"])
+        await self.x_batch(items, None)
+
     async def x_can_then_admit(self, rid: Hashable, tokens: list[int], cont: list[int], ns: Hashable = None) -> None:
         """can_admit, then admit of the same tokens: they decide by one answer (API, "Capacity").
         Checked where nothing can land in between: fake engine, no storage, no decode offload."""
@@ -1264,6 +1290,7 @@ class Driver:
             (3, self.g_abort),
             (4, self.g_rewind),
             (6, self.g_batch),
+            (4, self.g_crowd),
             (1.5, self.g_open_session),
             (4, self.g_turn),
             (1.5, self.g_close_session),
@@ -1409,6 +1436,27 @@ class Driver:
         cancel = rng.choice((0, 1)) if rng.random() < 0.08 else None
         return "batch", {"items": items, "cancel": cancel}
 
+    def _pressure(self) -> dict[str, Any]:
+        return {"rid": self._new_rid(), "tokens": self.vocab.rand(self.D - 1), "cont": self.vocab.rand(1)}
+
+    def g_crowd(self) -> Step:
+        """Users of one conversation arriving together: one batch of admits at its turn boundaries,
+        shortest first, so that each one's load from host may start under the one before it; often
+        right after a long unrelated prompt pushed the conversation off device."""
+        rng, D = self.rng, self.D
+        pressure = self._pressure() if rng.random() < 0.6 else None
+        toks, bounds = rng.choice(self.vocab.convs)
+        bounds = [b for b in bounds if b <= max(1, int(self.vocab.max_prompt * D))] or bounds[:1]
+        ns = self.vocab.namespace()
+        items: list[tuple[str, dict[str, Any]]] = []
+        for b in sorted(set(rng.sample(bounds, min(len(bounds), rng.randint(2, 3))))):
+            rid = self._new_rid()
+            b = max(1, min(b, D - 1))
+            if rid in self.reqs or any(a["rid"] == rid for _, a in items):
+                continue
+            items.append(("admit", {"rid": rid, "tokens": toks[:b], "cont": toks[b:D], "ns": ns}))
+        return ("crowd", {"pressure": pressure, "items": items}) if items else ("stats", {})
+
     def g_open_session(self) -> Step:
         if self.sessions and self._bad(0.1):
             sid = self.rng.choice(list(self.sessions))
@@ -1467,7 +1515,10 @@ class Driver:
         rng = self.rng
         fail = self.cfg.copy_faults and rng.random() < 0.12
         layers = 0 if not fail and rng.random() < 0.1 else None
-        return "release", {"which": rng.randrange(1 << 16), "layers": layers, "fail": fail}
+        # a failure often hits the oldest copy in flight: the ones issued after it (loads started
+        # under it) are still pending, and its rollback must take them into account
+        which = 0 if fail and rng.random() < 0.5 else rng.randrange(1 << 16)
+        return "release", {"which": which, "layers": layers, "fail": fail}
 
     def g_bad(self) -> Step:
         if self.rng.random() < 0.15:
