@@ -43,7 +43,8 @@ from benchmarks.bench_copy_engine import (  # noqa: E402
 import torch  # noqa: E402
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply  # noqa: E402
-from runtime.actors.transfer_actor import DrainCopies, SubmitCopy, TransferActor  # noqa: E402
+from runtime.actors.transfer_actor import TransferActor  # noqa: E402
+from runtime.messages import DrainTransfer, SubmitCopy  # noqa: E402
 from runtime.completion import LayerReadiness  # noqa: E402
 from runtime.errors import TransferError  # noqa: E402
 from runtime.memory.ledger import SlotLedger  # noqa: E402
@@ -135,7 +136,7 @@ async def actor_candidate(pools: dict, **engine_kw: Any) -> tuple[Callable[[Tran
         await sup.ask(requester.mailbox, _Run(plan, Reply()))
 
     async def close() -> None:
-        await sup.ask_internal(transfer.mailbox, DrainCopies(Reply()))
+        await sup.ask_internal(transfer.mailbox, DrainTransfer(Reply()))
         await sup.stop()
         sup.raise_if_failed()
         assert not requester.waiting

@@ -342,7 +342,7 @@ def audit_trace(path: str | None, snapshots: Any) -> int:
     if not path:
         return 0
     try:
-        from runtime.trace import audit, compare_final_state
+        from runtime.audit import audit, compare_final_state
     except ImportError:
         print(f"trace: {path}")
         return 0

@@ -6,6 +6,8 @@ _compiled.install_guard()  # before any module that may have a compiled twin is 
 
 from runtime.config import RuntimeConfig
 from runtime.errors import (
+    ArgumentError,
+    CallerError,
     CapacityError,
     ConfigError,
     DuplicateRequestError,
@@ -17,15 +19,16 @@ from runtime.errors import (
     RuntimeClosed,
     RuntimeFailed,
     StateError,
+    TokenError,
     TransferError,
     UnknownRequestError,
     ValidationError,
 )
 
 __all__ = [
-    "CacheRuntime", "RuntimeConfig", "CapacityError", "ConfigError", "DuplicateRequestError", "HiCacheError",
+    "CacheRuntime", "RuntimeConfig", "ArgumentError", "CallerError", "CapacityError", "ConfigError", "DuplicateRequestError", "HiCacheError",
     "LengthError", "MailboxFull", "OwnershipError", "PinnedSlotError", "RuntimeClosed", "RuntimeFailed",
-    "StateError", "TransferError", "UnknownRequestError", "ValidationError",
+    "StateError", "TokenError", "TransferError", "UnknownRequestError", "ValidationError",
 ]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from runtime.actors.base import Reply
+    from runtime.actors.base import Mailbox, Reply
     from runtime.completion import LayerReadiness
 
 
@@ -213,7 +213,7 @@ class TreeStats:
 
 
 @message
-class Quiesce:
+class DrainTree:
     """Reply once no copy issued by the tree actor is in flight (close waits on it)."""
 
     reply: "Reply[None] | None" = field(default=None, compare=False)
@@ -256,10 +256,6 @@ class StorageOverdue:
 
     op_id: int
     reply: None = None
-
-
-TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned | MatchPrefix | CanAdmit
-               | Available | Flush | TreeStats | Quiesce | Inspect | TransferAck | Prepare | StorageAck | StorageOverdue)
 
 
 # -- decode offload (tree actor <-> offload actor) ----------------------------------------
@@ -336,15 +332,97 @@ class ReleaseOffloaded:
 
 
 @message
-class OffloadDrain:
+class DrainOffload:
     """Façade -> offload (close): start no more offloads; reply once none is in flight."""
 
     reply: "Reply[None] | None" = field(default=None, compare=False)
 
 
 @message
-class OffloadStatsQuery:
+class OffloadStats:
     reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
 
 
-OffloadMessage = OffloadCommit | OffloadFinish | OffloadAck | OffloadDrain | OffloadStatsQuery
+OffloadMessage = OffloadCommit | OffloadFinish | OffloadAck | DrainOffload | OffloadStats
+
+
+# -- transfer actor (tree -> transfer, and its own completions) --------------------------------
+
+@message
+class SubmitCopy:
+    """Run `plan`; ack to `ack_to`. A load's `readiness` resolves layer by layer."""
+
+    plan: "TransferPlan"
+    ack_to: "Mailbox[Any]"
+    readiness: "LayerReadiness | None" = None
+    reply: None = None
+
+
+@message
+class DrainTransfer:
+    """Reply once no copy is queued or in flight and every storage op still in flight is overdue
+    (used by close: a backend call that never returns must not hold close forever)."""
+
+    reply: "Reply[None] | None" = field(default=None, compare=False)
+
+
+@message
+class TransferStats:
+    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+
+
+@message
+class CopyDone:
+    op_id: int
+    error: str | None
+    reply: None = None
+
+
+@message
+class SubmitStorage:
+    """A storage op: write host pages the requester pinned under `keys`; read the leading `keys`
+    that storage holds into them; or, a lookup (a read with no `pages`), count the leading `keys`
+    storage holds. Acked to `ack_to` with a `StorageAck` (`pages`: written, read or found)."""
+
+    op_id: int
+    write: bool
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]  # host page indices, one per key
+    ack_to: "Mailbox[Any]"
+    reply: None = None
+
+
+@message
+class StorageCallbackFailed:
+    """Applying a storage completion raised (a bug): fail the runtime from inside the actor."""
+
+    error: BaseException
+    reply: None = None
+
+
+TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage
+                   | StorageCallbackFailed)
+
+
+# -- tree actor: a batch of requests (one scheduling step), the prefetch deadline ----------------
+
+@message
+class Batch:
+    """Many requests in one message (a scheduling step); the reply is a tuple with, per item,
+    its result or its `ValidationError` (a failed item changes nothing)."""
+
+    items: tuple[Any, ...]
+    reply: "Reply[tuple[Any, ...]] | None" = field(default=None, compare=False)
+
+
+@message
+class PrefetchDeadline:
+    """The `timeout` policy's deadline for the admits waiting on `prefetch`."""
+
+    prefetch: Any  # the tree core's Prefetch record
+    reply: None = None
+
+
+TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned
+               | MatchPrefix | CanAdmit | Available | Flush | TreeStats | DrainTree | Inspect | TransferAck | Prepare
+               | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline)

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.actors.base import Batch, Reply
+from runtime.actors.base import Mailbox, Reply
 from runtime.actors.offload_actor import OffloadActor
-from runtime.actors.transfer_actor import DrainCopies, TransferActor, TransferStatsQuery
+from runtime.actors.transfer_actor import TransferActor
 from runtime.actors.tree_actor import TreeActor
+from runtime.completion import LayerReadiness
 from runtime.config import RuntimeConfig
 from runtime.errors import ArgumentError, ConfigError, LengthError, RuntimeFailed, TransferError, ValidationError
 from runtime.memory.pools import DevicePool, HostPool, KVShape
@@ -35,10 +36,13 @@ from runtime.messages import (
     Admit,
     AdmitResult,
     Available,
+    Batch,
     Cache,
     CanAdmit,
     CloseSession,
     Commit,
+    DrainTransfer,
+    DrainTree,
     Extend,
     Finish,
     Flush,
@@ -46,12 +50,13 @@ from runtime.messages import (
     MatchPrefix,
     OpenSession,
     Prepare,
-    Quiesce,
     ReleaseAbandoned,
     Rewind,
+    TransferStats,
+    TreeMessage,
     TreeStats,
 )
-from runtime.messages import OffloadDrain, OffloadStatsQuery  # decode offload
+from runtime.messages import DrainOffload, OffloadStats  # decode offload
 from runtime.supervisor import State, Supervisor, wait_shielded
 from runtime.trace import JsonlSink, SlotTracer, get_logger
 from runtime.transfer.engine import CopyEngine
@@ -151,15 +156,16 @@ class CacheRuntime:
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
             bytes_per_slot=config.bytes_per_token, storage=self.storage, host_pool=self.host_pool,
             storage_timeout_s=config.storage_timeout_s)
-        self._core = CacheCore(config, self.tracer)
+        self._core = CacheCore(config, self.tracer, readiness_factory=LayerReadiness.pending)
         if self.storage is not None:
             self._core.enable_storage()
         # decode offload: the offload actor and the tree actor know each other's mailbox
-        self._offload = OffloadActor(None, page_size=config.page_size, stride=config.stride,
+        tree_mailbox: Mailbox[TreeMessage] = Mailbox(config.mailbox_capacity)
+        self._offload = OffloadActor(tree_mailbox, page_size=config.page_size, stride=config.stride,
                                      mailbox_capacity=config.mailbox_capacity)
         self._tree = TreeActor(self._core, self._transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
-                               debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox)
-        self._offload.tree_mailbox = self._tree.mailbox
+                               debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox,
+                               mailbox=tree_mailbox)
         self._sup = Supervisor([self._tree, self._transfer, self._offload])
         self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
         self._closer: asyncio.Task[None] | None = None
@@ -213,9 +219,9 @@ class CacheRuntime:
             if sup.started:
                 try:
                     # offloads first: no new ones, the last ones land and their requests are released
-                    await sup.ask_internal(self._offload.mailbox, OffloadDrain(Reply()))
-                    await sup.ask_internal(self._tree.mailbox, Quiesce(Reply()))
-                    await sup.ask_internal(self._transfer.mailbox, DrainCopies(Reply()))
+                    await sup.ask_internal(self._offload.mailbox, DrainOffload(Reply()))
+                    await sup.ask_internal(self._tree.mailbox, DrainTree(Reply()))
+                    await sup.ask_internal(self._transfer.mailbox, DrainTransfer(Reply()))
                 except RuntimeFailed:
                     pass
         await sup.stop()
@@ -369,8 +375,8 @@ class CacheRuntime:
     async def stats(self) -> dict[str, Any]:
         """Counters (schema in docs/API.md): tree, ledgers, copies, queue depths."""
         tree = await self._sup.ask(self._tree.mailbox, TreeStats(Reply()))
-        transfer = await self._sup.ask(self._transfer.mailbox, TransferStatsQuery(Reply()))
-        transfer = {**transfer, **await self._sup.ask(self._offload.mailbox, OffloadStatsQuery(Reply()))}
+        transfer = await self._sup.ask(self._transfer.mailbox, TransferStats(Reply()))
+        transfer = {**transfer, **await self._sup.ask(self._offload.mailbox, OffloadStats(Reply()))}
         served = tree["tokens_device_hit"] + tree["tokens_host_hit"]
         total = served + tree["tokens_recomputed"]
         return {**tree, **transfer, "hit_rate": served / total if total else 0.0,

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 
 import anyio
 
-from runtime.actors.base import Actor, Batch, Mailbox, Reply
+from runtime.actors.base import Actor, Mailbox, Reply
+from runtime.messages import Batch
 from runtime.errors import RuntimeClosed, RuntimeFailed
 from runtime.trace import get_logger
 

@@ -22,13 +22,13 @@ import asyncio
 import math
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from runtime.errors import CallerError, InvariantViolation, MailboxFull, OwnershipError, PinnedSlotError, RuntimeClosed
+from runtime.messages import Batch
 from runtime.tree.radix import TreeError
 
 T = TypeVar("T")
@@ -88,15 +88,6 @@ class Reply(Generic[T]):
         self._abandoned = True
         if self.on_abandon is not None:
             self.on_abandon(value)
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """Many requests in one message (a scheduling step); the reply is a tuple with, per item,
-    its result or its `ValidationError` (a failed item changes nothing)."""
-
-    items: tuple[Any, ...]
-    reply: Reply[tuple[Any, ...]] | None = field(default=None, compare=False)
 
 
 class Mailbox(Generic[M]):
@@ -220,8 +211,9 @@ class Actor(Generic[M]):
     name = "actor"
     internal_errors: tuple[type[BaseException], ...] = INTERNAL_ERRORS
 
-    def __init__(self, mailbox_capacity: int) -> None:
-        self.mailbox: Mailbox[M] = Mailbox(mailbox_capacity)
+    def __init__(self, mailbox_capacity: int, mailbox: Mailbox[M] | None = None) -> None:
+        # `mailbox`: made beforehand when two actors must know each other's (tree <-> offload)
+        self.mailbox: Mailbox[M] = mailbox if mailbox is not None else Mailbox(mailbox_capacity)
         self.handlers: dict[type, Handler] = {}
         self.messages_handled = 0
 

@@ -33,15 +33,16 @@ from typing import Any
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
 from runtime.errors import CallerError
 from runtime.messages import (
+    DrainOffload,
     OffloadAck,
     OffloadCommit,
-    OffloadDrain,
     OffloadFinish,
     OffloadMessage,
     OffloadStarted,
-    OffloadStatsQuery,
+    OffloadStats,
     ReleaseOffloaded,
     StartOffload,
+    TreeMessage,
 )
 from runtime.trace import get_logger
 
@@ -62,12 +63,12 @@ class OffloadState:
 class OffloadActor(Actor[OffloadMessage]):
     name = "offload"
 
-    def __init__(self, tree_mailbox: Mailbox[Any] | None, *, page_size: int, stride: int,
-                 mailbox_capacity: int) -> None:
-        super().__init__(mailbox_capacity)
+    def __init__(self, tree_mailbox: Mailbox[TreeMessage], *, page_size: int, stride: int,
+                 mailbox_capacity: int, mailbox: Mailbox[OffloadMessage] | None = None) -> None:
+        super().__init__(mailbox_capacity, mailbox)
         if stride <= 0 or stride % page_size:
             raise ValueError(f"offload stride {stride} is not a positive multiple of page_size {page_size}")
-        self.tree_mailbox = tree_mailbox  # set by the runtime once the tree actor exists
+        self.tree_mailbox = tree_mailbox
         self.page_size = page_size
         self.stride = stride
         self.requests: dict[Key, OffloadState] = {}
@@ -79,8 +80,8 @@ class OffloadActor(Actor[OffloadMessage]):
             OffloadCommit: self.on_commit,
             OffloadFinish: self.on_finish,
             OffloadAck: self.on_ack,
-            OffloadDrain: self.on_drain,
-            OffloadStatsQuery: self.on_stats,
+            DrainOffload: self.on_drain,
+            OffloadStats: self.on_stats,
         }
 
     # -- handlers ----------------------------------------------------------------
@@ -113,14 +114,14 @@ class OffloadActor(Actor[OffloadMessage]):
         self._maybe_release(key, state)
         self._maybe_drained()
 
-    def on_drain(self, msg: OffloadDrain) -> Any:
+    def on_drain(self, msg: DrainOffload) -> Any:
         self.closing = True
         if msg.reply is not None:
             self.drain_waiters.append(msg.reply)
         self._maybe_drained()
         return DEFERRED
 
-    def on_stats(self, msg: OffloadStatsQuery) -> dict[str, int]:
+    def on_stats(self, msg: OffloadStats) -> dict[str, int]:
         return {
             **self.counters,
             "offload_tracked_requests": len(self.requests),

@@ -23,65 +23,33 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
-from runtime.completion import CompletionBridge, LayerReadiness, as_transfer_error
+from runtime.actors.base import DEFERRED, Actor, Reply
+from runtime.completion import CompletionBridge, as_transfer_error
 from runtime.errors import RuntimeClosed, TransferError
-from runtime.messages import Direction, StorageAck, StorageOverdue, TransferAck, TransferPlan
+from runtime.messages import (
+    CopyDone,
+    Direction,
+    DrainTransfer,
+    StorageAck,
+    StorageCallbackFailed,
+    StorageOverdue,
+    SubmitCopy,
+    SubmitStorage,
+    TransferAck,
+    TransferMessage,
+    TransferStats,
+)
 from runtime.storage.backend import ContractViolation, checked_count, checked_flags, read_prefix
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine
 
 log = get_logger("hicache.transfer")
-
-
-@dataclass(frozen=True, slots=True)
-class SubmitCopy:
-    """Run `plan`; ack to `ack_to`. A load's `readiness` resolves layer by layer."""
-
-    plan: TransferPlan
-    ack_to: Mailbox[Any]
-    readiness: LayerReadiness | None = None
-    reply: None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DrainCopies:
-    """Reply once no copy is queued or in flight and every storage op still in flight is overdue
-    (used by close: a backend call that never returns must not hold close forever)."""
-
-    reply: Reply[None] | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class TransferStatsQuery:
-    reply: Reply[dict[str, int]] | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class _CopyDone:
-    op_id: int
-    error: str | None
-    reply: None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SubmitStorage:
-    """A storage op: write host pages the requester pinned under `keys`; read the leading `keys`
-    that storage holds into them; or, a lookup (a read with no `pages`), count the leading `keys`
-    storage holds. Acked to `ack_to` with a `StorageAck` (`pages`: written, read or found)."""
-
-    op_id: int
-    write: bool
-    keys: tuple[bytes, ...]
-    pages: tuple[int, ...]  # host page indices, one per key
-    ack_to: Mailbox[Any]
-    reply: None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,18 +61,6 @@ class _StorageDone:
     ok: tuple[bool, ...]
     error: str | None
     violation: ContractViolation | None = None  # the backend returned a value outside its contract
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageCallbackFailed:
-    """Applying a storage completion raised (a bug): fail the runtime from inside the actor."""
-
-    error: BaseException
-    reply: None = None
-
-
-TransferMessage = (SubmitCopy | DrainCopies | TransferStatsQuery | _CopyDone | SubmitStorage
-                   | _StorageCallbackFailed)
 
 
 @dataclass(slots=True)
@@ -153,11 +109,11 @@ class TransferActor(Actor[TransferMessage]):
                                   "storage_ops_overdue": 0})
         self.handlers = {
             SubmitCopy: self.on_submit,
-            _CopyDone: self.on_copy_done,
-            DrainCopies: self.on_drain,
-            TransferStatsQuery: self.on_stats,
+            CopyDone: self.on_copy_done,
+            DrainTransfer: self.on_drain,
+            TransferStats: self.on_stats,
             SubmitStorage: self.on_submit_storage,
-            _StorageCallbackFailed: self.on_storage_callback_failed,
+            StorageCallbackFailed: self.on_storage_callback_failed,
         }
 
     async def run(self) -> None:
@@ -207,7 +163,7 @@ class TransferActor(Actor[TransferMessage]):
         self.inflight[msg.plan.op_id] = _InFlight(msg)
         self._pump(direction)
 
-    def on_copy_done(self, msg: _CopyDone) -> None:
+    def on_copy_done(self, msg: CopyDone) -> None:
         entry = self.inflight[msg.op_id]
         entry.done, entry.error = True, msg.error
         direction = entry.submit.plan.direction
@@ -289,11 +245,11 @@ class TransferActor(Actor[TransferMessage]):
             self._storage_done(done)
         except Exception as exc:  # noqa: BLE001 - a bug: fail whole, from inside the actor
             try:
-                self.mailbox.put_internal(_StorageCallbackFailed(exc))
+                self.mailbox.put_internal(StorageCallbackFailed(exc))
             except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
                 pass
 
-    def on_storage_callback_failed(self, msg: _StorageCallbackFailed) -> None:
+    def on_storage_callback_failed(self, msg: StorageCallbackFailed) -> None:
         raise RuntimeError(f"applying a storage completion failed: {msg.error!r}") from msg.error
 
     def _on_storage_deadline(self, op_id: int) -> None:
@@ -315,7 +271,7 @@ class TransferActor(Actor[TransferMessage]):
             self._maybe_drained()
         except Exception as exc:  # noqa: BLE001 - a bug: fail whole, from inside the actor
             try:
-                self.mailbox.put_internal(_StorageCallbackFailed(exc))
+                self.mailbox.put_internal(StorageCallbackFailed(exc))
             except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
                 pass
 
@@ -346,13 +302,13 @@ class TransferActor(Actor[TransferMessage]):
             log.warning("ack_undeliverable", op=msg.op_id, direction="storage")
         self._maybe_drained()
 
-    def on_drain(self, msg: DrainCopies) -> Any:
+    def on_drain(self, msg: DrainTransfer) -> Any:
         if msg.reply is not None:
             self.drain_waiters.append(msg.reply)
         self._maybe_drained()
         return DEFERRED
 
-    def on_stats(self, msg: TransferStatsQuery) -> dict[str, int]:
+    def on_stats(self, msg: TransferStats) -> dict[str, int]:
         return {
             **self.counters,
             "inflight_loads": self.running[Direction.LOAD],
@@ -377,7 +333,7 @@ class TransferActor(Actor[TransferMessage]):
         try:
             handle = self.engine.submit(plan)
         except Exception as exc:  # noqa: BLE001 - an engine that refuses a plan is a failed copy
-            self.mailbox.put_internal(_CopyDone(plan.op_id, repr(exc)))
+            self.mailbox.put_internal(CopyDone(plan.op_id, repr(exc)))
             if submit.readiness is not None:
                 submit.readiness.fail_all(as_transfer_error(exc))
             return
@@ -393,7 +349,7 @@ class TransferActor(Actor[TransferMessage]):
             exc = fut.exception()
             error = None if exc is None else repr(exc.__cause__ or exc)
         try:
-            self.mailbox.put_internal(_CopyDone(op_id, error))
+            self.mailbox.put_internal(CopyDone(op_id, error))
         except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
             pass
 

@@ -9,16 +9,17 @@ the whole state and fails the runtime on a violation.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
-from runtime.actors.transfer_actor import SubmitCopy, SubmitStorage
 from runtime.invariants import check_invariants
 from runtime.messages import (
     Abort,
     Admit,
     AdmitResult,
+    PrefetchDeadline,
+    SubmitCopy,
+    SubmitStorage,
     Available,
     Cache,
     CanAdmit,
@@ -30,42 +31,36 @@ from runtime.messages import (
     Inspect,
     MatchPrefix,
     OpenSession,
-    Quiesce,
+    DrainTree,
     ReleaseAbandoned,
     Prepare,
     Rewind,
     StorageAck,
     StorageOverdue,
     TransferAck,
+    TransferMessage,
     TreeMessage,
     TreeStats,
 )
-from runtime.messages import OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
+from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
 from runtime.errors import CallerError, StateError
 from runtime.tree.cache import CacheCore
-
-
-@dataclass(frozen=True, slots=True)
-class _PrefetchTimeout:
-    """The `timeout` policy's deadline for the admits waiting on `prefetch`."""
-
-    prefetch: Any
-    reply: None = None
 
 
 class TreeActor(Actor[TreeMessage]):
     name = "tree"
 
     # -- state -------------------------------------------------------------------
-    def __init__(self, core: CacheCore, transfer_mailbox: Mailbox[Any], *, mailbox_capacity: int,
-                 debug_invariants: bool = False, offload_mailbox: Mailbox[Any] | None = None) -> None:
-        super().__init__(mailbox_capacity)
+    def __init__(self, core: CacheCore, transfer_mailbox: Mailbox[TransferMessage], *, mailbox_capacity: int,
+                 debug_invariants: bool = False, offload_mailbox: Mailbox[OffloadMessage] | None = None,
+                 mailbox: Mailbox[TreeMessage] | None = None) -> None:
+        super().__init__(mailbox_capacity, mailbox)
         self.core = core
         self.transfer_mailbox = transfer_mailbox
         self.debug_invariants = debug_invariants
         self.quiesce_waiters: list[Reply[None]] = []
         # storage ops past their deadline: still in flight (pages pinned) until their ack, but
-        # nothing waits for them any more (admits, Quiesce)
+        # nothing waits for them any more (admits, DrainTree)
         self.storage_overdue: set[int] = set()
         self.offload_mailbox = offload_mailbox  # decode offload: where OffloadCommit/Finish/Ack go
         self.handlers = {
@@ -84,13 +79,13 @@ class TreeActor(Actor[TreeMessage]):
             Available: self.on_available,
             Flush: self.on_flush,
             TreeStats: self.on_stats,
-            Quiesce: self.on_quiesce,
+            DrainTree: self.on_quiesce,
             Inspect: self.on_inspect,
             TransferAck: self.on_transfer_ack,
         }
         self.handlers.update({StartOffload: self.on_start_offload, ReleaseOffloaded: self.on_release_offloaded})
         self.handlers.update({Prepare: self.on_prepare, StorageAck: self.on_storage_ack,
-                              StorageOverdue: self.on_storage_overdue, _PrefetchTimeout: self.on_prefetch_timeout})
+                              StorageOverdue: self.on_storage_overdue, PrefetchDeadline: self.on_prefetch_timeout})
 
     # -- handlers ----------------------------------------------------------------
     def on_admit(self, msg: Admit) -> Any:
@@ -175,7 +170,7 @@ class TreeActor(Actor[TreeMessage]):
             **core.offload_stats(),
         }
 
-    def on_quiesce(self, msg: Quiesce) -> Any:
+    def on_quiesce(self, msg: DrainTree) -> Any:
         if self._quiet():
             return None
         if msg.reply is not None:
@@ -253,7 +248,7 @@ class TreeActor(Actor[TreeMessage]):
 
     def on_storage_overdue(self, msg: StorageOverdue) -> None:
         """A storage call ran past its deadline: a prefetch's waiting admits go on without it (it
-        still lands into the tree if its call ever returns); Quiesce stops waiting for the op."""
+        still lands into the tree if its call ever returns); DrainTree stops waiting for the op."""
         sop = self.core.storage_ops.get(msg.op_id)
         if sop is None:  # its ack came first
             return
@@ -264,7 +259,7 @@ class TreeActor(Actor[TreeMessage]):
             self._release_waiters(pf)
         self._maybe_quiesced()
 
-    def on_prefetch_timeout(self, msg: _PrefetchTimeout) -> None:
+    def on_prefetch_timeout(self, msg: PrefetchDeadline) -> None:
         if msg.prefetch.waiters:
             self.core._prefetch_detach(msg.prefetch)
             self._release_waiters(msg.prefetch)
@@ -272,7 +267,7 @@ class TreeActor(Actor[TreeMessage]):
     def _post_timeout(self, pf: Any) -> None:
         if pf.waiters and not self.mailbox.closed:
             try:
-                self.mailbox.put_internal(_PrefetchTimeout(pf))
+                self.mailbox.put_internal(PrefetchDeadline(pf))
             except Exception:  # noqa: BLE001 - stopping: nobody waits any more
                 pass
 

@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.completion import LayerReadiness
 from runtime.config import RuntimeConfig
 from runtime.errors import (
     CapacityError,
@@ -45,6 +44,7 @@ from runtime.messages import OffloadAck, OffloadCommit, OffloadFinish, OffloadSt
 from runtime.trace import SlotTracer, get_logger
 from runtime.tree.policies import policy_by_name
 from runtime.tree.radix import MatchResult, Node, RadixTree
+from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFactory
 
 EMPTY = np.zeros(0, dtype=np.int64)
 _log = get_logger("hicache.tree")
@@ -65,7 +65,7 @@ class RequestRecord:
     cached_len: int  # prefix held by tree nodes, locked through last_node
     last_node: Node | None
     prompt_len: int
-    readiness: tuple[LayerReadiness, ...] = ()
+    readiness: tuple[LoadReadiness, ...] = ()
     failed: str | None = None
     session: Hashable = None  # the streaming session this turn belongs to
     session_len: int = 0  # leading slots the session owns (its whole pages)
@@ -106,7 +106,7 @@ class CopyOp:
     device: np.ndarray
     host: np.ndarray
     host_owner: Owner  # owner of `host` until the ack hands it to the nodes
-    readiness: LayerReadiness | None = None
+    readiness: LoadReadiness | None = None
     evict_after: bool = False
     users: set[Hashable] = field(default_factory=set)
     # a load issued under another load that failed first: its nodes lost their device copies, and
@@ -120,8 +120,10 @@ def _aligned(n: int, page_size: int) -> int:
 
 class CacheCore:
     # -- state -------------------------------------------------------------------
-    def __init__(self, config: RuntimeConfig, tracer: SlotTracer | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, tracer: SlotTracer | None = None, *,
+                 readiness_factory: ReadinessFactory = ManualReadiness) -> None:
         self.config = config
+        self.new_readiness = readiness_factory  # a load's readiness (the actor's: per-layer futures)
         self.page_size = config.page_size
         self.tracer = tracer
         self.tree = RadixTree(config.page_size, policy_by_name(config.eviction_policy))
@@ -136,8 +138,8 @@ class CacheCore:
         self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
         self.ops: dict[int, CopyOp] = {}
         self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
-        self.loading: dict[int, LayerReadiness] = {}  # node id -> readiness of its in-flight load
-        self.outbox: list[tuple[TransferPlan, LayerReadiness | None]] = []
+        self.loading: dict[int, LoadReadiness] = {}  # node id -> readiness of its in-flight load
+        self.outbox: list[tuple[TransferPlan, LoadReadiness | None]] = []
         self._op_ids = itertools.count(1)
         self.num_layers = config.num_layers
         self.stats: dict[str, int] = {
@@ -182,7 +184,7 @@ class CacheCore:
             if lock_node is not None:
                 self.tree.unlock(lock_node)
             raise
-        readiness: list[LayerReadiness] = []
+        readiness: list[LoadReadiness] = []
         if self.loading:
             for node in device_nodes:
                 r = self.loading.get(node.id)
@@ -572,7 +574,7 @@ class CacheCore:
         assert self.host is not None
         device = device.copy()  # the op's snapshot owns its arrays
         op_id = next(self._op_ids)
-        readiness = LayerReadiness.pending(self.num_layers, op_id)
+        readiness = self.new_readiness(self.num_layers, op_id)
         offset = 0
         for node in host_nodes:
             part = device[offset: offset + node.num_tokens]
@@ -670,7 +672,7 @@ class CacheCore:
                 if rec is not None:
                     rec.failed = error
 
-    def _load_op_of(self, readiness: LayerReadiness, missing_ok: bool = False) -> CopyOp | None:
+    def _load_op_of(self, readiness: LoadReadiness, missing_ok: bool = False) -> CopyOp | None:
         for op in self.ops.values():
             if op.readiness is readiness:
                 return op

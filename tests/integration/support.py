@@ -16,6 +16,11 @@ from runtime.runtime import CacheRuntime
 from runtime.transfer.fake_engine import FakeCopyEngine
 
 
+def toks(n: int, seed: int) -> np.ndarray:
+    """`n` token ids drawn from `seed` (distinct seeds: distinct prompts)."""
+    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+
+
 def small_config(**changes: Any) -> RuntimeConfig:
     base = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, device_slots=256, host_tokens=512,
                 write_policy="write_through", debug_invariants=True)

@@ -28,13 +28,9 @@ from runtime.messages import Abort, Admit, Cache, Commit, Direction, Extend, Fin
 from runtime.runtime import CacheRuntime
 from runtime.transfer.fake_engine import FakeCopyEngine
 from runtime.tree.radix import TreeError
-from tests.integration.support import compute, quiescent_check, small_config, until
+from tests.integration.support import compute, quiescent_check, small_config, toks, until
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
 async def serve(rt: CacheRuntime, rid: Any, tokens: np.ndarray, extra_key: Any = None) -> None:

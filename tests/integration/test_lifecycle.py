@@ -29,14 +29,11 @@ from tests.integration.support import (
     release_all,
     settle,
     small_config,
+    toks,
     until,
 )
 
 rng = np.random.default_rng(0)
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
 async def serve(rt: CacheRuntime, rid: str, tokens: np.ndarray, reply_len: int = 0, extra_key=None) -> dict:

@@ -28,9 +28,9 @@ from runtime.actors.offload_actor import OffloadActor
 from runtime.errors import InvariantViolation
 from runtime.fingerprint import fingerprint_kv, prefix_hashes
 from runtime.memory.ledger import SlotLedger
-from runtime.messages import Commit, Extend, OffloadStatsQuery
+from runtime.messages import Commit, Extend, OffloadStats
 from runtime.runtime import CacheRuntime
-from runtime.trace import audit, compare_final_state
+from runtime.audit import audit, compare_final_state
 from runtime.transfer.fake_engine import FakeCopyEngine
 from runtime.tree.cache import CacheCore
 from tests.integration.support import (
@@ -39,12 +39,9 @@ from tests.integration.support import (
     fake_runtime,
     quiescent_check,
     small_config,
+    toks,
     until,
 )
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
 def offload_config(**changes):
@@ -93,7 +90,7 @@ def own_kv(rt: CacheRuntime, tokens: np.ndarray, extra_key, start: int, end: int
 async def sync(rt: CacheRuntime) -> None:
     """Let the actors handle what is queued: the offload actor (its asks to the tree actor are
     answered before it takes the next message), then the tree actor."""
-    await rt._sup.ask_internal(rt._offload.mailbox, OffloadStatsQuery(Reply()))
+    await rt._sup.ask_internal(rt._offload.mailbox, OffloadStats(Reply()))
     await rt.available()
 
 

@@ -14,11 +14,7 @@ from runtime.errors import InvariantViolation
 from runtime.fingerprint import fingerprint_kv, mismatches, prefix_hashes
 from runtime.runtime import CacheRuntime
 from runtime.tree.radix import RadixTree
-from tests.integration.support import compute, fake_runtime, settle, small_config, until
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+from tests.integration.support import compute, fake_runtime, settle, small_config, toks, until
 
 
 # -- seed 002 ------------------------------------------------------------------------------

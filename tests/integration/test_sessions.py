@@ -7,11 +7,7 @@ import pytest
 
 from runtime import DuplicateRequestError, LengthError, StateError, UnknownRequestError
 from runtime.runtime import CacheRuntime
-from tests.integration.support import bad_positions, compute, quiescent_check, small_config
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+from tests.integration.support import bad_positions, compute, quiescent_check, small_config, toks
 
 
 async def _session_state(rt: CacheRuntime, sid: str):

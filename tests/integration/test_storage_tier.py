@@ -18,13 +18,9 @@ from runtime.runtime import CacheRuntime
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes
-from tests.integration.support import bad_positions, compute, small_config
+from tests.integration.support import bad_positions, compute, small_config, toks
 
 N = 40  # tokens backed up (10 pages of 4)
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
 def cfg(**changes):
@@ -406,7 +402,7 @@ def test_two_processes_share_a_directory(tmp_path):
 
 
 async def test_storage_slot_trace_audits_clean(tmp_path):
-    from runtime.trace import audit
+    from runtime.audit import audit
 
     path = tmp_path / "trace.jsonl"
     config = cfg(trace_path=str(path))

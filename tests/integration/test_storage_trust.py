@@ -13,13 +13,9 @@ import pytest
 from runtime.runtime import CacheRuntime
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
-from tests.integration.support import compute, small_config
+from tests.integration.support import compute, small_config, toks
 
 N = 40  # tokens written through to storage (10 pages of 4)
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
 def cfg(**changes: Any):

@@ -11,12 +11,8 @@ from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner
 from runtime.messages import Direction
 from runtime.runtime import CacheRuntime
-from runtime.trace import audit, compare_final_state, main
-from tests.integration.support import compute, fake_runtime, release_all, settle, small_config, until
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+from runtime.audit import audit, compare_final_state, main
+from tests.integration.support import compute, fake_runtime, release_all, settle, small_config, toks, until
 
 
 async def serve(rt: CacheRuntime, rid: str, tokens: np.ndarray, reply_len: int = 0) -> tuple[int, int]:
@@ -64,7 +60,7 @@ async def test_runtime_trace_audits_clean_and_replays_to_the_ledgers(tmp_path, c
     assert {"alloc", "assign", "pin", "unpin", "free", "backup", "load", "evict"} <= kinds
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
     assert report.cached["device"] > 0 and report.cached["host"] > 0  # tree nodes keep their pages
-    assert main(["audit", str(path)]) == 0
+    assert main([str(path)]) == 0
     assert "CLEAN" in capsys.readouterr().out
 
 
@@ -107,6 +103,6 @@ async def test_planted_free_of_pinned_pages_is_reported(tmp_path, monkeypatch):
     (bug,) = report.of_kind("free_while_pinned")
     assert (bug.event, bug.tier, bug.page, bug.pages) == ("free", "device", first, pages)
     assert f"[{op_id}]" in bug.detail
-    assert not report.clean and main(["audit", str(path)]) == 1
+    assert not report.clean and main([str(path)]) == 1
     # the replay follows what the runtime did, so it still ends where the (buggy) ledgers did
     assert compare_final_state(report, [device, host]) == []

@@ -27,12 +27,9 @@ from tests.integration.support import (
     release_all,
     settle,
     small_config,
+    toks,
     until,
 )
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
 async def serve(rt: CacheRuntime, rid: str, tokens: np.ndarray) -> dict[str, int]:

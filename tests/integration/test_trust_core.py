@@ -21,12 +21,9 @@ from tests.integration.support import (
     release_all,
     settle,
     small_config,
+    toks,
     until,
 )
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
 
 
 # -- behaviour 1: slots never change under the caller ---------------------------------------

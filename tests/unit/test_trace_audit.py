@@ -12,15 +12,8 @@ import pytest
 
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
-from runtime.trace import (
-    AuditReport,
-    JsonlSink,
-    SlotTracer,
-    audit,
-    audit_events,
-    compare_final_state,
-    main,
-)
+from runtime.audit import AuditReport, audit, audit_events, compare_final_state, main
+from runtime.trace import JsonlSink, SlotTracer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +50,7 @@ CLEAN = [
 
 
 def run_cli(path: Path, *extra: str) -> int:
-    return main(["audit", str(path), *extra])
+    return main([str(path), *extra])
 
 
 def test_clean_trace_exits_zero(tmp_path, capsys):
@@ -207,9 +200,9 @@ def test_missing_file_exit_code(tmp_path):
 
 
 def test_module_cli_runs(tmp_path):
-    """`python -m runtime.trace audit FILE` as a user runs it (one start: torch makes it slow)."""
+    """`python -m runtime.audit FILE` as a user runs it (one start: torch makes it slow)."""
     bad = write_trace(tmp_path / "b.jsonl", [ev("alloc", [[0, 1]], owner=R)])
-    out = subprocess.run([sys.executable, "-m", "runtime.trace", "audit", str(bad)], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "runtime.audit", str(bad)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "leak" in out.stdout and "NOT CLEAN" in out.stdout and out.stderr == ""

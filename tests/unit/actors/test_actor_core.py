@@ -12,7 +12,8 @@ import pytest
 from typing import Any
 
 from runtime import supervisor as supervisor_module
-from runtime.actors.base import Actor, Batch, Mailbox, Reply
+from runtime.actors.base import Actor, Mailbox, Reply
+from runtime.messages import Batch
 from runtime.errors import (
     MailboxFull,
     OwnershipError,

@@ -15,10 +15,10 @@ from runtime.errors import RuntimeFailed
 from runtime.messages import (
     OffloadAck,
     OffloadCommit,
-    OffloadDrain,
+    DrainOffload,
     OffloadFinish,
     OffloadStarted,
-    OffloadStatsQuery,
+    OffloadStats,
     ReleaseOffloaded,
     StartOffload,
 )
@@ -61,7 +61,7 @@ class Harness:
 
     async def sync(self) -> dict:
         """Everything queued so far is handled by both actors; returns the offload stats."""
-        stats = await self.sup.ask_internal(self.off.mailbox, OffloadStatsQuery(Reply()))
+        stats = await self.sup.ask_internal(self.off.mailbox, OffloadStats(Reply()))
         await self.sup.ask_internal(self.tree.mailbox, Ping(Reply()))
         return stats
 
@@ -232,7 +232,7 @@ async def test_drain_waits_for_copies_and_stops_new_offloads():
         await h.sync()
         (op,) = h.ops_of("a", 1)
         drained = Reply()
-        h.tell(OffloadDrain(drained))
+        h.tell(DrainOffload(drained))
         await h.sync()
         assert not drained.done()
         h.tell(OffloadCommit("a", 1, 16, 0))  # closing: no new offload

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from runtime.actors.base import Actor, Mailbox, Reply
-from runtime.actors.transfer_actor import DrainCopies, SubmitCopy, TransferActor, TransferStatsQuery
+from runtime.actors.transfer_actor import TransferActor
+from runtime.messages import DrainTransfer, SubmitCopy, TransferStats
 from runtime.completion import LayerReadiness
 from runtime.errors import TransferError
 from runtime.memory.ledger import SlotLedger
@@ -156,10 +157,10 @@ class Harness:
         return await self.sup.ask(self.req.mailbox, Issue(direction, src, corrupt, Reply()))
 
     async def stats(self) -> dict[str, int]:
-        return await self.sup.ask(self.transfer.mailbox, TransferStatsQuery(Reply()))
+        return await self.sup.ask(self.transfer.mailbox, TransferStats(Reply()))
 
     async def drain(self) -> None:
-        await self.sup.ask_internal(self.transfer.mailbox, DrainCopies(Reply()))
+        await self.sup.ask_internal(self.transfer.mailbox, DrainTransfer(Reply()))
 
 
 async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -581,7 +582,7 @@ async def next_msgs(box: Mailbox[Any], timeout: float = 5.0) -> list[Any]:
 
 
 def storage_op(op_id: int, kind: str, ack_to: Mailbox[Any], n: int = 3) -> Any:
-    from runtime.actors.transfer_actor import SubmitStorage
+    from runtime.messages import SubmitStorage
 
     keys = tuple(f"key{op_id}-{i}".encode() for i in range(n))
     pages = () if kind == "lookup" else tuple(range(n))
@@ -622,7 +623,7 @@ async def test_a_result_outside_the_backend_contract_is_a_miss_for_the_whole_op(
         assert isinstance(ack, StorageAck)
         assert (ack.op_id, ack.pages, ack.ok) == (1, 0, ())
         assert ack.error is not None and "contract" in ack.error
-        st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+        st = await sup.ask(transfer.mailbox, TransferStats(Reply()))
         assert (st["storage_backend_errors"], st["storage_ops_failed"], st["storage_errors"]) == (1, 1, 0)
         assert st["storage_bytes_read"] == st["storage_bytes_written"] == 0
         [ev] = events.named("storage_backend_contract_violation")
@@ -645,7 +646,7 @@ async def test_results_inside_the_contract_are_used(kind, lies, pages):
         assert (ack.pages, ack.error) == (pages, None)
         if kind == "write":
             assert len(ack.ok) == 3 and sum(ack.ok) == pages
-        st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+        st = await sup.ask(transfer.mailbox, TransferStats(Reply()))
         assert st["storage_backend_errors"] == 0 and st["storage_ops_done"] == 1
 
 
@@ -677,11 +678,11 @@ async def test_a_held_backend_call_is_overdue_at_its_deadline_and_acked_when_it_
             [overdue] = await next_msgs(acks)
             assert isinstance(overdue, StorageOverdue) and overdue.op_id == 1
             assert loop.time() - t0 >= 0.25
-            st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+            st = await sup.ask(transfer.mailbox, TransferStats(Reply()))
             assert (st["storage_ops_overdue"], st["inflight_storage_ops"]) == (1, 1)
             assert [e["op"] for e in events.named("storage_op_overdue")] == [1]
             # a drain (close) no longer waits for the overdue op, and says it left it behind
-            await asyncio.wait_for(sup.ask_internal(transfer.mailbox, DrainCopies(Reply())), 2.0)
+            await asyncio.wait_for(sup.ask_internal(transfer.mailbox, DrainTransfer(Reply())), 2.0)
             assert [e["count"] for e in events.named("storage_ops_abandoned_at_close")] == [1]
             await idle(20)
             assert acks.depth == 0  # sent once; no ack while the call is held
@@ -689,7 +690,7 @@ async def test_a_held_backend_call_is_overdue_at_its_deadline_and_acked_when_it_
             [ack] = await next_msgs(acks)
             assert isinstance(ack, StorageAck) and ack.op_id == 1 and ack.error is None
             assert ack.pages == 3  # every page was stored / found / read
-            st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+            st = await sup.ask(transfer.mailbox, TransferStats(Reply()))
             assert (st["storage_ops_overdue"], st["inflight_storage_ops"], st["storage_ops_done"]) == (1, 0, 1)
     finally:
         fb.release()
@@ -707,14 +708,14 @@ async def test_an_op_done_before_its_deadline_gets_no_overdue_and_the_drain_wait
         async with storage_actor(fb, timeout_s=30.0) as (sup, transfer, acks):
             transfer.mailbox.put_internal(storage_op(1, "write", acks))
             assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
-            drain = asyncio.ensure_future(sup.ask_internal(transfer.mailbox, DrainCopies(Reply())))
+            drain = asyncio.ensure_future(sup.ask_internal(transfer.mailbox, DrainTransfer(Reply())))
             await idle(50)
             assert not drain.done() and acks.depth == 0
             fb.release()
             [ack] = await next_msgs(acks)
             assert isinstance(ack, StorageAck) and ack.pages == 3
             await asyncio.wait_for(drain, 2.0)
-            st = await sup.ask(transfer.mailbox, TransferStatsQuery(Reply()))
+            st = await sup.ask(transfer.mailbox, TransferStats(Reply()))
             assert st["storage_ops_overdue"] == 0 and not transfer._storage_timers
     finally:
         fb.release()

@@ -1,0 +1,158 @@
+"""The tree core driven by hand, with no event loop (issue 14, "a loop-free core").
+
+`CacheCore` is built directly, as vLLM's tests build its `KVCacheManager`; copies are "done" by
+applying their acks (`apply_ack`), loads' readiness is a `ManualReadiness` settled by the test.
+The invariant checker runs after every step. These tests are plain functions: were the core to
+touch asyncio (a future needs a running loop), they would fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.config import RuntimeConfig
+from runtime.errors import CapacityError, LengthError, StateError
+from runtime.invariants import check_invariants
+from runtime.messages import Direction
+from runtime.tree.cache import CacheCore
+from runtime.tree.readiness import ManualReadiness
+
+
+def toks(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+
+
+def make_core(**changes) -> CacheCore:
+    base = dict(num_layers=2, num_kv_heads=1, head_dim=2, page_size=4, device_slots=64, host_tokens=256,
+                write_policy="write_through", debug_invariants=True)
+    base.update(changes)
+    return CacheCore(RuntimeConfig(**base))
+
+
+def ack_all(core: CacheCore, direction: Direction | None = None, error: str | None = None) -> list[int]:
+    """Apply the acks of every copy in flight (of `direction`), in issue order; returns their ids."""
+    done = [op_id for op_id, op in sorted(core.ops.items()) if direction is None or op.direction is direction]
+    for op_id in done:
+        core.apply_ack(op_id, error)
+        check_invariants(core)
+    core.outbox.clear()
+    return done
+
+
+def cached_host_only(core: CacheCore, *prefixes: np.ndarray) -> None:
+    """Cache each prefix (backed up to host), then push them all off device with one large
+    request (aborted): the tree holds them host-only."""
+    for i, p in enumerate(prefixes):
+        t = np.concatenate((p, toks(1, 900 + i)))
+        core.admit(f"w{i}", t)
+        core.finish(f"w{i}", p)
+        check_invariants(core)
+    ack_all(core)
+    av = core.available()
+    core.admit("big", toks(av["device_free"] + av["device_evictable"], 999))
+    core.abort("big")
+    check_invariants(core)
+    assert core.match_prefix(np.concatenate((prefixes[-1], toks(1, 1)))) == {"device": 0, "host": len(prefixes[-1])}
+
+
+def test_admit_cache_finish_without_a_loop():
+    core = make_core()
+    p = toks(21, 1)
+    res = core.admit("a", p)
+    assert res.cached == 0 and len(res.slots) == 21
+    assert core.cache("a", p[:16]) == 16
+    assert core.finish("a", p) == 20
+    check_invariants(core)
+    assert core.match_prefix(p) == {"device": 20, "host": 0}
+    ack_all(core)  # the write-through backups
+    check_invariants(core, quiescent=True)
+
+
+def test_cache_and_finish_wait_for_the_load_of_their_prefix():
+    core = make_core()
+    x = toks(16, 2)
+    cached_host_only(core, x)
+    c = np.concatenate((x, toks(3, 3)))
+    res = core.admit("c", c)
+    assert res.loaded_host == 16 and len(res.readiness) == 1
+    ready = res.readiness[0]
+    assert isinstance(ready, ManualReadiness)
+    with pytest.raises(StateError):
+        core.cache("c", c)
+    with pytest.raises(StateError):
+        core.finish("c", c)
+    check_invariants(core)
+    ready.complete()
+    assert core.finish("c", c) == 16
+    ack_all(core)
+    check_invariants(core, quiescent=True)
+
+
+def test_a_failed_load_orphans_the_load_started_under_it():
+    """X then X+Y cached and host-only; `c` loads X, `d` loads Y under X's load; X's load fails:
+    Y's device copy goes with it and its slots stay with Y's load until that one's ack."""
+    core = make_core()
+    x, y = toks(16, 4), toks(8, 5)
+    cached_host_only(core, x, np.concatenate((x, y)))
+    rc = core.admit("c", np.concatenate((x, toks(3, 6))))
+    rd = core.admit("d", np.concatenate((x, y, toks(3, 7))))
+    assert (rc.loaded_host, rd.cached_device, rd.loaded_host) == (16, 16, 8)
+    load_x, load_y = sorted(op_id for op_id, op in core.ops.items() if op.direction is Direction.LOAD)
+    core.apply_ack(load_x, "injected")
+    check_invariants(core)
+    assert core.ops[load_y].orphaned
+    assert core.match_prefix(np.concatenate((x, y, toks(1, 8)))) == {"device": 0, "host": 24}
+    core.apply_ack(load_y, None)
+    check_invariants(core)
+    for rid in ("c", "d"):
+        assert core.requests[rid].failed is not None
+        core.abort(rid)
+    check_invariants(core, quiescent=True)
+
+
+def test_a_locked_node_without_a_device_copy_is_not_a_host_leaf():
+    """After a failed load, its user still locks the node (now host-only) until it is released:
+    host eviction must pass it over, and take it once the user is gone."""
+    core = make_core(host_tokens=16)
+    x = toks(16, 9)
+    cached_host_only(core, x)
+    res = core.admit("c", np.concatenate((x, toks(3, 10))))
+    (load,) = [op_id for op_id, op in core.ops.items() if op.direction is Direction.LOAD]
+    res.readiness[0].fail(RuntimeError("injected"))
+    core.apply_ack(load, "injected")
+    node = core.requests["c"].last_node
+    assert node.device is None and node.host is not None and node.lock_ref == 1
+    assert node not in core.tree.host_leaves
+    assert core.flush() == 0  # nothing unlocked to drop
+    check_invariants(core)
+    core.abort("c")
+    assert node in core.tree.host_leaves
+    assert core.flush() == 16
+    check_invariants(core, quiescent=True)
+
+
+def test_can_admit_and_admit_agree_when_eviction_deletes_a_parents_only_child():
+    """The dry run counts the children it deleted: a parent whose only child (no host copy) goes
+    is a leaf it can delete too (write_through_selective: nothing backed up). Checked failing with
+    the dry run testing `node.children` as before (can_admit said no, admit said yes)."""
+    core = make_core(device_slots=32, host_tokens=64, write_policy="write_through_selective",
+                     write_through_threshold=99)
+    a = toks(8, 11)
+    ab = np.concatenate((a, toks(8, 12)))
+    core.admit("p", np.concatenate((ab, toks(1, 13))))
+    core.finish("p", ab)  # one node of 16 (no split: a single insert)
+    core.admit("q", np.concatenate((a, toks(1, 14))))
+    core.finish("q", a)  # a match that splits it: parent a (8) -> child b (8)
+    check_invariants(core)
+    big = toks(32 - 1, 15)
+    assert core.can_admit(big) is True
+    core.admit("big", big)
+    check_invariants(core)
+    with pytest.raises(CapacityError):  # the pool is the request's now: both answers are no
+        core.admit("more", toks(5, 16))
+    assert core.can_admit(toks(5, 16)) is False
+    with pytest.raises(LengthError):
+        core.extend("big", 8)
+    core.abort("big")
+    check_invariants(core, quiescent=True)
