@@ -72,6 +72,7 @@ class RequestRecord:
     # slots of its own inside the cached prefix that duplicate tree pages (another request
     # cached the same prefix first): still the caller's until release (the slot contract)
     dups: np.ndarray = field(default_factory=lambda: EMPTY)
+    slot_buf: np.ndarray | None = None  # the buffer `slots` is a prefix view of, once it grew (extend)
 
     @property
     def own_start(self) -> int:
@@ -116,6 +117,19 @@ class CopyOp:
 
 def _aligned(n: int, page_size: int) -> int:
     return n - n % page_size
+
+
+def _append_slots(rec: RequestRecord, new: np.ndarray) -> None:
+    """rec.slots += new, amortised O(len(new)): the slots are a prefix view of a buffer with room
+    to grow (a decode step adds a page at a time; re-concatenating cost O(context) per page).
+    Only positions past the old end are written, so no view taken before changes."""
+    n, k = len(rec.slots), len(new)
+    buf = rec.slot_buf
+    if buf is None or rec.slots.base is not buf or len(buf) < n + k:
+        buf = rec.slot_buf = np.empty(max(2 * (n + k), 64), dtype=np.int64)
+        buf[:n] = rec.slots
+    buf[n:n + k] = new
+    rec.slots = buf[:n + k]
 
 
 class CacheCore:
@@ -233,7 +247,7 @@ class CacheCore:
             if not self._device_room_for(pages):
                 self._start_writeback(pages)
                 raise CapacityError(f"extend of {rid!r} needs {pages} device pages")
-            rec.slots = np.concatenate((rec.slots, self._alloc_device(pages, rec.owner, rid=rid)))
+            _append_slots(rec, self._alloc_device(pages, rec.owner, rid=rid))
         start, rec.seq_len = rec.seq_len, total
         return torch.from_numpy(rec.slots[start:total].copy())
 
@@ -597,7 +611,8 @@ class CacheCore:
 
     def _plan(self, op_id: int, direction: Direction, src: np.ndarray, dst: np.ndarray) -> TransferPlan:
         # the plan owns fresh copies of the indices (seed 001): never views of tree state
-        return TransferPlan(op_id, direction, (PoolTransfer("kv", torch.tensor(src), torch.tensor(dst)),))
+        return TransferPlan(op_id, direction, (PoolTransfer("kv", torch.from_numpy(np.array(src, dtype=np.int64)),
+                                                            torch.from_numpy(np.array(dst, dtype=np.int64))),))
 
     def _finish_backup(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
         assert self.host is not None
