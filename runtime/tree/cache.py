@@ -633,7 +633,8 @@ class CacheCore:
 
     def _finish_load(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
         for node in chain:
-            self.loading.pop(node.id, None)
+            if self.loading.get(node.id) is op.readiness:  # (an orphaned op's nodes may load again)
+                del self.loading[node.id]
         if op.orphaned:  # its nodes were rolled back with a failed load above them
             self.device.free(op.device, Owner.node(op.node.id), node=op.node.id, reason="load_orphaned")
             return

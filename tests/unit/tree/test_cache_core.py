@@ -103,11 +103,21 @@ def test_a_failed_load_orphans_the_load_started_under_it():
     check_invariants(core)
     assert core.ops[load_y].orphaned
     assert core.match_prefix(np.concatenate((x, y, toks(1, 8)))) == {"device": 0, "host": 24}
+    # X and Y load again (for `e`) before the orphaned load's ack: that ack must leave the new
+    # load's marks alone (a node still loading is where inserts stop)
+    re_ = core.admit("e", np.concatenate((x, y, toks(3, 17))))
+    assert re_.loaded_host == 24
+    marks = dict(core.loading)
+    assert len(marks) == 2 and all(r is re_.readiness[0] for r in marks.values())
     core.apply_ack(load_y, None)
     check_invariants(core)
+    assert core.loading == marks
     for rid in ("c", "d"):
         assert core.requests[rid].failed is not None
         core.abort(rid)
+    re_.readiness[0].complete()
+    ack_all(core)
+    core.abort("e")
     check_invariants(core, quiescent=True)
 
 
