@@ -170,7 +170,7 @@ class Candidate:
         the GIL); then polls each loop turn, so the end is seen within a tree round trip of the ack
         (a plain 2 ms poll added up to 2 ms, ~1 ms on average, to a ~4 ms write of 32 pages)."""
         probe = self.probe
-        while await self.rt.inspect(lambda core: len(core.storage_ops) + len(core.ops)):
+        while await self.rt.inspect(lambda core: not core.quiet()):
             probe.idle.clear()
             if probe.active:
                 await probe.idle.wait()

@@ -124,7 +124,7 @@ def _hit(stats: dict[str, int]) -> float:
 # -- the three drivers ----------------------------------------------------------------
 def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
     core = CacheCore(cfg, SlotTracer(cfg.page_size))
-    assert core.tracer is not None and not core.tracer.active, "tracing must be at its production default"
+    assert core.residency.tracer is not None and not core.residency.tracer.active, "tracing must be at its production default"
     admit, cache, extend, finish = core.admit, core.cache, core.extend, core.finish
     gc.collect()
     t0 = time.perf_counter()

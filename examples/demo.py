@@ -333,7 +333,8 @@ async def final_ledgers(rt: CacheRuntime) -> Any:
             break
         await asyncio.sleep(0.005)
     try:
-        return await rt.inspect(lambda core: [core.device.snapshot(), core.host.snapshot() if core.host else None])
+        return await rt.inspect(lambda core: [core.residency.device.snapshot(),
+                                               core.residency.host.snapshot() if core.residency.host else None])
     except Exception:  # noqa: BLE001 - informational only
         return None
 

@@ -27,6 +27,11 @@ COMPILED: tuple[str, ...] = (
     "runtime.memory.ledger",
     "runtime.tree.policies",
     "runtime.tree.radix",
+    "runtime.tree.records",
+    "runtime.tree.residency",
+    "runtime.tree.copies",
+    "runtime.tree.decode_offload",
+    "runtime.tree.storage_tier",
     "runtime.tree.cache",
 )
 

@@ -38,7 +38,7 @@ def _pages(slots: np.ndarray, page_size: int) -> list[int]:
 
 def _all_nodes(core: "CacheCore") -> list["Node"]:
     out: list[Node] = []
-    stack = list(core.tree.roots())
+    stack = list(core.residency.tree.roots())
     while stack:
         node = stack.pop()
         out.append(node)
@@ -62,7 +62,11 @@ def _check_cached_prefix(rec, held: np.ndarray, what: str) -> None:
 def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     """Raise `InvariantViolation` when any of invariants 1-5 (and 7 when `quiescent`) fails."""
     ps = core.page_size
-    roots = set(core.tree.roots())
+    tree = core.residency.tree
+    copy_ops = core.copies.ops
+    storage_ops = core.storage.ops if core.storage is not None else {}
+    prefetch_table = core.storage.prefetches if core.storage is not None else {}
+    roots = set(tree.roots())
     nodes = [n for n in _all_nodes(core) if n not in roots]
     expected = {"device": {}, "host": {}}  # page -> owner expected by the structures
     pins = {"device": Counter(), "host": Counter()}
@@ -124,17 +128,22 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             _fail(f"session {sess.sid!r} holds {len(sess.slots)} slots for {sess.kv_len} tokens")
         claim("device", sess.slots, sess.owner, f"session {sess.sid!r}")
     _check_offload(core, claim, roots, quiescent)
-    for op in core.ops.values():
+    for op in copy_ops.values():
         if op.direction is Direction.BACKUP:
             claim("host", op.host, op.host_owner, f"backup op {op.op_id} destination")
-        elif getattr(op, "orphaned", False):  # its nodes were rolled back: its slots wait for its ack
+        elif op.orphaned:  # its nodes were rolled back: its slots wait for its ack
             claim("device", op.device, Owner.node(op.node.id), f"orphaned load {op.op_id}")
         for page in _pages(op.device, ps):
             pins["device"][page] += 1
         for page in _pages(op.host, ps):
             pins["host"][page] += 1
+    for op in (core.offload.ops.values() if core.offload is not None else ()):  # decode offload copies
+        claim("host", op.host, op.host_owner, f"offload op {op.op_id} destination")
+        for page in _pages(op.device, ps):
+            pins["device"][page] += 1
+        for page in _pages(op.host, ps):
+            pins["host"][page] += 1
     # storage tier: every storage op pins its host pages; a read's pages belong to its prefetch
-    storage_ops = getattr(core, "storage_ops", {})
     for sop in storage_ops.values():
         for page in _pages(sop.host, ps):
             pins["host"][page] += 1
@@ -143,15 +152,15 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             if pf.op_id != sop.op_id or not np.array_equal(pf.host, sop.host):
                 _fail(f"storage read {sop.op_id} does not match its prefetch of {pf.rid!r}")
             claim("host", pf.host, pf.owner, f"prefetch {pf.rid!r}")
-            if not pf.cancelled and not pf.detached and getattr(core, "prefetches", {}).get(pf.rid) is not pf:
+            if not pf.cancelled and not pf.detached and prefetch_table.get(pf.rid) is not pf:
                 _fail(f"prefetch of {pf.rid!r} is in flight but not registered")
         elif sop.node is not None and sop.node.host_protect <= 0:
             _fail(f"storage write {sop.op_id}: node {sop.node.id} host copy not protected")
-    for rid, pf in getattr(core, "prefetches", {}).items():
+    for rid, pf in prefetch_table.items():
         if pf.rid != rid or storage_ops.get(pf.op_id) is None or pf.cancelled:
             _fail(f"prefetch of {rid!r} has no storage read in flight")
 
-    for tier, ledger in (("device", core.device), ("host", core.host)):
+    for tier, ledger in (("device", core.residency.device), ("host", core.residency.host)):
         if ledger is None:
             continue
         snap: LedgerSnapshot = ledger.snapshot()
@@ -182,8 +191,9 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
 
     # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
     locks: Counter[int] = Counter()
-    holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in core.ops.values()]
-    holders += [z.rec.last_node for z in core.offload_retired.values()]  # decode offload: retired requests
+    holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in copy_ops.values()]
+    if core.offload is not None:  # decode offload: retired requests
+        holders += [z.rec.last_node for z in core.offload.retired.values()]
     prefetches = [sop.prefetch for sop in storage_ops.values() if sop.prefetch is not None]
     holders += [pf.anchor_lock for pf in prefetches]  # storage prefetch: the prefix it will hang under
     for holder in holders:
@@ -224,18 +234,18 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         if n.device is None and n.host is not None and n.host_protect == 0 and n.lock_ref == 0
         and not any(c.host is not None for c in n.children.values())
     }
-    if set(core.tree.device_leaves) != device_leaves:
-        _fail(f"evictable device leaves differ from their definition: tree {sorted(n.id for n in core.tree.device_leaves)} "
+    if set(tree.device_leaves) != device_leaves:
+        _fail(f"evictable device leaves differ from their definition: tree {sorted(n.id for n in tree.device_leaves)} "
               f"vs {sorted(n.id for n in device_leaves)}")
-    if set(core.tree.host_leaves) != host_leaves:
-        _fail(f"evictable host leaves differ from their definition: tree {sorted(n.id for n in core.tree.host_leaves)} "
+    if set(tree.host_leaves) != host_leaves:
+        _fail(f"evictable host leaves differ from their definition: tree {sorted(n.id for n in tree.host_leaves)} "
               f"vs {sorted(n.id for n in host_leaves)}")
 
     # 7: at quiescence nothing is in flight and only tree nodes own slots
     if quiescent:
-        if core.ops:
-            _fail(f"{len(core.ops)} copies still in flight at quiescence")
-        if getattr(core, "storage_ops", None) or getattr(core, "prefetches", None):
+        if copy_ops:
+            _fail(f"{len(copy_ops)} copies still in flight at quiescence")
+        if storage_ops or prefetch_table:
             _fail("storage ops or prefetches still in flight at quiescence")
         if core.requests:
             _fail(f"requests still live at quiescence: {list(core.requests)[:5]}")
@@ -252,11 +262,12 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
     owning its device slots and its prefix lock; every offload copy in flight reads slots
     that its request, live or retired, still maps (so nothing it reads was freed); landed
     host chunks belong to their request; the ranges of one request never overlap."""
-    from runtime.tree.cache import OffloadOp
-
-    retired = core.offload_retired
-    offload_ops = [op for op in core.ops.values() if isinstance(op, OffloadOp)]
-    if not (retired or offload_ops or core.offload_landed or core.offload_inflight):
+    offload = core.offload
+    if offload is None:
+        return
+    retired = offload.retired
+    offload_ops = list(offload.ops.values())
+    if not (retired or offload_ops or offload.landed or offload.inflight):
         return
     ps = core.page_size
     records = {(rec.rid, rec.generation): rec for rec in core.requests.values()}
@@ -295,17 +306,17 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
         if rec is None:
             _fail(f"offload op {op.op_id} reads the device slots of {op.rid!r}#{op.generation}, which was "
                   "released while the copy is in flight (seed 000)")
-        if op.node is not None or op.direction is not Direction.BACKUP or op.host_owner != rec.owner:
-            _fail(f"offload op {op.op_id} is not a device-to-host copy owned by its request")
+        if op.host_owner != rec.owner:
+            _fail(f"offload op {op.op_id} host slots are not owned by its request")
         if op.start % ps or op.length % ps or op.start + op.length > len(rec.slots):
             _fail(f"offload op {op.op_id} range [{op.start}, {op.start + op.length}) is not whole pages of its request")
         if not np.array_equal(rec.slots[op.start: op.start + op.length], op.device):
             _fail(f"offload op {op.op_id} reads slots that {op.rid!r}#{op.generation} no longer maps")
         inflight.setdefault(key, set()).add(op.op_id)
         ranges.setdefault(key, []).append((op.start, op.start + op.length))
-    if inflight != {k: set(v) for k, v in core.offload_inflight.items()}:
-        _fail(f"offloads in flight per request {core.offload_inflight!r} != offload ops {inflight!r}")
-    for key, chunks in core.offload_landed.items():
+    if inflight != {k: set(v) for k, v in offload.inflight.items()}:
+        _fail(f"offloads in flight per request {offload.inflight!r} != offload ops {inflight!r}")
+    for key, chunks in offload.landed.items():
         rec = records.get(key)
         if rec is None:
             _fail(f"landed offload chunks of {key!r}, which is neither live nor retired")
@@ -319,5 +330,5 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
         for (_, e0), (s1, _) in zip(spans, spans[1:]):
             if s1 < e0:
                 _fail(f"offload ranges of {key!r} overlap: {spans}")
-    if quiescent and (retired or core.offload_landed or core.offload_inflight):
-        _fail(f"offload state left at quiescence: retired {list(retired)[:5]}, landed {list(core.offload_landed)[:5]}")
+    if quiescent and (retired or offload.landed or offload.inflight):
+        _fail(f"offload state left at quiescence: retired {list(retired)[:5]}, landed {list(offload.landed)[:5]}")

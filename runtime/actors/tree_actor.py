@@ -45,6 +45,7 @@ from runtime.messages import (
 from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
 from runtime.errors import CallerError, StateError
 from runtime.tree.cache import CacheCore
+from runtime.tree.records import PrefetchWait
 
 
 class TreeActor(Actor[TreeMessage]):
@@ -59,9 +60,6 @@ class TreeActor(Actor[TreeMessage]):
         self.transfer_mailbox = transfer_mailbox
         self.debug_invariants = debug_invariants
         self.quiesce_waiters: list[Reply[None]] = []
-        # storage ops past their deadline: still in flight (pages pinned) until their ack, but
-        # nothing waits for them any more (admits, DrainTree)
-        self.storage_overdue: set[int] = set()
         self.offload_mailbox = offload_mailbox  # decode offload: where OffloadCommit/Finish/Ack go
         self.handlers = {
             Admit: self.on_admit,
@@ -89,28 +87,14 @@ class TreeActor(Actor[TreeMessage]):
 
     # -- handlers ----------------------------------------------------------------
     def on_admit(self, msg: Admit) -> Any:
-        core = self.core
-        if core.storage_on:
-            core.prefetched.discard(msg.rid)
-        if core.storage_on and msg.session is None and msg.rid not in core.requests:
-            # storage tier: wait for the request's prefetch by the policy (a batch item never waits)
-            policy = core.config.prefetch_policy
-            if policy == "best_effort" or msg.reply is None:
-                pf = core.prefetches.get(msg.rid)
-                if pf is not None:
-                    core._prefetch_detach(pf)
-            else:
-                pf = core.prefetches.get(msg.rid)
-                if pf is None and core.prepare(msg.rid, msg.tokens, msg.extra_key):
-                    pf = core.prefetches[msg.rid]
-                    pf.by_prepare = False  # the admit's own: its rid is not one the caller prepared
-                if pf is not None:
-                    pf.waiters.append(msg)
-                    if policy == "timeout":
-                        asyncio.get_running_loop().call_later(
-                            core.config.prefetch_timeout(len(msg.tokens)), self._post_timeout, pf)
-                    return DEFERRED
-        return core.admit(msg.rid, msg.tokens, msg.extra_key, msg.session)
+        # with a storage tier, an admit may wait for its request's prefetch (a batch item never waits)
+        out = self.core.admit_or_wait(msg.rid, msg.tokens, msg.extra_key, msg.session,
+                                      msg if msg.reply is not None else None)
+        if isinstance(out, PrefetchWait):
+            if out.timeout_s is not None:
+                asyncio.get_running_loop().call_later(out.timeout_s, self._post_timeout, out.prefetch)
+            return DEFERRED
+        return out
 
     def on_extend(self, msg: Extend) -> Any:
         return self.core.extend(msg.rid, msg.num_tokens)
@@ -125,12 +109,8 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.finish(msg.rid, msg.tokens, msg.finished_len)
 
     def on_abort(self, msg: Abort) -> None:
-        pf = self.core.prefetches.get(msg.rid) if self.core.storage_on else None
-        self.core.abort(msg.rid)
-        if pf is not None:
-            waiters, pf.waiters = pf.waiters, []
-            for w in waiters:
-                w.reply.set_exception(StateError(f"request {msg.rid!r} was aborted while its prefetch ran"))
+        for w in self.core.abort(msg.rid):  # admits that waited for its prefetch
+            w.reply.set_exception(StateError(f"request {msg.rid!r} was aborted while its prefetch ran"))
 
     def on_rewind(self, msg: Rewind) -> int:
         return self.core.rewind(msg.rid, msg.new_len)
@@ -157,21 +137,10 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.flush()
 
     def on_stats(self, msg: TreeStats) -> dict[str, Any]:
-        core = self.core
-        return {
-            **core.stats,
-            "live_requests": len(core.requests),
-            "inflight_copies": len(core.ops),
-            "inflight_storage_ops": len(core.storage_ops),
-            "tree_nodes": core.tree.num_nodes,
-            "device_free_slots": core.device.num_free_slots(),
-            "host_free_slots": core.host.num_free_slots() if core.host is not None else 0,
-            "tree_mailbox_depth": self.mailbox.depth,
-            **core.offload_stats(),
-        }
+        return {**self.core.stats, **self.core.counts(), "tree_mailbox_depth": self.mailbox.depth}
 
     def on_quiesce(self, msg: DrainTree) -> Any:
-        if self._quiet():
+        if self.core.quiet():
             return None
         if msg.reply is not None:
             self.quiesce_waiters.append(msg.reply)
@@ -184,30 +153,24 @@ class TreeActor(Actor[TreeMessage]):
         self.core.apply_ack(msg.op_id, msg.error)
         self._maybe_quiesced()
 
-    def _quiet(self) -> bool:
-        """No copy in flight and no storage op but overdue ones (their calls may never return)."""
-        core = self.core
-        return not core.ops and len(core.storage_ops) == len(self.storage_overdue)
-
     def _maybe_quiesced(self) -> None:
-        if self.quiesce_waiters and self._quiet():
+        if self.quiesce_waiters and self.core.quiet():
             for reply in self.quiesce_waiters:
                 reply.set_result(None)
             self.quiesce_waiters.clear()
 
     # -- helpers -----------------------------------------------------------------
     def after_message(self, msg: Any) -> None:
-        outbox = self.core.outbox
-        if outbox:
-            for plan, readiness in outbox:
-                self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
-            outbox.clear()
-        stores = self.core.storage_outbox
-        if stores:
-            for op_id, write, keys, pages in stores:
-                self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox))
-            stores.clear()
-        self._send_offload_notes()
+        copies, stores, notes = self.core.take_effects()
+        for plan, readiness in copies:
+            self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
+        for op_id, write, keys, pages in stores:
+            self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox))
+        if notes:
+            mailbox = self.offload_mailbox
+            if mailbox is not None and not mailbox.closed:
+                for note in notes:
+                    mailbox.put_internal(note)
         if self.debug_invariants:
             check_invariants(self.core)
 
@@ -226,21 +189,11 @@ class TreeActor(Actor[TreeMessage]):
         except CallerError as exc:
             raise RuntimeError(f"offload release failed: {exc}") from exc
 
-    def _send_offload_notes(self) -> None:
-        notes = self.core.offload_outbox
-        if notes:
-            mailbox = self.offload_mailbox
-            if mailbox is not None and not mailbox.closed:
-                for note in notes:
-                    mailbox.put_internal(note)
-            notes.clear()
-
     # -- storage tier ----------------------------------------------------------------
     def on_prepare(self, msg: Prepare) -> int:
         return self.core.prepare(msg.rid, msg.tokens, msg.extra_key)
 
     def on_storage_ack(self, msg: StorageAck) -> None:
-        self.storage_overdue.discard(msg.op_id)
         pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok)
         if pf is not None:
             self._release_waiters(pf)
@@ -249,19 +202,13 @@ class TreeActor(Actor[TreeMessage]):
     def on_storage_overdue(self, msg: StorageOverdue) -> None:
         """A storage call ran past its deadline: a prefetch's waiting admits go on without it (it
         still lands into the tree if its call ever returns); DrainTree stops waiting for the op."""
-        sop = self.core.storage_ops.get(msg.op_id)
-        if sop is None:  # its ack came first
-            return
-        self.storage_overdue.add(msg.op_id)
-        pf = sop.prefetch
-        if pf is not None and pf.waiters:
-            self.core._prefetch_detach(pf)
+        pf = self.core.storage_overdue(msg.op_id)
+        if pf is not None:
             self._release_waiters(pf)
         self._maybe_quiesced()
 
     def on_prefetch_timeout(self, msg: PrefetchDeadline) -> None:
-        if msg.prefetch.waiters:
-            self.core._prefetch_detach(msg.prefetch)
+        if self.core.prefetch_deadline(msg.prefetch):
             self._release_waiters(msg.prefetch)
 
     def _post_timeout(self, pf: Any) -> None:

@@ -78,7 +78,7 @@ async def settle(rt: CacheRuntime, timeout: float = 10.0) -> None:
     """Until no copy, storage op or offload is in flight."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    busy = lambda core: len(core.ops) + len(core.storage_ops) + len(getattr(core, "offload_retired", ()))  # noqa: E731
+    busy = lambda core: core.in_flight() + (len(core.offload.retired) if core.offload is not None else 0)  # noqa: E731
     while await rt.inspect(busy):
         assert loop.time() < deadline, "copies still in flight"
         await asyncio.sleep(0.002)

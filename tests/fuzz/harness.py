@@ -101,6 +101,14 @@ CANCELLED = _Cancelled()
 # -- configuration ------------------------------------------------------------------------------
 
 
+
+def _prefetches(core: Any) -> dict:
+    return core.storage.prefetches if core.storage is not None else {}
+
+
+def _retired(core: Any) -> dict:
+    return core.offload.retired if core.offload is not None else {}
+
 @dataclass(frozen=True)
 class FuzzConfig:
     page_size: int = 4
@@ -357,12 +365,12 @@ def _observe(core: Any, with_host: bool) -> Observation:
         dups = np.sort(np.asarray(getattr(rec, "dups", empty)))
         reqs[rid] = (rec.generation, rec.slots.copy(), rec.seq_len, rec.committed_len, rec.cached_len,
                      rec.tokens.copy(), dups, rec.session)
-        owned[("r", rid)] = (core.device.owned_slots(rec.owner),
-                             core.host.owned_slots(rec.owner) if with_host and core.host is not None else None)
+        owned[("r", rid)] = (core.residency.device.owned_slots(rec.owner),
+                             core.residency.host.owned_slots(rec.owner) if with_host and core.residency.host is not None else None)
     for sid, s in core.sessions.items():
         sess[sid] = (s.tokens.copy(), s.slots.copy(), s.turn)
-        owned[("s", sid)] = (core.device.owned_slots(s.owner),
-                             core.host.owned_slots(s.owner) if with_host and core.host is not None else None)
+        owned[("s", sid)] = (core.residency.device.owned_slots(s.owner),
+                             core.residency.host.owned_slots(s.owner) if with_host and core.residency.host is not None else None)
     return Observation(err, reqs, sess, owned)
 
 
@@ -378,10 +386,10 @@ def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any) -> list[str]:
     """Every tree node's ready device copy and host copy holds the fingerprint of its prefix
     (invariant 6 for nodes; a node whose device copy is still loading is exempt)."""
     slots_d, hashes_d, slots_h, hashes_h, where = [], [], [], [], []
-    for node in core.tree.nodes():
+    for node in core.residency.tree.nodes():
         n = node.num_tokens
-        h = prefix_hashes(core.tree.path_tokens(node), node.extra_key)[-n:]
-        if node.device is not None and node.id not in core.loading:
+        h = prefix_hashes(core.residency.tree.path_tokens(node), node.extra_key)[-n:]
+        if node.device is not None and node.id not in core.copies.loading:
             slots_d.append(node.device)
             hashes_d.append(h)
         if node.host is not None and host_pool is not None:
@@ -726,7 +734,7 @@ class Driver:
     async def loading(self) -> bool:
         """Whether a load is in flight (then an insert may stop at its nodes); on the CPU engine a
         load may also start in the call itself, so there it is always a maybe."""
-        return self.engine is None or bool(await self.inspect(lambda core: bool(core.loading)))
+        return self.engine is None or bool(await self.inspect(lambda core: bool(core.copies.loading)))
 
     async def check(self, what: str, exc: Any) -> None:
         if self.rt.failed:
@@ -840,7 +848,8 @@ class Driver:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            late = await self.inspect(lambda core: [op for op in due if op in core.ops])
+            late = await self.inspect(lambda core: [op for op in due if op in core.copies.ops
+                                                    or (core.offload is not None and op in core.offload.ops)])
             if not late:
                 return
             if loop.time() > deadline:
@@ -855,8 +864,7 @@ class Driver:
         deadline = loop.time() + timeout
 
         def busy(core: Any) -> int:
-            return (len(core.ops) + len(core.storage_ops) + len(core.prefetches) + len(core.offload_retired)
-                    + len(core.offload_inflight))
+            return core.in_flight() + len(_prefetches(core)) + len(_retired(core))
 
         while True:
             if self.engine is not None:
@@ -870,8 +878,8 @@ class Driver:
             if not await self.inspect(busy):
                 return
             if loop.time() > deadline:
-                left = await self.inspect(lambda core: (list(core.ops), list(core.storage_ops), list(core.prefetches),
-                                                           list(core.offload_retired)))
+                left = await self.inspect(lambda core: (list(core.copies.ops), list(_prefetches(core)),
+                                                           list(_retired(core)), core.in_flight()))
                 raise self.fail("never-settles", f"still in flight after {timeout} s: {left}")
             await asyncio.sleep(0.0005)
 
@@ -1127,7 +1135,7 @@ class Driver:
 
     async def x_flush(self) -> None:
         def quiet(core: Any) -> bool:
-            return not (core.requests or core.ops or core.storage_ops or core.prefetches or core.offload_retired)
+            return not (core.requests or core.in_flight() or _prefetches(core) or _retired(core))
 
         # with nothing locked and nothing able to land meanwhile, a flush leaves an empty tree
         expect_empty = self.cfg.deterministic and await self.inspect(quiet)
@@ -1136,7 +1144,7 @@ class Driver:
         if type(res) is not int or res < 0:
             raise self.fail("flush-result", f"flush() returned {res!r}")
         if expect_empty:
-            left = await self.inspect(lambda core: [n.id for n in core.tree.nodes()])
+            left = await self.inspect(lambda core: [n.id for n in core.residency.tree.nodes()])
             if left:
                 raise self.fail("flush-left-nodes", f"flush() with nothing locked left nodes {left[:8]}")
         await self.check("flush()", exc)

@@ -46,7 +46,7 @@ def _remap_duplicates() -> Callable[[], None]:
         insert(self, rec, tokens)
         if len(rec.dups):
             # the old way: free the request's duplicates now and map the tree's pages instead
-            self.device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
+            self.residency.device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
             parts, node = [], rec.last_node
             while node is not None and node.parent is not None:
                 parts.append(node.device)

@@ -41,7 +41,7 @@ FINDINGS: dict[str, tuple[FuzzConfig, list[Step]]] = {
                     "cancel": None}),
          _finish("r24", 1)]),
     # can_admit says no where admit's eviction frees enough at once: the dry run
-    # (`_freeable_now`) keeps a parent whose only device child it has just evicted, because the
+    # (`Residency.freeable_now`) keeps a parent whose only device child it has just evicted, because the
     # real tree still lists that child (`node.children`); the eviction that can_admit's "no"
     # then starts deletes both (write_through_selective: no host copies), and the admit right
     # after succeeds.

@@ -57,7 +57,7 @@ async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
 async def settle(rt: CacheRuntime) -> None:
     """Wait until the tree actor has no copy in flight (the engine must release them)."""
     for _ in range(5000):
-        if not await rt.inspect(lambda core: len(core.ops) + len(core.storage_ops)):
+        if not await rt.inspect(lambda core: core.in_flight()):
             return
         await asyncio.sleep(0.001)
     raise AssertionError("copies still in flight")
@@ -66,7 +66,7 @@ async def settle(rt: CacheRuntime) -> None:
 async def release_all(rt: CacheRuntime, engine: FakeCopyEngine) -> None:
     for _ in range(100):
         pending = engine.pending()
-        if not pending and not await rt.inspect(lambda core: len(core.ops) + len(core.storage_ops)):
+        if not pending and not await rt.inspect(lambda core: core.in_flight()):
             return
         for op_id in pending:
             engine.release(op_id)

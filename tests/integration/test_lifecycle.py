@@ -101,7 +101,7 @@ async def test_bad_input_is_typed_and_changes_nothing():
         await settle(rt)
 
         def state(core):
-            return core.device.snapshot(), core.host.snapshot(), core.tree.num_nodes, len(core.requests)
+            return core.residency.device.snapshot(), core.residency.host.snapshot(), core.residency.tree.num_nodes, len(core.requests)
 
         before = await rt.inspect(state)
         with pytest.raises(UnknownRequestError):

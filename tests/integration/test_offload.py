@@ -33,6 +33,7 @@ from runtime.runtime import CacheRuntime
 from runtime.audit import audit, compare_final_state
 from runtime.transfer.fake_engine import FakeCopyEngine
 from runtime.tree.cache import CacheCore
+from runtime.tree.decode_offload import DecodeOffload
 from tests.integration.support import (
     bad_positions,
     compute,
@@ -61,22 +62,22 @@ class CopyLog:
 
     async def install(self) -> None:
         def hook(core: CacheCore) -> None:
-            start, ack = core.offload_start, core._offload_apply_ack
+            start, ack = core.offload_start, core.offload.apply_ack
 
             def offload_start(rid, generation, s, e):
                 started = start(rid, generation, s, e)
                 if started is not None:
-                    op = core.ops[started.op_id]
+                    op = core.offload.ops[started.op_id]
                     self.issued[started.op_id] = (rid, generation, s, e, self.rt.device_pool.read_slots(op.device).clone())
                 return started
 
             def apply_ack(op_id, error):
-                op = core.ops[op_id]
+                op = core.offload.ops[op_id]
                 self.acked[op_id] = (error is None, self.rt.host_pool.read_slots(op.host).clone())
                 return ack(op_id, error)
 
             core.offload_start = offload_start
-            core._offload_apply_ack = apply_ack
+            core.offload.apply_ack = apply_ack
 
         await self.rt.inspect(hook)
 
@@ -100,9 +101,9 @@ async def drain(rt: CacheRuntime, engine: FakeCopyEngine) -> None:
         for op_id in engine.pending():
             engine.release(op_id)
         await sync(rt)
-        if await rt.inspect(lambda core: not core.ops and not core.offload_retired) and not engine.pending():
+        if await rt.inspect(lambda core: not core.in_flight() and not core.offload.retired) and not engine.pending():
             await sync(rt)
-            if await rt.inspect(lambda core: not core.ops and not core.offload_retired):
+            if await rt.inspect(lambda core: not core.in_flight() and not core.offload.retired):
                 return
         await asyncio.sleep(0.002)
     raise AssertionError("offloads never settled")
@@ -147,7 +148,7 @@ async def seed000_scenario(rt: CacheRuntime, engine: FakeCopyEngine, *, steps: i
 
     async def end(rid: str, abort: bool = False) -> None:
         req = live.pop(rid)
-        inflight = await rt.inspect(lambda core: bool(core.offload_inflight.get((rid, req.gen))))
+        inflight = await rt.inspect(lambda core: bool(core.offload.inflight.get((rid, req.gen))))
         counts["finished_in_flight"] += inflight
         if abort:
             await rt.abort(rid)
@@ -218,7 +219,7 @@ async def test_seed000_no_request_reads_another_requests_kv(tmp_path):
     trace = tmp_path / "trace.jsonl"
     async with fake_runtime(offload_config(trace_path=str(trace))) as (rt, engine):
         counts = await seed000_scenario(rt, engine)
-        ledgers = await rt.inspect(lambda core: [core.device.snapshot(), core.host.snapshot()])
+        ledgers = await rt.inspect(lambda core: [core.residency.device.snapshot(), core.residency.host.snapshot()])
     # the slot-lifecycle trace replays clean: no use after free, no free while pinned, no leak
     report = audit(str(trace))
     assert report.clean, report.summary()
@@ -235,19 +236,19 @@ async def test_seed000_no_request_reads_another_requests_kv(tmp_path):
 def _free_prefill_at_first_offload(monkeypatch) -> None:
     """Broken variant 1 (SGLang's first race): when a request's first offload lands, free the
     device slots of its prefill tokens although it still reads them."""
-    original = CacheCore._offload_apply_ack
+    original = CacheCore.apply_ack
 
     def broken(self, op_id, error):
-        op = self.ops[op_id]
-        first = (op.rid, op.generation) not in self.offload_landed
+        op = self.offload.ops.get(op_id)
+        first = op is not None and (op.rid, op.generation) not in self.offload.landed
         original(self, op_id, error)
-        rec = self.requests.get(op.rid)
+        rec = self.requests.get(op.rid) if op is not None else None
         if first and error is None and rec is not None and rec.generation == op.generation:
             end = min(op.start + op.length, rec.prompt_len - rec.prompt_len % self.page_size)
             if end > op.start:
-                self.device.free(rec.slots[op.start:end], rec.owner, reason="broken")
+                self.residency.device.free(rec.slots[op.start:end], rec.owner, reason="broken")
 
-    monkeypatch.setattr(CacheCore, "_offload_apply_ack", broken)
+    monkeypatch.setattr(CacheCore, "apply_ack", broken)
 
 
 def _release_without_waiting(monkeypatch, *, drop_guards: bool) -> None:
@@ -265,7 +266,7 @@ def _release_without_waiting(monkeypatch, *, drop_guards: bool) -> None:
 
     monkeypatch.setattr(OffloadActor, "_maybe_release", broken)
     if drop_guards:
-        monkeypatch.setattr(CacheCore, "_offload_check_idle", lambda self, key: None)
+        monkeypatch.setattr(DecodeOffload, "_check_idle", lambda self, key: None)
         original_free = SlotLedger.free
 
         def free_ignoring_pins(self, slots, owner, **ctx):
@@ -326,7 +327,7 @@ async def start_request(rt: CacheRuntime, rid: str, n: int, seed: int, extra_key
 def device_owned_by(core: CacheCore, rid: str, gen: int) -> int:
     from runtime.memory.owners import Owner
 
-    return core.device.pages_owned_by(Owner.request(rid, gen))
+    return core.residency.device.pages_owned_by(Owner.request(rid, gen))
 
 
 async def test_finish_before_last_ack_releases_at_the_ack():
@@ -352,7 +353,7 @@ async def test_ack_before_finish_releases_at_finish():
     async with fake_runtime(offload_config()) as (rt, engine):
         t, _ = await start_request(rt, "a", 16, 2)
         await drain(rt, engine)  # the copy lands while the request still runs
-        assert await rt.inspect(lambda core: len(core.offload_landed[("a", 1)])) == 1
+        assert await rt.inspect(lambda core: len(core.offload.landed[("a", 1)])) == 1
         await rt.finish("a", t)
         await drain(rt, engine)
         st = await rt.stats()
@@ -394,11 +395,11 @@ async def test_host_pool_full_is_a_no_op_without_state():
         await sync(rt)
         st = await rt.stats()
         assert st["offloads_skipped"] == 1 and st["offload_tracked_requests"] == 1
-        before = await rt.inspect(lambda core: core.device.num_free_pages())
+        before = await rt.inspect(lambda core: core.residency.device.num_free_pages())
         await rt.finish("b", tb)  # no offload of b: released at once (no copy to wait for)
         await sync(rt)
         await sync(rt)
-        assert await rt.inspect(lambda core: core.device.num_free_pages()) == before + 3
+        assert await rt.inspect(lambda core: core.residency.device.num_free_pages()) == before + 3
         assert engine.pending() == [engine.pending()[0]]  # a's copy is still in flight
         await drain(rt, engine)
         await rt.finish("a", ta)
@@ -464,7 +465,7 @@ async def test_rid_reused_while_previous_holders_copy_is_in_flight():
         assert r2.generation == 2
         assert not set(r1.slots.tolist()) & set(r2.slots.tolist())  # x#1's slots are not reused yet
         await until(lambda: len(engine.pending()) == 2)
-        owners = await rt.inspect(lambda core: sorted(str(o) for o in core.device.owners_of(
+        owners = await rt.inspect(lambda core: sorted(str(o) for o in core.residency.device.owners_of(
             np.concatenate((r1.slots.numpy(), r2.slots.numpy()))) if o is not None))
         assert {"request:x#1", "request:x#2"} <= set(owners)
         first = engine.pending()[0]
@@ -506,7 +507,7 @@ async def test_next_turn_hits_offloaded_pages_in_host_memory():
                     engine.release(op)
         await rt.finish("t1", tokens)
         await drain(rt, engine)
-        assert await rt.inspect(lambda core: core.device.num_free_slots()) == 128  # nothing kept on device
+        assert await rt.inspect(lambda core: core.residency.device.num_free_slots()) == 128  # nothing kept on device
         # the next turn: the whole conversation so far is a host hit, loaded back
         turn2 = np.concatenate((tokens, toks(7, 12)))
         res2 = await rt.admit("t2", turn2, "chat")
@@ -555,7 +556,7 @@ async def test_rewind_with_offloads():
             await rt.rewind("a", 9)  # would cut the copy in flight: refused, nothing changed
         await drain(rt, engine)
         await rt.rewind("a", 9)  # the landed chunk past the kept pages is dropped
-        assert await rt.inspect(lambda core: core.offload_landed.get(("a", 1), [])) == []
+        assert await rt.inspect(lambda core: core.offload.landed.get(("a", 1), [])) == []
         await rt.finish("a", t[:9])
         await drain(rt, engine)
         await quiescent_check(rt)
@@ -568,7 +569,7 @@ async def test_close_waits_for_offloads_and_releases():
         await rt.finish("a", t)
         core = rt._core
     # fake_runtime released the copy while closing: the request was released before the stop
-    assert not core.offload_retired and not core.ops
+    assert not core.offload.retired and not core.in_flight()
     assert core.stats["offload_releases"] == 1
 
 

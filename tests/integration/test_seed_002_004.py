@@ -37,8 +37,8 @@ async def _split_during_backup(rt, engine) -> dict:
     compute(rt, res_b.slots, b, start=16)
     await rt.finish("b", b)
     return await rt.inspect(lambda core: [
-        (n.num_tokens, None if n.host is None else n.host.copy(), core.tree.path_tokens(n))
-        for n in core.tree.nodes()])
+        (n.num_tokens, None if n.host is None else n.host.copy(), core.residency.tree.path_tokens(n))
+        for n in core.residency.tree.nodes()])
 
 
 async def test_seed002_split_during_backup_keeps_every_page():
@@ -65,7 +65,7 @@ async def test_seed002_broken_variant_is_caught():
     """Broken variant: the ack uses the shrunken node alone (the original SGLang bug)."""
     with pytest.raises(RuntimeFailed) as info:
         async with fake_runtime(small_config(write_policy="write_through")) as (rt, engine):
-            await rt.inspect(lambda core: setattr(core.tree, "split_chain", lambda node, n: [node]))
+            await rt.inspect(lambda core: setattr(core.residency.tree, "split_chain", lambda node, n: [node]))
             await _split_during_backup(rt, engine)
     assert isinstance(info.value.__cause__, (InvariantViolation, AssertionError, ValueError))
 

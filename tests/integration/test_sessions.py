@@ -12,7 +12,7 @@ from tests.integration.support import bad_positions, compute, quiescent_check, s
 
 async def _session_state(rt: CacheRuntime, sid: str):
     return await rt.inspect(lambda core: (core.sessions[sid].kv_len, core.sessions[sid].slots.copy(),
-                                          core.device.num_free_pages()))
+                                          core.residency.device.num_free_pages()))
 
 
 async def _overshooting_turn(rt: CacheRuntime, sid: str, rid: str, tokens: np.ndarray, limit: int, accepted: int,
@@ -43,7 +43,7 @@ async def test_seed003_overshoot_is_trimmed_and_next_turn_matches(page_size):
         assert kv_len == len(kept) == len(prompt) + limit
         assert len(slots) == -(-kv_len // page_size) * page_size
         # the trimmed whole pages are free again; the tail page shared with kept tokens is not
-        owned = await rt.inspect(lambda core: core.device.pages_owned_by(core.sessions["s"].owner))
+        owned = await rt.inspect(lambda core: core.residency.device.pages_owned_by(core.sessions["s"].owner))
         assert owned * page_size == len(slots)
         assert bad_positions(rt.device_pool, slots[:kv_len], kept) == []
         # next turn: the cached KV length equals its token count and its fingerprints match

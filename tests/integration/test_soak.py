@@ -45,10 +45,10 @@ async def _churn(rt: CacheRuntime, n: int, rng: np.random.Generator, batch: int 
 
 def _sizes(core) -> dict[str, int]:
     return {
-        "roots": len(core.tree.roots()),
-        "nodes": core.tree.num_nodes,
+        "roots": len(core.residency.tree.roots()),
+        "nodes": core.residency.tree.num_nodes,
         "requests": len(core.requests),
-        "device_owners": len(core.device._owner_of),
+        "device_owners": len(core.residency.device._owner_of),
         "prefetched": len(getattr(core, "prefetched", ())),
         "prefetch_landed": len(getattr(core, "prefetch_landed", {})),
     }

@@ -36,7 +36,7 @@ def backend(path, config) -> FileBackend:
 async def settle_all(rt: CacheRuntime, timeout: float = 10.0) -> None:
     """Until no copy and no storage op is in flight."""
     deadline = asyncio.get_running_loop().time() + timeout
-    while await rt.inspect(lambda core: len(core.ops) + len(core.storage_ops)):
+    while await rt.inspect(lambda core: core.in_flight()):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("copies or storage ops still in flight")
         await asyncio.sleep(0.002)
@@ -215,7 +215,7 @@ async def test_seed002_split_during_storage_write_keeps_every_page(tmp_path):
         b = np.concatenate((a[:16], toks(20, 5)))
         res_b = await rt.admit("b", b)
         assert res_b.cached_device == 16  # the node was split at 16 during the write
-        n_nodes = await rt.inspect(lambda core: sum(1 for n in core.tree.nodes() if n.host_protect > 0))
+        n_nodes = await rt.inspect(lambda core: sum(1 for n in core.residency.tree.nodes() if n.host_protect > 0))
         assert n_nodes == 2  # both halves protected from host eviction while the write runs
         fb.release()
         await settle_all(rt)

@@ -55,7 +55,7 @@ class LyingReads:
 async def settle(rt: CacheRuntime, timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while await rt.inspect(lambda core: len(core.ops) + len(core.storage_ops)):
+    while await rt.inspect(lambda core: core.in_flight()):
         assert loop.time() < deadline, "copies or storage ops still in flight"
         await asyncio.sleep(0.002)
 

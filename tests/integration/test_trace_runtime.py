@@ -31,7 +31,7 @@ async def serve(rt: CacheRuntime, rid: str, tokens: np.ndarray, reply_len: int =
 
 
 def ledgers(core):
-    return core.device.snapshot(), core.host.snapshot()
+    return core.residency.device.snapshot(), core.residency.host.snapshot()
 
 
 async def test_runtime_trace_audits_clean_and_replays_to_the_ledgers(tmp_path, capsys):
@@ -86,11 +86,11 @@ async def test_planted_free_of_pinned_pages_is_reported(tmp_path, monkeypatch):
 
     def evict_during_backup(core):
         """Evict a node's device copy while its write-through backup still reads it."""
-        op = next(op for op in core.ops.values() if op.direction is Direction.BACKUP)
+        op = next(op for op in core.copies.ops.values() if op.direction is Direction.BACKUP)
         node = op.node
-        assert core.device.pin_count(int(node.device[0])) == 1
-        slots = core.tree.detach_device(node, force=True)
-        core.device.free(slots, Owner.node(node.id), node=node.id, reason="evict")  # the buggy free lets it through
+        assert core.residency.device.pin_count(int(node.device[0])) == 1
+        slots = core.residency.tree.detach_device(node, force=True)
+        core.residency.device.free(slots, Owner.node(node.id), node=node.id, reason="evict")  # the buggy free lets it through
         return len(slots) // core.page_size, int(slots[0]) // core.page_size, op.op_id
 
     async with fake_runtime(cfg) as (rt, engine):

@@ -64,11 +64,11 @@ def last_plan(engine: FakeCopyEngine, direction: Direction) -> TransferPlan:
 
 
 def device_owners(rt: CacheRuntime, slots: np.ndarray):
-    return rt.inspect(lambda core: core.device.owners_of(slots))
+    return rt.inspect(lambda core: core.residency.device.owners_of(slots))
 
 
 def host_owners(rt: CacheRuntime, slots: np.ndarray):
-    return rt.inspect(lambda core: core.host.owners_of(slots))
+    return rt.inspect(lambda core: core.residency.host.owners_of(slots))
 
 
 async def test_failed_load_fails_readiness_and_finish_and_rolls_back():
@@ -93,7 +93,7 @@ async def test_failed_load_fails_readiness_and_finish_and_rolls_back():
         # the failed load's device slots are freed, nothing is marked as loaded
         assert set(await device_owners(rt, load_dst)) == {None}
         assert await rt.match_prefix(p0) == {"device": 0, "host": host_before}
-        assert await rt.inspect(lambda core: dict(core.loading)) == {}
+        assert await rt.inspect(lambda core: dict(core.copies.loading)) == {}
 
         with pytest.raises(TransferError):
             await rt.finish("b", p0)
@@ -162,8 +162,8 @@ async def test_failed_backup_frees_host_slots_and_leaves_node_unbacked():
 
         assert set(await host_owners(rt, host_dst)) == {None}
         assert (await rt.available())["host_free"] == cfg_host(rt)
-        assert await rt.inspect(lambda core: [n.host for n in core.tree.nodes() if n.host is not None]) == []
-        assert await rt.inspect(lambda core: dict(core.backup_pending)) == {}
+        assert await rt.inspect(lambda core: [n.host for n in core.residency.tree.nodes() if n.host is not None]) == []
+        assert await rt.inspect(lambda core: dict(core.copies.backup_pending)) == {}
         assert await rt.match_prefix(p) == {"device": 24, "host": 0}
         assert (await rt.stats())["copy_failures"] == 1
         await quiescent_check(rt)

@@ -97,7 +97,7 @@ async def test_cache_of_a_duplicate_pinned_by_an_offload_is_not_a_half_change():
         await rt.cache("a", a[:16])  # A's prefix is on device in the tree
         await rt.commit("b", 16)
         for _ in range(1000):  # B's offload of [0, 16) is in flight: it pins B's slots
-            if await rt.inspect(lambda core: any(getattr(op, "rid", None) == "b" for op in core.ops.values())):
+            if await rt.inspect(lambda core: any(op.rid == "b" for op in core.offload.ops.values())):
                 break
             await asyncio.sleep(0.001)
         assert await rt.cache("b", b[:24]) == 24
@@ -131,8 +131,8 @@ async def test_flush_never_leaves_a_node_without_a_copy_above_a_host_child():
         await rt.finish("p", p)
 
         def backup_p(core):  # P gets a host copy (write_back only copies on eviction)
-            node = core.tree.match(p, None, split=False, touch=False).nodes[-1]
-            assert core._maybe_backup(node)
+            node = core.residency.tree.match(p, None, split=False, touch=False).nodes[-1]
+            assert core.copies.backup(node)
 
         await rt.inspect(backup_p)
         await release_all(rt, engine)
@@ -145,13 +145,13 @@ async def test_flush_never_leaves_a_node_without_a_copy_above_a_host_child():
         await rt.finish("h", h[:24])  # H = [16, 24); this insert touched P, X and H at one clock
 
         def evict_h(core):  # H alone goes to host (write-back of the deepest leaf)
-            node = core.tree.match(h[:24], None, split=False, touch=False).nodes[-1]
-            assert node.num_tokens == 8 and core._maybe_backup(node, evict_after=True)
+            node = core.residency.tree.match(h[:24], None, split=False, touch=False).nodes[-1]
+            assert node.num_tokens == 8 and core.copies.backup(node, evict_after=True)
 
         await rt.inspect(evict_h)
         await release_all(rt, engine)
         shape = await rt.inspect(lambda core: [(n.num_tokens, n.device is not None, n.host is not None)
-                                               for n in core.tree.nodes()])
+                                               for n in core.residency.tree.nodes()])
         assert sorted(shape) == [(8, False, True), (8, True, False), (8, True, True)]
         await rt.flush()
         await release_all(rt, engine)
@@ -276,7 +276,7 @@ async def test_read_only_questions_and_unique_rids_leave_no_state():
             compute(rt, r.slots, t, f"k{i}")
             await rt.finish(f"u{i}", t[:8])
         await rt.flush()
-        sizes = await rt.inspect(lambda core: (len(core.tree.roots()), len(getattr(core, "generations", {}))))
+        sizes = await rt.inspect(lambda core: (len(core.residency.tree.roots()), len(getattr(core, "generations", {}))))
         assert sizes[0] <= 1 and sizes[1] == 0
 
 
@@ -314,7 +314,7 @@ async def test_prefetch_keeps_the_prefix_its_pages_hang_under(tmp_path):
         await rt.admit("r", toks(25, 56))  # evicts Q's device copy
         await rt.abort("r")
         shape = await rt.inspect(lambda core: sorted((n.num_tokens, n.device is None, n.host is not None)
-                                                     for n in core.tree.nodes()))
+                                                     for n in core.residency.tree.nodes()))
         assert shape == [(8, True, True), (24, True, True)]
         res = await rt.admit("t", t)
         assert res.loaded_storage == 16 and res.cached == 24

@@ -32,11 +32,11 @@ def make_core(**changes) -> CacheCore:
 
 def ack_all(core: CacheCore, direction: Direction | None = None, error: str | None = None) -> list[int]:
     """Apply the acks of every copy in flight (of `direction`), in issue order; returns their ids."""
-    done = [op_id for op_id, op in sorted(core.ops.items()) if direction is None or op.direction is direction]
+    done = [op_id for op_id, op in sorted(core.copies.ops.items()) if direction is None or op.direction is direction]
     for op_id in done:
         core.apply_ack(op_id, error)
         check_invariants(core)
-    core.outbox.clear()
+    core.take_effects()
     return done
 
 
@@ -98,20 +98,20 @@ def test_a_failed_load_orphans_the_load_started_under_it():
     rc = core.admit("c", np.concatenate((x, toks(3, 6))))
     rd = core.admit("d", np.concatenate((x, y, toks(3, 7))))
     assert (rc.loaded_host, rd.cached_device, rd.loaded_host) == (16, 16, 8)
-    load_x, load_y = sorted(op_id for op_id, op in core.ops.items() if op.direction is Direction.LOAD)
+    load_x, load_y = sorted(op_id for op_id, op in core.copies.ops.items() if op.direction is Direction.LOAD)
     core.apply_ack(load_x, "injected")
     check_invariants(core)
-    assert core.ops[load_y].orphaned
+    assert core.copies.ops[load_y].orphaned
     assert core.match_prefix(np.concatenate((x, y, toks(1, 8)))) == {"device": 0, "host": 24}
     # X and Y load again (for `e`) before the orphaned load's ack: that ack must leave the new
     # load's marks alone (a node still loading is where inserts stop)
     re_ = core.admit("e", np.concatenate((x, y, toks(3, 17))))
     assert re_.loaded_host == 24
-    marks = dict(core.loading)
+    marks = dict(core.copies.loading)
     assert len(marks) == 2 and all(r is re_.readiness[0] for r in marks.values())
     core.apply_ack(load_y, None)
     check_invariants(core)
-    assert core.loading == marks
+    assert core.copies.loading == marks
     for rid in ("c", "d"):
         assert core.requests[rid].failed is not None
         core.abort(rid)
@@ -128,16 +128,16 @@ def test_a_locked_node_without_a_device_copy_is_not_a_host_leaf():
     x = toks(16, 9)
     cached_host_only(core, x)
     res = core.admit("c", np.concatenate((x, toks(3, 10))))
-    (load,) = [op_id for op_id, op in core.ops.items() if op.direction is Direction.LOAD]
+    (load,) = [op_id for op_id, op in core.copies.ops.items() if op.direction is Direction.LOAD]
     res.readiness[0].fail(RuntimeError("injected"))
     core.apply_ack(load, "injected")
     node = core.requests["c"].last_node
     assert node.device is None and node.host is not None and node.lock_ref == 1
-    assert node not in core.tree.host_leaves
+    assert node not in core.residency.tree.host_leaves
     assert core.flush() == 0  # nothing unlocked to drop
     check_invariants(core)
     core.abort("c")
-    assert node in core.tree.host_leaves
+    assert node in core.residency.tree.host_leaves
     assert core.flush() == 16
     check_invariants(core, quiescent=True)
 

@@ -1,0 +1,247 @@
+"""CopyTracker: the device <-> host copies in flight (backups and loads).
+
+It owns their records (`ops`, snapshots: deepest node + length + slot copies), the in-flight
+marks on tree nodes (`backup_pending`, `loading`: node id -> op) and the plans not yet handed
+to the transfer actor. Every copy pins its source and destination pages and locks the deepest
+node it covers until its ack (seed 000); at the ack its nodes are recovered by walking up from
+that node (`split_chain`), so a split while it ran changes nothing (seed 002). A failed load is
+rolled back, with the loads started under it; the requests that used them are named in the
+ack's outcome for the request table to fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.memory.owners import Owner, Tier
+from runtime.messages import Direction, TransferPlan
+from runtime.trace import get_logger
+from runtime.tree.radix import Node
+from runtime.tree.readiness import LoadReadiness, ReadinessFactory
+from runtime.tree.records import CopyOp, make_plan
+from runtime.tree.residency import Residency
+
+_log = get_logger("hicache.tree")
+
+
+@dataclass(slots=True)
+class AckOutcome:
+    """What an applied ack means above the copy tracker."""
+
+    op: CopyOp
+    backed_up: bool = False  # a backup landed: its host copies can be written to storage
+    failed: str | None = None  # a load failed: these requests lost their cached prefix...
+    failed_users: set[Hashable] = field(default_factory=set)
+
+
+class CopyTracker:
+    # -- state -------------------------------------------------------------------
+    def __init__(self, residency: Residency, op_ids: Iterator[int], num_layers: int,
+                 readiness_factory: ReadinessFactory) -> None:
+        self.residency = residency
+        self._op_ids = op_ids  # shared with decode offload and storage: one id space for pins
+        self._num_layers = num_layers
+        self._new_readiness = readiness_factory  # a load's readiness (the actor's: per-layer futures)
+        self.ops: dict[int, CopyOp] = {}
+        self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
+        self.loading: dict[int, LoadReadiness] = {}  # node id -> readiness of its in-flight load
+        self._plans: list[tuple[TransferPlan, LoadReadiness | None]] = []
+        self.stats: dict[str, int] = {"backups_issued": 0, "loads_issued": 0, "copy_failures": 0,
+                                      "writeback_deferred": 0}
+
+    # -- issuing -------------------------------------------------------------------
+    def backup(self, node: Node, evict_after: bool = False) -> bool:
+        """Copy `node`'s device pages to fresh host pages (false: no need, or no host room)."""
+        res = self.residency
+        if node.host is not None or node.device is None or res.host is None:
+            return False
+        if node.id in self.backup_pending or node.id in self.loading:
+            return False
+        pages = node.num_tokens // res.page_size
+        host = res.alloc_host(pages, Owner.node(node.id), node=node.id)
+        if host is None:
+            return False
+        op_id = next(self._op_ids)
+        device = node.device.copy()
+        res.tree.lock(node)
+        res.device.pin(device, op_id)
+        res.host.pin(host, op_id)
+        self.ops[op_id] = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
+                                 Owner.node(node.id), evict_after=evict_after)
+        self.backup_pending[node.id] = op_id
+        res.emit("backup", Tier.HOST, host, node=node.id, op=op_id)
+        self._plans.append((make_plan(op_id, Direction.BACKUP, device, host), None))
+        self.stats["backups_issued"] += 1
+        return True
+
+    def write_back(self, nodes: list[Node]) -> None:
+        """Start the backups an eviction needs first (`Residency.evict_device`); their nodes'
+        device pages are freed at the acks."""
+        for node in nodes:
+            if self.backup(node, evict_after=True):
+                self.stats["writeback_deferred"] += node.num_tokens
+
+    def start_load(self, host_nodes: list[Node], host_len: int, device: np.ndarray, owner: Owner) -> CopyOp:
+        """Load the host-only chain into `device` slots (allocated by `owner`, handed to the nodes)."""
+        res = self.residency
+        assert res.host is not None
+        device = device.copy()  # the op's snapshot owns its arrays
+        op_id = next(self._op_ids)
+        readiness = self._new_readiness(self._num_layers, op_id)
+        res.attach_load(host_nodes, device, owner)
+        for node in host_nodes:
+            self.loading[node.id] = readiness
+        host = np.concatenate([n.host for n in host_nodes])
+        deepest = host_nodes[-1]
+        res.tree.lock(deepest)
+        res.device.pin(device, op_id)
+        res.host.pin(host, op_id)
+        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, Owner.node(deepest.id),
+                    readiness=readiness)
+        self.ops[op_id] = op
+        res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
+        self._plans.append((make_plan(op_id, Direction.LOAD, host, device), readiness))
+        self.stats["loads_issued"] += 1
+        return op
+
+    def take_plans(self) -> list[tuple[TransferPlan, LoadReadiness | None]]:
+        """The plans issued since the last call, for the transfer actor (each with its readiness)."""
+        plans, self._plans = self._plans, []
+        return plans
+
+    # -- loads' users -----------------------------------------------------------------
+    def loads_under(self, nodes: list[Node]) -> list[LoadReadiness]:
+        """The readiness of each load in flight into any of `nodes` (once each, in order)."""
+        out: list[LoadReadiness] = []
+        if self.loading:
+            for node in nodes:
+                r = self.loading.get(node.id)
+                if r is not None and r not in out:
+                    out.append(r)
+        return out
+
+    def add_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
+        self._load_op_of(readiness).users.add(rid)
+
+    def drop_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
+        op = self._load_op_of(readiness, missing_ok=True)
+        if op is not None:
+            op.users.discard(rid)
+
+    def insert_cap(self, tokens: np.ndarray, n: int, extra_key: Hashable) -> int:
+        """How much of tokens[:n] an insert may cover: it stops at a node whose load is in flight
+        (a layer not ready yet), so that nothing new hangs below KV that a failed load takes back
+        (a request waiting on that load cannot insert at all: `CacheCore._check_loaded`)."""
+        if not self.loading:
+            return n
+        m = self.residency.tree.match(tokens[:n], extra_key, split=False, touch=False)
+        pos = 0
+        for node in m.nodes:
+            r = self.loading.get(node.id)
+            if r is not None and not r.all_ready():
+                return pos
+            pos += node.num_tokens
+        return n
+
+    def busy(self, node: Node) -> bool:
+        """A copy into or out of `node` is in flight."""
+        return node.id in self.backup_pending or node.id in self.loading
+
+    # -- acks ---------------------------------------------------------------------
+    def apply_ack(self, op_id: int, error: str | None) -> AckOutcome:
+        res = self.residency
+        op = self.ops.pop(op_id)
+        res.device.unpin(op.device, op_id)
+        assert res.host is not None
+        res.host.unpin(op.host, op_id)
+        chain = res.tree.split_chain(op.node, op.length)
+        out = AckOutcome(op)
+        if op.direction is Direction.BACKUP:
+            self._finish_backup(op, chain, error)
+            out.backed_up = error is None
+        else:
+            self._finish_load(op, chain, error, out)
+        res.tree.unlock(op.node)
+        if error is not None:
+            self.stats["copy_failures"] += 1
+        if op.direction is Direction.BACKUP and op.evict_after and error is None:
+            for node in reversed(chain):
+                if node in res.tree.device_leaves:
+                    res.drop_device(node)
+        return out
+
+    def on_split(self, lower: Node, upper: Node) -> None:
+        """In-flight marks cover both halves of a split."""
+        if lower.id in self.backup_pending:
+            self.backup_pending[upper.id] = self.backup_pending[lower.id]
+        if lower.id in self.loading:
+            self.loading[upper.id] = self.loading[lower.id]
+
+    # -- helpers -------------------------------------------------------------------
+    def _finish_backup(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
+        res = self.residency
+        for node in chain:
+            self.backup_pending.pop(node.id, None)
+        if error is not None:
+            res.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")  # type: ignore[union-attr]
+            return
+        res.attach_backup(chain, op.host, op.host_owner)
+
+    def _finish_load(self, op: CopyOp, chain: list[Node], error: str | None, out: AckOutcome) -> None:
+        for node in chain:
+            if self.loading.get(node.id) is op.readiness:  # (an orphaned op's nodes may load again)
+                del self.loading[node.id]
+        if op.orphaned:  # its nodes were rolled back with a failed load above them
+            self.residency.device.free(op.device, Owner.node(op.node.id), node=op.node.id, reason="load_orphaned")
+            return
+        if error is not None and op.readiness is not None and op.readiness.all_ready():
+            # every layer was reported on device: its users computed on it, and KV below it
+            # may be in the tree already (`insert_cap`), so the load stands
+            _log.warning("load_error_after_all_layers_ready", op=op.op_id, error=error)
+            error = None
+        if error is None:
+            return
+        # roll back: the device copies never became valid, nor did those of the loads started
+        # under them (their users are this one's too); requests that used them are failed
+        out.failed = error
+        self._orphan_loads_below(op, chain[0], out.failed_users)
+        self.residency.roll_back_load(chain)
+        out.failed_users |= op.users
+
+    def _orphan_loads_below(self, failed: CopyOp, top: Node, users: set[Hashable]) -> None:
+        """Before the chain of `failed` (from `top` down) loses its device copies: take them from
+        the nodes of every other load in flight below `top` (deepest first), each load keeping its
+        slots until its own ack. Nothing else can be on device below a load in flight
+        (`insert_cap`; acks come in issue order)."""
+        def depth(node: Node) -> int | None:
+            d = 0
+            while node is not top:
+                if node.parent is None:
+                    return None
+                node, d = node.parent, d + 1
+            return d
+
+        below = []
+        for op in self.ops.values():
+            if op.direction is Direction.LOAD and not op.orphaned and op is not failed:
+                d = depth(op.node)
+                if d is not None:
+                    below.append((d, op))
+        for _, op in sorted(below, key=lambda x: -x[0]):
+            chain = self.residency.tree.split_chain(op.node, op.length)
+            for node in chain:
+                self.loading.pop(node.id, None)
+            self.residency.orphan_load(chain)
+            op.orphaned = True
+            users |= op.users
+
+    def _load_op_of(self, readiness: LoadReadiness, missing_ok: bool = False) -> CopyOp | None:
+        for op in self.ops.values():
+            if op.readiness is readiness:
+                return op
+        if missing_ok:
+            return None
+        raise KeyError("load op not found")

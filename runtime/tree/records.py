@@ -1,0 +1,178 @@
+"""The records the tree core keeps: requests, sessions, in-flight copies and storage operations.
+
+Plain data: each record is written only by the part that owns it (`CacheCore`: requests and
+sessions; `CopyTracker`: `CopyOp`; `DecodeOffload`: `OffloadOp`, `RetiredRequest`;
+`StorageTier`: `Prefetch`, `StorageOp`). An in-flight operation's record is a snapshot taken
+when it was issued (deepest node + length + slot copies), so a split of its nodes never changes
+what it means (seed 002).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.memory.owners import Owner
+from runtime.messages import Direction, PoolTransfer, TransferPlan
+from runtime.tree.radix import Node
+from runtime.tree.readiness import LoadReadiness
+
+EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def aligned(n: int, page_size: int) -> int:
+    """`n` rounded down to whole pages."""
+    return n - n % page_size
+
+
+def make_plan(op_id: int, direction: Direction, src: np.ndarray, dst: np.ndarray) -> TransferPlan:
+    """A copy's plan owns fresh copies of its indices (seed 001): never views of tree state."""
+    return TransferPlan(op_id, direction, (PoolTransfer("kv", torch.from_numpy(np.array(src, dtype=np.int64)),
+                                                        torch.from_numpy(np.array(dst, dtype=np.int64))),))
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """The one record of a live request: its tokens, slots and lengths change together."""
+
+    rid: Hashable
+    generation: int
+    owner: Owner
+    extra_key: Hashable
+    tokens: np.ndarray  # int32 token ids the request has so far
+    slots: np.ndarray  # int64 device slots of its allocated pages
+    seq_len: int  # token positions in use (prompt + extended), <= len(slots)
+    committed_len: int
+    cached_len: int  # prefix held by tree nodes, locked through last_node
+    last_node: Node | None
+    prompt_len: int
+    readiness: tuple[LoadReadiness, ...] = ()
+    failed: str | None = None
+    session: Hashable = None  # the streaming session this turn belongs to
+    session_len: int = 0  # leading slots the session owns (its whole pages)
+    # slots of its own inside the cached prefix that duplicate tree pages (another request
+    # cached the same prefix first): still the caller's until release (the slot contract)
+    dups: np.ndarray = field(default_factory=lambda: EMPTY)
+    slot_buf: np.ndarray | None = None  # the buffer `slots` is a prefix view of, once it grew (extend)
+
+    @property
+    def own_start(self) -> int:
+        """Slots before this index belong to the tree (cached prefix) or to the session."""
+        return self.session_len if self.session is not None else self.cached_len
+
+    def append_slots(self, new: np.ndarray) -> None:
+        """slots += new, amortised O(len(new)): the slots are a prefix view of a buffer with room
+        to grow (a decode step adds a page at a time; re-concatenating cost O(context) per page).
+        Only positions past the old end are written, so no view taken before changes."""
+        n, k = len(self.slots), len(new)
+        buf = self.slot_buf
+        if buf is None or self.slots.base is not buf or len(buf) < n + k:
+            buf = self.slot_buf = np.empty(max(2 * (n + k), 64), dtype=np.int64)
+            buf[:n] = self.slots
+        buf[n:n + k] = new
+        self.slots = buf[:n + k]
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    """A streaming session's KV across turns: `kv_len` tokens in whole pages it owns."""
+
+    sid: Hashable
+    owner: Owner
+    extra_key: Hashable
+    tokens: np.ndarray
+    slots: np.ndarray
+    turn: Hashable = None  # rid of the running turn, if any
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(slots=True)
+class CopyOp:
+    """An in-flight backup or load: a snapshot of what it covers, taken when issued."""
+
+    op_id: int
+    direction: Direction
+    node: Node  # deepest node covered (the lower half after any split)
+    length: int  # tokens covered, ending at `node`'s end
+    device: np.ndarray
+    host: np.ndarray
+    host_owner: Owner  # owner of `host` until the ack hands it to the nodes
+    readiness: LoadReadiness | None = None
+    evict_after: bool = False
+    users: set[Hashable] = field(default_factory=set)
+    # a load issued under another load that failed first: its nodes lost their device copies, and
+    # its device slots stay with it (owner: its deepest node's id) until its ack frees them
+    orphaned: bool = False
+
+
+@dataclass(slots=True)
+class OffloadOp:
+    """An in-flight decode offload: tokens [start, start + length) of (rid, generation), device
+    slots snapshotted at issue, host slots owned by the request until its release."""
+
+    op_id: int
+    rid: Hashable
+    generation: int
+    start: int
+    length: int
+    device: np.ndarray
+    host: np.ndarray
+    host_owner: Owner
+
+
+@dataclass(slots=True)
+class RetiredRequest:
+    """A finished (`final_len` tokens of valid KV) or aborted (None) request whose device
+    slots wait for its offloads to land (decode offload)."""
+
+    rec: RequestRecord
+    final_len: int | None
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """A storage read for request `rid`: tokens [start, start + len(keys) * page_size)."""
+
+    rid: Hashable
+    owner: Owner  # Owner.prefetch(rid, generation): holds `host` until it lands
+    extra_key: Hashable
+    tokens: np.ndarray
+    start: int
+    op_id: int
+    host: np.ndarray
+    cancelled: bool = False
+    detached: bool = False  # admitted without waiting for it: it lands into the tree for whoever comes next
+    by_prepare: bool = True  # started by the caller's prepare (False: by an admit that waits for it)
+    waiters: list[Any] = field(default_factory=list)  # admits deferred until it lands (tree actor's)
+    # the anchor: the cached prefix [0, start) the read pages will hang under, kept in the tree
+    # until the prefetch ends (else making host room for the read could evict it)
+    anchor_lock: Node | None = None  # deepest device node of it, locked
+    anchor_host: Node | None = None  # deepest host-only node of it, host-protected over...
+    anchor_host_len: int = 0  # ...this many tokens (its host-only part)
+
+
+@dataclass(slots=True)
+class StorageOp:
+    op_id: int
+    write: bool
+    host: np.ndarray  # pinned host slots (whole pages), one page per key
+    keys: list[bytes]
+    node: Node | None = None  # a write: deepest node of the backed-up chain
+    length: int = 0  # a write: tokens of that chain (its protect_host length)
+    prefetch: Prefetch | None = None  # a read
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchWait:
+    """An admit that waits for its request's prefetch (storage tier, policy `wait`/`timeout`):
+    it runs when the prefetch lands, fails, or after `timeout_s` (None: no deadline)."""
+
+    prefetch: Prefetch
+    timeout_s: float | None

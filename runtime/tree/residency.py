@@ -1,0 +1,325 @@
+"""Residency: which token prefixes are cached, and in which slots of which tier.
+
+It owns the radix tree, the device and host slot ledgers and the tracer, and is the only code
+that pairs a tree change with its ledger change: allocate, evict, drop, delete, insert, attach a
+copy's slots, adopt a host run, move ownership on a split. Every other part of the core changes
+the tree or a ledger only through these methods (locks, pins and host protections excepted:
+they change no ownership). Eviction that needs a backup first (write-back, or a node whose
+host-only children need it to keep a copy) is not issued here: `evict_device` returns those
+nodes, and the copy tracker starts their backups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Hashable
+from typing import Any
+
+import numpy as np
+
+from runtime.config import RuntimeConfig
+from runtime.errors import CapacityError
+from runtime.memory.ledger import SlotLedger
+from runtime.memory.owners import Owner, Tier
+from runtime.trace import SlotTracer
+from runtime.tree.policies import policy_by_name
+from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
+from runtime.tree.records import EMPTY, aligned
+
+
+class Residency:
+    # -- state -------------------------------------------------------------------
+    def __init__(self, config: RuntimeConfig, tracer: SlotTracer | None = None) -> None:
+        self.page_size = config.page_size
+        self.write_back = config.host_slots > 0 and config.write_policy == "write_back"
+        self.tracer = tracer
+        self.tree = RadixTree(config.page_size, policy_by_name(config.eviction_policy))
+        self.device = SlotLedger(config.device_slots, config.page_size, Tier.DEVICE, tracer)
+        self.host: SlotLedger | None = (
+            SlotLedger(config.host_slots, config.page_size, Tier.HOST, tracer) if config.host_slots > 0 else None
+        )
+        self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
+
+    # -- allocation --------------------------------------------------------------
+    def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
+        """Free pages only (the caller evicted first: `evict_device`)."""
+        if pages == 0:
+            return EMPTY
+        if pages > self.device.num_free_pages():
+            raise CapacityError(f"{pages} device pages needed, {self.device.num_free_pages()} free after eviction")
+        return self.device.alloc(pages, owner, **ctx)
+
+    def alloc_host(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray | None:
+        """Host pages, evicting host-only copies for them; None when they cannot be had."""
+        assert self.host is not None
+        short = pages - self.host.num_free_pages()
+        if short > 0:
+            self.evict_host(short)
+        if pages > self.host.num_free_pages():
+            return None
+        return self.host.alloc(pages, owner, **ctx)
+
+    # -- eviction and deletion ---------------------------------------------------
+    def evict_device(self, pages: int) -> list[Node]:
+        """Free `pages` device pages in eviction order (as `freeable_now` predicts): drop device
+        copies backed up on host, delete childless nodes with no host copy. Returns the nodes
+        passed over because their eviction needs a backup first (their device pages are freed at
+        its ack): the caller starts those backups."""
+        freed = 0
+        backup_first: list[Node] = []
+        for node in self.tree.device_victims():
+            if freed >= pages:
+                break
+            if node.host is not None:
+                freed += node.num_tokens // self.page_size
+                self.drop_device(node)
+            elif self.host is not None and (self.write_back or node.children):
+                backup_first.append(node)
+            else:
+                freed += node.num_tokens // self.page_size
+                self.delete(node)
+        return backup_first
+
+    def evict_host(self, pages: int) -> None:
+        freed = 0
+        for node in self.tree.host_victims():
+            if freed >= pages:
+                break
+            freed += node.num_tokens // self.page_size
+            self.delete(node)
+
+    def drop_device(self, node: Node) -> None:
+        slots = self.tree.detach_device(node)
+        self.device.free(slots, Owner.node(node.id), node=node.id, reason="evict")
+        self.emit("evict", Tier.DEVICE, slots, node=node.id)
+        self.stats["device_evicted_tokens"] += len(slots)
+
+    def delete(self, node: Node) -> None:
+        """Delete a childless unlocked node, then any ancestors left with no copy and no child."""
+        while True:
+            parent = node.parent
+            device, host = self.tree.delete_leaf(node)
+            if device is not None:
+                self.device.free(device, Owner.node(node.id), node=node.id, reason="evict")
+                self.stats["device_evicted_tokens"] += len(device)
+            if host is not None and self.host is not None:
+                self.host.free(host, Owner.node(node.id), node=node.id, reason="evict")
+                self.stats["host_evicted_tokens"] += len(host)
+            if (parent is None or parent.parent is None or parent.children or parent.device is not None
+                    or parent.host is not None or parent.lock_ref > 0):
+                return
+            node = parent
+
+    def delete_subtree(self, top: Node) -> int:
+        """Delete `top` (unlocked) and every node below it, deepest first; returns the tokens
+        dropped. Nothing changes (0) when a node below holds a protected host copy (a storage
+        write reads it): a node never loses its last copy while nodes below it keep theirs."""
+        below: list[Node] = []
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            if node.host_protect or node.lock_ref:
+                return 0
+            below.append(node)
+            stack.extend(node.children.values())
+        dropped = top.num_tokens
+        for node in reversed(below):  # children before parents
+            dropped += node.num_tokens
+            self.delete(node)
+        self.delete(top)
+        return dropped
+
+    def flush(self) -> int:
+        """Drop every unlocked cached prefix from device and host; returns tokens dropped."""
+        dropped = 0
+        changed = True
+        while changed:
+            changed = False
+            for node in self.tree.device_victims():
+                if node.host is not None:
+                    dropped += node.num_tokens
+                    self.drop_device(node)
+                elif not node.children:
+                    dropped += node.num_tokens
+                    self.delete(node)
+                else:  # its last copy: the host-only nodes below it go with it (tier closure)
+                    gone = self.delete_subtree(node)
+                    if not gone:
+                        continue
+                    dropped += gone
+                changed = True
+            for node in self.tree.host_victims():
+                dropped += node.num_tokens
+                changed = True
+                self.delete(node)
+        return dropped
+
+    # -- insertion and copies' slots ----------------------------------------------
+    def insert(self, tokens: np.ndarray, extra_key: Hashable, slots: np.ndarray, owner: Owner, *,
+               start: Node | None = None, extend_leaf: bool = False, trusted: bool = False,
+               **ctx: Any) -> InsertResult:
+        """Insert `tokens` with their device `slots` (owned by `owner`): the slots of new nodes
+        become theirs; duplicates of pages the tree had stay with `owner` (the result says which)."""
+        res = self.tree.insert(tokens, extra_key, slots, start=start, extend_leaf=extend_leaf)
+        for node, part in res.adopted:
+            to = node.owner
+            if to is None:
+                to = node.owner = Owner.node(node.id)
+            self.device.assign(part, owner, to, trusted=trusted, node=node.id, **ctx)
+        return res
+
+    def attach_load(self, host_nodes: list[Node], device: np.ndarray, owner: Owner) -> None:
+        """A load's destination pages (allocated by `owner`) become the host-only nodes' device copies."""
+        offset = 0
+        for node in host_nodes:
+            part = device[offset: offset + node.num_tokens]
+            offset += node.num_tokens
+            self.device.assign(part, owner, Owner.node(node.id), node=node.id)
+            self.tree.attach_device(node, part)
+
+    def attach_backup(self, chain: list[Node], host: np.ndarray, host_owner: Owner) -> None:
+        """A landed backup's host pages (owned by `host_owner`, the deepest node) go to the chain."""
+        offset = 0
+        deepest = chain[-1]
+        for node in chain:
+            part = host[offset: offset + node.num_tokens].copy()
+            offset += node.num_tokens
+            if node is not deepest:
+                self.host.assign(part, host_owner, Owner.node(node.id), node=node.id)  # type: ignore[union-attr]
+            self.tree.attach_host(node, part)
+
+    def roll_back_load(self, chain: list[Node]) -> None:
+        """A failed load's device copies never became valid: detach and free them."""
+        for node in reversed(chain):
+            slots = self.tree.detach_device(node, force=True)
+            self.device.free(slots, Owner.node(node.id), node=node.id, reason="load_failed")
+
+    def orphan_load(self, chain: list[Node]) -> None:
+        """Detach a load's device copies from its chain: its deepest node's owner keeps them all
+        until the load's ack frees them (the load was started under a load that failed)."""
+        owner = Owner.node(chain[-1].id)
+        for node in reversed(chain):
+            slots = self.tree.detach_device(node, force=True)
+            if node is not chain[-1]:
+                self.device.assign(slots, Owner.node(node.id), owner, node=chain[-1].id, reason="load_orphaned")
+
+    def adopt_host_run(self, tokens: np.ndarray, extra_key: Hashable, start: int, host: np.ndarray,
+                       owner: Owner, rid: Hashable, busy: Container[int]) -> tuple[int, Node | None]:
+        """Hand host pages holding tokens[start:] (owned by `owner`) to the tree: nodes on the path
+        without a host copy (and no backup in flight: `busy` node ids) adopt theirs, the rest
+        becomes a host-only child; pages the tree cannot take are freed. Used by decode offload
+        and by storage prefetch. Returns the tokens kept and the node the path ends at (it ends
+        exactly at `len(tokens)`; None if the prefix was gone)."""
+        assert self.host is not None
+        host_ledger = self.host
+        end = len(tokens)
+
+        def drop(part: np.ndarray, reason: str) -> None:
+            if len(part):
+                host_ledger.free(part, owner, rid=rid, reason=reason)
+
+        if start:
+            # a node boundary at `start` (the path to it is the caller's locked or matched prefix)
+            m0 = self.tree.match(tokens[:start], extra_key, split=True, touch=False)
+            if m0.matched_len < start:
+                drop(host, "prefix_gone")
+                return 0, None
+        m = self.tree.match(tokens, extra_key, split=True, touch=False)
+        kept = 0
+        offset = 0
+        parent = self.tree.root(extra_key)
+        for node in m.nodes:
+            lo, offset = offset, offset + node.num_tokens
+            if offset > start:
+                part = host[lo - start: offset - start]
+                if node.host is None and node.id not in busy:
+                    self.tree.attach_host(node, part)
+                    host_ledger.assign(part, owner, Owner.node(node.id), rid=rid, node=node.id)
+                    kept += len(part)
+                else:
+                    drop(part, "duplicate")
+            parent = node
+        if m.matched_len < end:
+            rest = host[m.matched_len - start:]
+            parent = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
+            host_ledger.assign(rest, owner, Owner.node(parent.id), rid=rid, node=parent.id)
+            kept += len(rest)
+        return kept, parent
+
+    def on_split(self, lower: Node, upper: Node) -> None:
+        """A split hands the upper part's slots to the new node."""
+        if upper.device is not None:
+            self.device.assign(upper.device, Owner.node(lower.id), Owner.node(upper.id), node=upper.id, reason="split")
+        if upper.host is not None and self.host is not None:
+            self.host.assign(upper.host, Owner.node(lower.id), Owner.node(upper.id), node=upper.id, reason="split")
+
+    # -- questions (change nothing) ---------------------------------------------------
+    def admission(self, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int, int]:
+        """The read-only look an admission starts from: (look, host tokens to load, device pages
+        needed for them and the uncached rest). The last token is always computed (the model
+        needs its logits), so at most len - 1 tokens match."""
+        ps = self.page_size
+        look = self.tree.match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, split=False, touch=False)
+        host_len = look.host_len if self.host is not None else 0
+        return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
+
+    def evictable_device_pages(self) -> int:
+        return self.tree.evictable_device_tokens // self.page_size
+
+    def evictable_host_tokens(self) -> int:
+        # O(nodes): informational (available()), not on the hot path
+        return sum(len(n.host) for n in self.tree.nodes()
+                   if n.host is not None and n.device is None and n.host_protect == 0 and n.lock_ref == 0)
+
+    def room_for(self, pages: int, look: MatchResult | None = None) -> bool:
+        """Whether `pages` device pages can be had now, free or by an eviction that frees them at
+        once. `can_admit`, `admit` and `extend` all decide by this one answer, so they agree. A
+        request's own matched prefix (`look`) is evictable until its admission locks it, so it is
+        no room for it."""
+        free = self.device.num_free_pages()
+        if pages <= free:
+            return True
+        keep = set(look.device_nodes) if look is not None else set()
+        if pages > free + self.evictable_device_pages():  # not even eventually
+            return False
+        return free + self.freeable_now(pages - free, keep) >= pages
+
+    def freeable_now(self, need: int, keep: set[Node]) -> int:
+        """Device pages that `evict_device` would free at once (at least `need` of them, if there
+        are), without changing anything: a dry run over the evictable device leaves, parents
+        becoming leaves as their device children go. A leaf whose eviction needs a backup
+        (write-back, or a node whose host-only children need it to keep a copy) frees nothing
+        now, and its ancestors stay. Stops as soon as `need` pages are found."""
+        ps = self.page_size
+        left: dict[Node, int] = {}  # device children a parent still has in the dry run
+        deleted: dict[Node, int] = {}  # children the dry run deleted (no host copy): gone for good
+        leaves = iter(self.tree.device_leaves)
+        ready: list[Node] = []
+        got = 0
+        while got < need:
+            if ready:
+                node = ready.pop()
+            else:
+                node = next(leaves, None)
+                if node is None:
+                    break
+                if node in keep:
+                    continue
+            if node.host is None and self.host is not None and (
+                    self.write_back or len(node.children) > deleted.get(node, 0)):
+                continue
+            got += len(node.device) // ps
+            parent = node.parent
+            if node.host is None:
+                deleted[parent] = deleted.get(parent, 0) + 1
+            if parent.parent is None or parent.lock_ref or parent in keep:
+                continue
+            n = left.get(parent, parent.n_dev_children) - 1
+            left[parent] = n
+            if n == 0:
+                ready.append(parent)
+        return got
+
+    # -- tracing -------------------------------------------------------------------
+    def emit(self, event: str, tier: Tier, slots: np.ndarray, **fields: Any) -> None:
+        if self.tracer is not None and self.tracer.active:
+            self.tracer.emit(event, tier.value, slots=slots, **fields)

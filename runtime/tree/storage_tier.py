@@ -1,0 +1,328 @@
+"""StorageTier: the tree side of the storage tier (made by `CacheCore.enable_storage`).
+
+Every host backup that lands is written through to storage by page hash (a write `StorageOp`),
+and `prepare`/`admit` look up what storage holds beyond the device + host hit and read it into
+fresh host pages (a read `StorageOp`, owned by a `Prefetch` until it lands), which become
+host-only tree nodes; the normal host -> device load follows. A storage op pins its host pages
+(ledger pin keyed by the op id) and a write protects its chain's host copies (`protect_host`
+over the recorded length, so a split keeps both halves protected). A write's keys and host
+pages are a snapshot taken at issue: a split during the write never shrinks what is written
+(seed 002, storage variant).
+
+It owns the storage ops, the prefetch records and their waiting policy (an admit waits for its
+request's prefetch under `wait`/`timeout`), the ops past their deadline, the KV identity the
+page hashes encode and the hint of page hashes known stored.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Container, Hashable, Iterator
+from typing import Any
+
+import numpy as np
+
+from runtime.config import RuntimeConfig
+from runtime.memory.owners import Owner
+from runtime.storage.hashing import KVIdentity, page_hashes
+from runtime.trace import get_logger
+from runtime.tree.radix import MatchResult, Node
+from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, aligned
+from runtime.tree.residency import Residency
+
+_log = get_logger("hicache.storage")
+# Memory is bounded by live state: records of rids that were prepared but never admitted or
+# aborted, and the hint of page hashes known stored, are capped (past the cap a prepared rid's
+# abort is an unknown rid, and a known page may be written again: both harmless).
+_PREPARED_CAP = 4096
+_KNOWN_CAP = 1 << 16
+COUNTERS = ("storage_writes_issued", "storage_pages_written", "storage_write_failures", "storage_lookups_issued",
+            "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
+            "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted")
+StorageRequest = tuple[int, bool, tuple[bytes, ...], tuple[int, ...]]  # op id, write, keys, host pages
+
+
+def storage_key_ok(extra_key: Hashable) -> bool:
+    """Namespaces the page hash encodes (the façade accepts only these)."""
+    if extra_key is None or type(extra_key) in (str, bytes, int):
+        return True
+    return type(extra_key) is tuple and all(storage_key_ok(k) for k in extra_key)
+
+
+class StorageTier:
+    # -- state -------------------------------------------------------------------
+    def __init__(self, config: RuntimeConfig, residency: Residency, op_ids: Iterator[int]) -> None:
+        self.config = config
+        self.residency = residency
+        self._op_ids = op_ids
+        self.identity = KVIdentity.from_config(config)
+        self.ops: dict[int, StorageOp] = {}
+        self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
+        self.prefetches: dict[Hashable, Prefetch] = {}
+        self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
+        self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
+        self.known: set[bytes] = set()  # page hashes this process wrote (skip rewriting them)
+        self._prefetch_gens = itertools.count(1)
+        self._requests: list[StorageRequest] = []
+        self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    # -- writes ------------------------------------------------------------------
+    def write(self, node: Node, length: int, host: np.ndarray) -> None:
+        """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
+        (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
+        res = self.residency
+        if not storage_key_ok(node.extra_key) or res.host is None:
+            return
+        ps = res.page_size
+        path = res.tree.path_tokens(node)
+        first = (len(path) - length) // ps
+        hashes = self._hashes(path, node.extra_key)[first:]
+        pick = [i for i, h in enumerate(hashes) if h not in self.known]
+        if not pick:
+            return
+        keys = [hashes[i] for i in pick]
+        host = np.concatenate([host[i * ps:(i + 1) * ps] for i in pick])
+        op_id = next(self._op_ids)
+        res.host.pin(host, op_id)
+        res.tree.protect_host(node, length)
+        self.ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length)
+        self._requests.append((op_id, True, tuple(keys), self._host_pages(host)))
+        self.stats["storage_writes_issued"] += 1
+
+    def write_chain(self, node: Node, length: int) -> None:
+        """Write the last `length` tokens of `node`'s path, just handed to the tree as host copies,
+        to storage (skipped while a node of it has no host copy yet: its backup's ack writes it)."""
+        chain = self.residency.tree.split_chain(node, length)
+        if all(n.host is not None for n in chain):
+            self.write(node, length, np.concatenate([n.host for n in chain]))
+
+    # -- prefetch ----------------------------------------------------------------
+    def prepare(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable) -> int:
+        """Start looking up in storage the pages of `tokens` (checked by the caller; `rid` not
+        live) beyond the device + host hit; the read of what it finds follows (`_read`). Returns
+        the tokens looked up (0: nothing started)."""
+        res = self.residency
+        if res.host is None or rid in self.prefetches or not storage_key_ok(extra_key):
+            return 0
+        ps = res.page_size
+        match_len = aligned(len(tokens) - 1, ps)
+        look = res.tree.match(tokens[:match_len], extra_key, split=False, touch=False)
+        start = look.device_len + look.host_len
+        if match_len - start < max(ps, self.config.prefetch_threshold):
+            return 0
+        keys = self._hashes(tokens[:match_len], extra_key)[start // ps:]
+        # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
+        # only for what storage holds (`_read`)
+        op_id = next(self._op_ids)
+        pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens[:match_len], start,
+                      op_id, EMPTY)
+        if start:
+            self._hold_anchor(pf, res.tree.settle(look, touch=False))
+        self.prefetches[rid] = pf
+        self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf)
+        self._requests.append((op_id, False, tuple(keys), ()))
+        self.stats["storage_lookups_issued"] += 1
+        return len(keys) * ps
+
+    def wait_for(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, waiter: Any) -> PrefetchWait | None:
+        """The prefetch an admit of `rid` (not live) waits for, by the policy, with `waiter`
+        appended to it; None: admit now (policy `best_effort`, no waiter: a batch item never
+        waits, or nothing to fetch). An admit that does not wait detaches its prefetch."""
+        policy = self.config.prefetch_policy
+        pf = self.prefetches.get(rid)
+        if policy == "best_effort" or waiter is None:
+            if pf is not None:
+                self.detach(pf)
+            return None
+        if pf is None and self.prepare(rid, tokens, extra_key):
+            pf = self.prefetches[rid]
+            pf.by_prepare = False  # the admit's own: its rid is not one the caller prepared
+        if pf is None:
+            return None
+        pf.waiters.append(waiter)
+        timeout = self.config.prefetch_timeout(len(tokens)) if policy == "timeout" else None
+        return PrefetchWait(pf, timeout)
+
+    def detach(self, pf: Prefetch) -> None:
+        """The request stops waiting (best_effort admit, timeout): the read goes on and lands into
+        the tree; an abort of the request no longer cancels it."""
+        if self.prefetches.get(pf.rid) is pf:
+            del self.prefetches[pf.rid]
+            pf.detached = True
+
+    def mark_overdue(self, op_id: int) -> Prefetch | None:
+        """A storage call ran past its deadline: nothing waits for it any more. Returns its
+        prefetch, detached, when admits wait on it (they go on without it)."""
+        sop = self.ops.get(op_id)
+        if sop is None:  # its ack came first
+            return None
+        self.overdue.add(op_id)
+        pf = sop.prefetch
+        if pf is not None and pf.waiters:
+            self.detach(pf)
+            return pf
+        return None
+
+    def cancel(self, rid: Hashable) -> Prefetch | None:
+        """Abort of a prepared rid: its prefetch is cancelled (host pages freed at its ack)."""
+        pf = self.prefetches.pop(rid, None)
+        if pf is None:
+            return None
+        pf.cancelled = True
+        self.stats["prefetch_aborted"] += 1
+        return pf
+
+    def forget(self, rid: Hashable) -> bool:
+        """Forget that `rid` was prepared (its landed pages are the tree's, nothing to release);
+        True if it was."""
+        self.prefetch_landed.pop(rid, None)
+        if rid in self.prefetched:
+            self.prefetched.discard(rid)
+            return True
+        return False
+
+    def admitted(self, rid: Hashable, host_len: int) -> int:
+        """`rid` was admitted with `host_len` tokens loaded from host: it is no longer a prepared
+        rid; returns how many of those tokens its prefetch brought from storage."""
+        self.prefetched.discard(rid)
+        return min(self.prefetch_landed.pop(rid, 0), host_len)
+
+    # -- acks ---------------------------------------------------------------------
+    def apply_ack(self, op_id: int, pages: int, error: str | None, ok: tuple[bool, ...],
+                  busy: Container[int]) -> Prefetch | None:
+        """A storage op finished. A write marks its stored pages known; a lookup starts the read of
+        what it found; a read's leading `pages` become host copies in the tree (the rest is freed;
+        `busy`: node ids with a backup in flight, which take none). Returns the prefetch when it
+        ended here (its waiting admits can run), else None."""
+        res = self.residency
+        sop = self.ops.pop(op_id)
+        self.overdue.discard(op_id)
+        assert res.host is not None
+        if len(sop.host):  # a lookup pinned nothing
+            res.host.unpin(sop.host, op_id)
+        if sop.write:
+            self._write_landed(sop, error, ok)
+            return None
+        pf = sop.prefetch
+        assert pf is not None
+        if not len(sop.host):
+            return self._lookup_landed(sop, pf, pages, error)
+        if self.prefetches.get(pf.rid) is pf:
+            del self.prefetches[pf.rid]
+        ps = res.page_size
+        if error is not None:
+            self.stats["storage_read_failures"] += 1
+            _log.warning("storage_read_failed", op=op_id, rid=str(pf.rid), error=error)
+            pages = 0
+        if pf.cancelled:
+            pages = 0
+        else:
+            if pf.by_prepare and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
+                self.prefetched.add(pf.rid)
+            self.known.difference_update(sop.keys[pages:])  # gone (evicted elsewhere): rewrite it next time
+            self.stats["storage_read_misses"] += len(sop.keys) - pages
+            self.stats["storage_pages_read"] += pages
+        rest = pf.host[pages * ps:]
+        if len(rest):
+            res.host.free(rest, pf.owner, rid=pf.rid, reason="prefetch_unused")
+        if pages:
+            # the read pages become host copies in the tree (the same hand-over as decode offload's)
+            taken, _ = res.adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
+                                          pf.host[:pages * ps], pf.owner, pf.rid, busy)
+            self.stats["tokens_storage_hit"] += taken
+            if not pf.detached and not pf.cancelled and len(self.prefetch_landed) < _PREPARED_CAP:
+                self.prefetch_landed[pf.rid] = taken
+        self._release_anchor(pf)  # from here the landed pages keep their anchor in the tree
+        return pf
+
+    def take_requests(self) -> list[StorageRequest]:
+        """The storage calls issued since the last call, for the transfer actor."""
+        out, self._requests = self._requests, []
+        return out
+
+    def all_overdue(self) -> bool:
+        """Every storage op in flight is past its deadline (or none is in flight)."""
+        return len(self.ops) == len(self.overdue)
+
+    # -- helpers -------------------------------------------------------------------
+    def _write_landed(self, sop: StorageOp, error: str | None, ok: tuple[bool, ...]) -> None:
+        assert sop.node is not None
+        self.residency.tree.unprotect_host(sop.node, sop.length)
+        if error is not None:
+            ok = ()
+            _log.warning("storage_write_failed", op=sop.op_id, pages=len(sop.keys), error=error)
+        stored = [k for k, good in zip(sop.keys, ok) if good]
+        if error is None and len(stored) < len(sop.keys):
+            _log.warning("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
+        if len(self.known) > _KNOWN_CAP:  # a hint only: bound its memory
+            self.known.clear()
+        self.known.update(stored)
+        self.stats["storage_pages_written"] += len(stored)
+        self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
+
+    def _lookup_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None) -> Prefetch | None:
+        """A lookup found the leading `pages` of its keys: read them, or end the prefetch here."""
+        found = pages if error is None and not pf.cancelled else 0
+        if error is not None:
+            self.stats["storage_read_failures"] += 1
+            _log.warning("storage_lookup_failed", op=sop.op_id, rid=str(pf.rid), error=error)
+        elif not pf.cancelled:
+            self.stats["storage_read_misses"] += len(sop.keys) - found
+            self.known.difference_update(sop.keys[found:])
+        if found and self._read(pf, sop.keys[:found]):
+            return None  # its waiters wait for the read
+        self._release_anchor(pf)
+        if pf.by_prepare and not pf.cancelled and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
+            self.prefetched.add(pf.rid)  # prepared: a later abort of the rid is not an unknown rid
+        if self.prefetches.get(pf.rid) is pf:
+            del self.prefetches[pf.rid]
+        return pf
+
+    def _read(self, pf: Prefetch, keys: list[bytes]) -> bool:
+        """After a lookup found `keys` (the leading ones it looked up): take host pages for them and
+        read them. False when nothing was started (the prefetch ends)."""
+        res = self.residency
+        assert res.host is not None
+        ps = res.page_size
+        # a cap on host memory held by prefetches: half the host pool
+        held = sum(len(p.host) for p in self.prefetches.values()) // ps
+        keys = keys[:max(0, res.host.num_pages // 2 - held)]
+        host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys else None
+        if host is None:
+            self.stats["prefetch_skipped"] += 1
+            return False
+        op_id = next(self._op_ids)
+        res.host.pin(host, op_id)
+        pf.op_id, pf.host = op_id, host
+        pf.tokens = pf.tokens[:pf.start + len(keys) * ps]
+        self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf)
+        self._requests.append((op_id, False, tuple(keys), self._host_pages(host)))
+        self.stats["storage_reads_issued"] += 1
+        return True
+
+    def _hold_anchor(self, pf: Prefetch, m: MatchResult) -> None:
+        """Keep the prefetch's anchor (the matched prefix `m`, ending exactly at `pf.start`) in the
+        tree until the prefetch ends: its device part locked, its host-only part host-protected."""
+        tree = self.residency.tree
+        if m.num_device_nodes:
+            pf.anchor_lock = m.last_device_node
+            tree.lock(pf.anchor_lock)
+        if m.host_len:
+            pf.anchor_host, pf.anchor_host_len = m.last_node, m.host_len
+            tree.protect_host(m.last_node, m.host_len)
+
+    def _release_anchor(self, pf: Prefetch) -> None:
+        tree = self.residency.tree
+        if pf.anchor_lock is not None:
+            tree.unlock(pf.anchor_lock)
+            pf.anchor_lock = None
+        if pf.anchor_host is not None:
+            tree.unprotect_host(pf.anchor_host, pf.anchor_host_len)
+            pf.anchor_host = None
+
+    def _hashes(self, tokens: np.ndarray, extra_key: Hashable) -> list[bytes]:
+        return page_hashes(tokens, self.residency.page_size, extra_key, self.identity)
+
+    def _host_pages(self, host: np.ndarray) -> tuple[int, ...]:
+        ps = self.residency.page_size
+        return tuple(int(x) // ps for x in host[::ps])
