@@ -26,6 +26,7 @@ COMPILED: tuple[str, ...] = (
     "runtime.memory.owners",
     "runtime.memory.ledger",
     "runtime.tree.policies",
+    "runtime.tree.nodes",
     "runtime.tree.radix",
     "runtime.tree.records",
     "runtime.tree.residency",

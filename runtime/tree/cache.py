@@ -78,6 +78,8 @@ class CacheCore:
         self.requests: dict[Hashable, RequestRecord] = {}
         self.sessions: dict[Hashable, SessionRecord] = {}
         self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
+        self._write_through_all = config.host_slots > 0 and config.write_policy == "write_through"
+        self._selective = config.host_slots > 0 and config.write_policy == "write_through_selective"
         self._stats: dict[str, int] = {
             "requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
             "tokens_device_hit": 0, "tokens_host_hit": 0, "tokens_recomputed": 0,
@@ -124,7 +126,7 @@ class CacheCore:
                 tree.unlock(lock_node)
             raise
         copies = self.copies
-        readiness = copies.loads_under(device_nodes)
+        readiness = copies.loads_under(device_nodes) if copies.loading else []
         if host_nodes:
             load = copies.start_load(host_nodes, host_len, fresh[:host_len], owner)
             assert load.readiness is not None
@@ -146,7 +148,7 @@ class CacheCore:
         stats["tokens_device_hit"] += m.device_len
         stats["tokens_host_hit"] += host_len
         stats["tokens_recomputed"] += len(tokens) - cached
-        if res.host is not None and self.config.write_policy == "write_through_selective":
+        if self._selective:
             for node in device_nodes:
                 if node.hit_count >= self.config.write_through_threshold:
                     copies.backup(node)
@@ -487,17 +489,16 @@ class CacheCore:
         n = aligned(len(tokens), self.page_size)
         if len(tokens) > len(rec.tokens):  # the record only grows (the caller checked they agree)
             rec.tokens = tokens
-        if n > rec.cached_len:
-            n = self.copies.insert_cap(tokens, n, rec.extra_key)
+        copies = self.copies
+        if n > rec.cached_len and copies.loading:
+            n = copies.insert_cap(tokens, n, rec.extra_key)
         if n <= rec.cached_len:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
         # a request's own leaf (its lock the only one, no copy in flight) grows in place
-        extend = start is not None and not self.copies.busy(start)
-        # trusted: the request's own alloc'd slots, cut at page boundaries by the tree
-        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slots[:n], rec.owner, start=start,
-                                    extend_leaf=extend, trusted=True, rid=rec.rid)
+        extend = start is not None and not copies.busy(start)
+        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slots[:n], rec.owner, start, extend, True, rec.rid)
         duplicates = res.duplicate_slots
         if len(duplicates):
             # the slot contract: a live request's slots never change under its caller, so its
@@ -513,7 +514,7 @@ class CacheCore:
         self._write_through(res.adopted)
 
     def _write_through(self, adopted: list[tuple[Node, np.ndarray]]) -> None:
-        if self.residency.host is not None and self.config.write_policy == "write_through":
+        if self._write_through_all:
             for node, _ in adopted:
                 self.copies.backup(node)
 

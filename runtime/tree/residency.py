@@ -154,17 +154,19 @@ class Residency:
         return dropped
 
     # -- insertion and copies' slots ----------------------------------------------
-    def insert(self, tokens: np.ndarray, extra_key: Hashable, slots: np.ndarray, owner: Owner, *,
+    def insert(self, tokens: np.ndarray, extra_key: Hashable, slots: np.ndarray, owner: Owner,
                start: Node | None = None, extend_leaf: bool = False, trusted: bool = False,
-               **ctx: Any) -> InsertResult:
-        """Insert `tokens` with their device `slots` (owned by `owner`): the slots of new nodes
-        become theirs; duplicates of pages the tree had stay with `owner` (the result says which)."""
+               rid: Hashable = None) -> InsertResult:
+        """Insert `tokens` with their device `slots` (owned by `owner`; `trusted`: its own alloc'd
+        pages, cut at page boundaries by the tree): the slots of new nodes become theirs;
+        duplicates of pages the tree had stay with `owner` (the result says which)."""
         res = self.tree.insert(tokens, extra_key, slots, start=start, extend_leaf=extend_leaf)
+        assign = self.device.assign
         for node, part in res.adopted:
             to = node.owner
             if to is None:
                 to = node.owner = Owner.node(node.id)
-            self.device.assign(part, owner, to, trusted=trusted, node=node.id, **ctx)
+            assign(part, owner, to, trusted=trusted, rid=rid, node=node.id)
         return res
 
     def attach_load(self, host_nodes: list[Node], device: np.ndarray, owner: Owner) -> None:

@@ -1,0 +1,147 @@
+"""The core's parts built on their own, with no event loop and no CacheCore (issue 14: "unit
+tests construct the core and its parts with no event loop").
+
+Each test builds a `Residency` and the part above it by hand, drives it through its methods and
+checks what it owns against the ledgers: the rules each part keeps without the others.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from runtime.config import RuntimeConfig
+from runtime.memory.owners import Owner
+from runtime.messages import Direction, OffloadAck, OffloadFinish
+from runtime.tree.copies import CopyTracker
+from runtime.tree.decode_offload import DecodeOffload
+from runtime.tree.readiness import ManualReadiness
+from runtime.tree.records import RequestRecord
+from runtime.tree.residency import Residency
+from runtime.tree.storage_tier import StorageTier
+
+PS = 4
+
+
+def config(**changes) -> RuntimeConfig:
+    base = dict(num_layers=2, num_kv_heads=1, head_dim=2, page_size=PS, device_slots=64, host_tokens=128,
+                write_policy="write_through")
+    base.update(changes)
+    return RuntimeConfig(**base)
+
+
+def tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+
+
+def cached(res: Residency, toks: np.ndarray, rid: str = "r"):
+    """Insert `toks` with fresh device pages of a request, as a finished request leaves them."""
+    owner = Owner.request(rid, 1)
+    slots = res.alloc_device(len(toks) // PS, owner)
+    out = res.insert(toks, None, slots, owner, trusted=True)
+    assert [len(s) for _, s in out.adopted] == [len(toks)]
+    return out.last_node
+
+
+def test_residency_insert_hands_pages_to_the_node_and_delete_frees_them():
+    res = Residency(config())
+    node = cached(res, tokens(16))
+    assert res.device.owned_slots(Owner.node(node.id)).tolist() == sorted(node.device.tolist())
+    assert res.device.num_free_pages() == 16 - 4
+    res.delete(node)
+    assert res.device.num_free_pages() == 16 and res.tree.num_nodes == 0
+
+
+def test_residency_write_back_eviction_returns_the_nodes_instead_of_copying():
+    res = Residency(config(write_policy="write_back"))
+    node = cached(res, tokens(16))
+    free = res.device.num_free_pages()
+    assert res.evict_device(4) == [node]  # needs a backup first: nothing freed, nothing issued
+    assert res.device.num_free_pages() == free and node.device is not None
+    assert not res.room_for(free + 4)  # and room_for agrees: those pages are not free now
+
+
+def test_residency_eviction_without_host_deletes_and_room_for_agrees():
+    res = Residency(config(host_tokens=0))
+    cached(res, tokens(16))
+    free = res.device.num_free_pages()
+    assert res.room_for(free + 4)
+    assert res.evict_device(4) == []
+    assert res.device.num_free_pages() == free + 4
+
+
+def test_copy_tracker_backup_pins_then_its_ack_hands_host_pages_to_the_node():
+    res = Residency(config())
+    copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
+    node = cached(res, tokens(16))
+    assert copies.backup(node)
+    assert not copies.backup(node)  # one backup per node at a time
+    (plan, readiness), = copies.take_plans()
+    assert readiness is None and copies.take_plans() == []
+    assert plan.transfers[0].src.tolist() == node.device.tolist()
+    assert res.device.pin_count(int(node.device[0])) == 1 and node.lock_ref == 1
+    out = copies.apply_ack(plan.op_id, None)
+    assert out.backed_up and out.failed is None
+    assert node.host is not None and node.lock_ref == 0 and not copies.ops and not copies.backup_pending
+    assert res.host.owned_slots(Owner.node(node.id)).tolist() == sorted(node.host.tolist())
+    assert res.device.pin_count(int(node.device[0])) == 0
+
+
+def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
+    res = Residency(config())
+    copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
+    node = cached(res, tokens(16))
+    copies.backup(node)
+    (plan, _), = copies.take_plans()
+    copies.apply_ack(plan.op_id, None)
+    res.drop_device(node)  # host-only now
+    owner = Owner.request("u", 1)
+    device = res.alloc_device(4, owner)
+    op = copies.start_load([node], 16, device, owner)
+    copies.add_user(op.readiness, "u")
+    assert copies.loads_under([node]) == [op.readiness] and copies.busy(node)
+    assert copies.insert_cap(tokens(16), 16, None) == 0  # nothing may hang below a running load
+    out = copies.apply_ack(op.op_id, "boom")
+    assert out.failed == "boom" and out.failed_users == {"u"}
+    assert node.device is None and res.device.num_free_pages() == 16 and not copies.loading
+
+
+def test_decode_offload_keeps_device_slots_until_release_after_the_last_ack():
+    res = Residency(config(decode_offload=True))
+    offload = DecodeOffload(res, itertools.count(1))
+    owner = Owner.request("a", 1)
+    toks = tokens(8)
+    slots = res.alloc_device(2, owner)
+    rec = RequestRecord("a", 1, owner, None, toks, slots, 8, 8, 0, None, 8)
+    started = offload.start("a", 1, 0, 8, rec)
+    assert started is not None and offload.owns(started.op_id)
+    offload.retire(rec, 8)
+    assert isinstance(offload.take_notes()[-1], OffloadFinish)
+    with pytest.raises(RuntimeError, match="in flight"):
+        offload.release("a", 1, set())  # a copy still reads its slots (seed 000)
+    assert res.device.owned_slots(owner).tolist() == sorted(slots.tolist())
+    offload.apply_ack(started.op_id, None)
+    assert offload.take_notes() == [OffloadAck("a", 1, started.op_id, True)]
+    taken = offload.release("a", 1, set())
+    assert taken is not None and taken[1] == 8  # the landed pages became a host-only node
+    assert offload.release("a", 1, set()) is False  # once
+    assert res.device.num_free_pages() == 16 and len(res.device.owned_slots(owner)) == 0
+    assert res.tree.num_nodes == 1 and taken[0].host is not None and taken[0].device is None
+    (plan,) = offload.take_plans()
+    assert plan.direction is Direction.BACKUP
+
+
+def test_storage_tier_lookup_that_finds_nothing_ends_the_prefetch():
+    cfg = config()
+    res = Residency(cfg)
+    storage = StorageTier(cfg, res, itertools.count(1))
+    assert storage.prepare("p", tokens(33), None) == 32
+    (op_id, write, keys, pages), = storage.take_requests()
+    assert not write and len(keys) == 8 and pages == ()
+    assert "p" in storage.prefetches
+    pf = storage.apply_ack(op_id, 0, None, (), set())
+    assert pf is not None and pf.rid == "p" and not storage.prefetches and not storage.ops
+    assert storage.forget("p")  # a prepared rid: its abort is not an unknown rid
+    assert res.host.num_free_pages() == res.host.num_pages
