@@ -1,19 +1,24 @@
 """Decode step cost: N running requests each commit their tokens and get one new slot.
 
-Candidate: one `rt.step([Commit(rid, len) ..., Extend(rid, 1) ...])` through the public façade
-(the tree actor, the fake copy engine, no host tier), p50/p99 per step. Baseline in the same
+Candidates, through the public façade (the tree actor, the fake copy engine, no host tier), p50/p99
+per step: `rt.decode_step(rids)` (one message, one result tensor) and the general
+`rt.step([Commit(rid, len) ..., Extend(rid, 1) ...])`. With `--peers PYTHON` (the peer venv of
+../shared/peerbench), SGLang's own decode allocation for the same N in the same sitting
+(`benchmarks/peers/sglang_decode_alloc.py`). Baseline in the same
 run: a plain in-line decode allocator, vectorised numpy over the batch (a free-page stack, one
 array of sequence lengths and one of last slots: the bookkeeping a serving engine's own decode
 allocation does, with no ownership, tree or message), p50/p99 per step. Contexts start at
 `--context` tokens; each measured step is one token more. Last stdout line: one JSON object.
 
-    .venv/bin/python benchmarks/bench_decode.py [--quick] [--context 256] [--page-sizes 1,16]
+    .venv/bin/python benchmarks/bench_decode.py [--quick] [--context 256] [--page-sizes 1,16] [--peers PYTHON]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +65,9 @@ class InlineDecode:
         return new
 
 
-async def runtime_steps(n: int, context: int, page_size: int, steps: int) -> list[float]:
+async def runtime_steps(n: int, context: int, page_size: int, steps: int, mode: str) -> list[float]:
+    """Step times through the façade: `decode` = `rt.decode_step(rids)` (one message, one
+    result tensor); `step` = `rt.step([Commit(rid, len)..., Extend(rid, 1)...])`."""
     slots = (n * (context + steps + 1) // page_size + n + 8) * page_size
     cfg = RuntimeConfig(num_layers=2, num_kv_heads=1, head_dim=2, kv_dtype="float32", page_size=page_size,
                         device_slots=slots, host_tokens=0, mailbox_capacity=1 << 16)
@@ -72,15 +79,32 @@ async def runtime_steps(n: int, context: int, page_size: int, steps: int) -> lis
             await rt.admit(rid, rng.integers(0, 30000, context, dtype=np.int32))
         seq = context
         for _ in range(steps):
-            items = [Commit(rid, seq) for rid in rids] + [Extend(rid, 1) for rid in rids]
-            t0 = time.perf_counter()
-            out = await rt.step(items)
-            times.append(time.perf_counter() - t0)
-            assert not any(isinstance(r, BaseException) for r in out), out[:3]
+            if mode == "decode":
+                t0 = time.perf_counter()
+                out = await rt.decode_step(rids)
+                times.append(time.perf_counter() - t0)
+                assert out.shape == (n,)
+            else:
+                items = [Commit(rid, seq) for rid in rids] + [Extend(rid, 1) for rid in rids]
+                t0 = time.perf_counter()
+                res = await rt.step(items)
+                times.append(time.perf_counter() - t0)
+                assert not any(isinstance(r, BaseException) for r in res), res[:3]
             seq += 1
         for rid in rids:
             await rt.abort(rid)
     return times
+
+
+def peer_steps(python: str, context: int, page_sizes: str, ns: tuple[int, ...], steps: int) -> dict:
+    """SGLang's own decode allocation for the same N, page and context, in this sitting
+    (`benchmarks/peers/sglang_decode_alloc.py`, run with the peer venv's python)."""
+    driver = Path(__file__).resolve().parent / "peers" / "sglang_decode_alloc.py"
+    cmd = [python, str(driver), "--context", str(context), "--page-sizes", page_sizes,
+           "--ns", ",".join(map(str, ns)), "--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {(r["page_size"], r["n"]): r for r in rows}
 
 
 def inline_steps(n: int, context: int, page_size: int, steps: int) -> list[float]:
@@ -99,6 +123,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--page-sizes", default="1,16")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--peers", default=None, metavar="PYTHON",
+                    help="python of the peer venv (../shared/peerbench/README.md): SGLang's alloc_for_decode too")
     args = ap.parse_args()
     configure_logging()
     ns = (1, 16, 64, 256) if args.quick else (1, 16, 64, 256, 1024)
@@ -109,21 +135,31 @@ def main() -> None:
         run = uvloop.run
     except ImportError:  # pragma: no cover
         loop_name, run = "asyncio", asyncio.run
+    peers = peer_steps(args.peers, args.context, args.page_sizes, ns, max(steps, 200)) if args.peers else {}
     results = []
-    print(f"context {args.context} tokens, {steps} steps per point, loop {loop_name}")
-    print(f"{'page':>4} {'N':>5} {'step p50':>10} {'step p99':>10} {'inline p50':>11} {'inline p99':>11} {'ratio p50':>10} {'us/req':>7}")
+    print(f"context {args.context} tokens, {steps} steps per point, loop {loop_name}; times in ms")
+    print(f"{'page':>4} {'N':>5} {'decode p50':>10} {'p99':>7} {'step p50':>9} {'p99':>7} {'inline p50':>10} "
+          f"{'sglang p50':>10} {'p99':>7} {'decode/sglang':>13} {'us/req':>7}")
     for ps in (int(x) for x in args.page_sizes.split(",")):
         for n in ns:
-            rt_t = run(runtime_steps(n, args.context, ps, steps))
+            dec = run(runtime_steps(n, args.context, ps, steps, "decode"))
+            stp = run(runtime_steps(n, args.context, ps, steps, "step"))
             base = inline_steps(n, args.context, ps, steps)
-            r = {"page_size": ps, "n": n, "step_p50_ms": percentile(rt_t, 50) * 1e3,
-                 "step_p99_ms": percentile(rt_t, 99) * 1e3, "inline_p50_ms": percentile(base, 50) * 1e3,
-                 "inline_p99_ms": percentile(base, 99) * 1e3}
-            r["ratio_p50"] = r["step_p50_ms"] / r["inline_p50_ms"]
+            r = {"page_size": ps, "n": n,
+                 "decode_p50_ms": percentile(dec, 50) * 1e3, "decode_p99_ms": percentile(dec, 99) * 1e3,
+                 "step_p50_ms": percentile(stp, 50) * 1e3, "step_p99_ms": percentile(stp, 99) * 1e3,
+                 "inline_p50_ms": percentile(base, 50) * 1e3, "inline_p99_ms": percentile(base, 99) * 1e3}
+            peer = peers.get((ps, n))
+            if peer is not None:
+                r["sglang_p50_ms"], r["sglang_p99_ms"] = peer["p50_ms"], peer["p99_ms"]
+                r["ratio_decode_vs_sglang_p50"] = r["decode_p50_ms"] / peer["p50_ms"]
             results.append(r)
-            print(f"{ps:>4} {n:>5} {r['step_p50_ms']:9.3f}m {r['step_p99_ms']:9.3f}m {r['inline_p50_ms']:10.4f}m "
-                  f"{r['inline_p99_ms']:10.4f}m {r['ratio_p50']:9.0f}x {r['step_p50_ms'] * 1e3 / n:7.1f}")
-    emit_json({"bench": "decode", "context": args.context, "steps": steps, "loop": loop_name, "results": results})
+            sg = (f"{r['sglang_p50_ms']:10.3f} {r['sglang_p99_ms']:7.3f} {r['ratio_decode_vs_sglang_p50']:12.2f}x"
+                  if peer is not None else f"{'-':>10} {'-':>7} {'-':>13}")
+            print(f"{ps:>4} {n:>5} {r['decode_p50_ms']:10.3f} {r['decode_p99_ms']:7.3f} {r['step_p50_ms']:9.3f} "
+                  f"{r['step_p99_ms']:7.3f} {r['inline_p50_ms']:10.4f} {sg} {r['decode_p50_ms'] * 1e3 / n:7.2f}")
+    emit_json({"bench": "decode", "context": args.context, "steps": steps, "loop": loop_name,
+               "peer": next(iter(peers.values()), {}).get("version") if peers else None, "results": results})
 
 
 if __name__ == "__main__":

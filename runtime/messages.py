@@ -126,6 +126,14 @@ class Extend:
 
 
 @message
+class DecodeStep:
+    """One decode step of running requests: each commits what it has and gets one new slot."""
+
+    rids: tuple
+    reply: "Reply[torch.Tensor] | None" = field(default=None, compare=False)
+
+
+@message
 class Commit:
     rid: Hashable
     committed_len: int
@@ -423,6 +431,6 @@ class PrefetchDeadline:
     reply: None = None
 
 
-TreeMessage = (Admit | Extend | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned
+TreeMessage = (Admit | Extend | DecodeStep | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned
                | MatchPrefix | CanAdmit | Available | Flush | TreeStats | DrainTree | Inspect | TransferAck | Prepare
                | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline)

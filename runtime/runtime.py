@@ -41,6 +41,7 @@ from runtime.messages import (
     CanAdmit,
     CloseSession,
     Commit,
+    DecodeStep,
     DrainTransfer,
     DrainTree,
     Extend,
@@ -284,6 +285,19 @@ class CacheRuntime:
         """Allocate device slots for `num_tokens` more tokens (evicting if needed)."""
         msg = Extend(check_id(rid), check_count(num_tokens, "num_tokens"), Reply())
         return await self._sup.ask(self._tree.mailbox, msg)
+
+    async def decode_step(self, rids: Sequence[Hashable]) -> torch.Tensor:
+        """One decode step of the running requests `rids`, in one message: each commits every token
+        it has (their KV was just computed) and gets the slot of its next token (a new page when
+        that token starts one). Returns the new slots, one per request, in order. All or nothing:
+        an unknown or repeated rid, a request as long as the device pool, or a pool too full
+        (`CapacityError`) changes nothing. The same as `commit(rid, seq_len)` then
+        `extend(rid, 1)` for each."""
+        if type(rids) is not tuple:
+            if type(rids) is not list:
+                raise ArgumentError(f"decode_step takes a list or tuple of rids, got {type(rids).__name__}")
+            rids = tuple(rids)
+        return await self._sup.ask(self._tree.mailbox, DecodeStep(rids, Reply()))
 
     async def commit(self, rid: Hashable, committed_len: int) -> int:
         """Record the request's new total committed length (idempotent; smaller than before is a

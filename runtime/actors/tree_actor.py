@@ -25,6 +25,7 @@ from runtime.messages import (
     CanAdmit,
     CloseSession,
     Commit,
+    DecodeStep,
     Extend,
     Finish,
     Flush,
@@ -64,6 +65,7 @@ class TreeActor(Actor[TreeMessage]):
         self.handlers = {
             Admit: self.on_admit,
             Extend: self.on_extend,
+            DecodeStep: self.on_decode_step,
             Commit: self.on_commit,
             Cache: self.on_cache,
             Finish: self.on_finish,
@@ -98,6 +100,9 @@ class TreeActor(Actor[TreeMessage]):
 
     def on_extend(self, msg: Extend) -> Any:
         return self.core.extend(msg.rid, msg.num_tokens)
+
+    def on_decode_step(self, msg: DecodeStep) -> Any:
+        return self.core.decode_step(msg.rids)
 
     def on_commit(self, msg: Commit) -> int:
         return self.core.commit(msg.rid, msg.committed_len)

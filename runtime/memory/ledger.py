@@ -205,6 +205,39 @@ class SlotLedger:
             t.emit("alloc", self._tier_name, slots=slots, owner=owner, **ctx)
         return slots
 
+    def alloc_each(self, owners: list[Owner], **ctx: Any) -> np.ndarray:
+        """One free page for each of ``owners`` (a decode step's requests that start a page), in
+        one call: returns their slots, page i's ``page_size`` slots for ``owners[i]``."""
+        n = len(owners)
+        top = self._top
+        if n > top:
+            raise CapacityError(f"{self._tier_name}: need {n} pages, {top} free")
+        code_of = self._code_of
+        for owner in owners:  # all checked before any change
+            if type(owner) is not Owner and not isinstance(owner, Owner):
+                raise OwnershipError(f"alloc needs an Owner, got {owner!r}")
+        if n == 0:
+            return _EMPTY.copy()
+        codes = []
+        count = self._count
+        for owner in owners:
+            code = code_of.get(owner)
+            if code is None:
+                code = self._intern(owner)
+            count[code] += 1
+            codes.append(code)
+        pages = self._stack[top - n: top][::-1]
+        self._top = top - n
+        self._codes[pages] = codes
+        ps_table = self._page_slots
+        slots = pages.copy() if ps_table is None else ps_table[pages].reshape(-1)
+        t = self._tracer
+        if t is not None and t.active:
+            ps = self.page_size
+            for i, owner in enumerate(owners):
+                t.emit("alloc", self._tier_name, slots=slots[i * ps:(i + 1) * ps], owner=owner, **ctx)
+        return slots
+
     def free(self, slots: np.ndarray, owner: Owner, *, trusted: bool = False, **ctx: Any) -> None:
         """Return pages of ``owner`` to the free stack. Pinned pages always raise.
 

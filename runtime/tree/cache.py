@@ -33,6 +33,7 @@ import torch
 
 from runtime.config import RuntimeConfig
 from runtime.errors import (
+    ArgumentError,
     CapacityError,
     DuplicateRequestError,
     LengthError,
@@ -187,6 +188,52 @@ class CacheCore:
             rec.append_slots(self._alloc_device(pages, rec.owner, rid=rid))
         start, rec.seq_len = rec.seq_len, total
         return torch.from_numpy(rec.slots[start:total].copy())
+
+    def decode_step(self, rids: tuple[Hashable, ...]) -> torch.Tensor:
+        """One decode step of the running requests `rids`: each commits every token it has (their
+        KV was just computed) and gets the slot of its next token; those whose next token starts
+        a page get a page each, in one ledger call. Returns the new slots, one per request, in
+        order. All or nothing: an unknown or repeated rid, a request as long as the device pool,
+        or too few pages (CapacityError; write-backs started, as for `extend`) changes nothing.
+        The same as `commit(rid, seq_len)` then `extend(rid, 1)` for each, in order."""
+        get = self.requests.get
+        try:
+            recs = [get(rid) for rid in rids]
+        except TypeError:  # an unhashable rid: never a live one
+            recs = [None]
+        if None in recs:
+            bad = next((rid for rid, rec in zip(rids, recs) if rec is None), rids)
+            raise UnknownRequestError(f"decode step: unknown request {bad!r}")
+        if len(set(rids)) != len(rids):
+            raise ArgumentError("decode step: a request appears twice")
+        ps = self.page_size
+        starting = [rec for rec in recs if rec.seq_len >= len(rec.slots)]  # next token starts a page
+        if starting:
+            limit = self.config.device_slots
+            for rec in starting:
+                if rec.seq_len + 1 > limit:
+                    raise LengthError(f"request {rec.rid!r} would hold {rec.seq_len + 1} tokens, more than the "
+                                      "device pool")
+            k = len(starting)
+            if not self.residency.room_for(k):
+                self._start_writeback(k)
+                raise CapacityError(f"decode step needs {k} device pages")
+            free = self.residency.device.num_free_pages()
+            if k > free:
+                self.copies.write_back(self.residency.evict_device(k - free))
+            pages = self.residency.alloc_device_each([rec.owner for rec in starting], reason="decode")
+            for i, rec in enumerate(starting):
+                rec.append_slots(pages[i * ps:(i + 1) * ps])
+        out = np.empty(len(recs), dtype=np.int64)
+        for i, rec in enumerate(recs):
+            pos = rec.seq_len
+            out[i] = rec.slots[pos]
+            rec.committed_len = pos
+            rec.seq_len = pos + 1
+        if self.offload is not None:
+            for rec in recs:
+                self.offload.note_commit(rec)
+        return torch.from_numpy(out)
 
     def commit(self, rid: Hashable, committed_len: int) -> int:
         rec = self._record(rid)

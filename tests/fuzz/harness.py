@@ -923,6 +923,33 @@ class Driver:
         r.slots = full
         self._check_not_shared(r.rid, new, np.zeros(0, np.int64))
 
+    async def x_decode(self, rids: list[Hashable]) -> None:
+        """decode_step: all or nothing; each request commits what it has and gets one slot."""
+        for rid in dict.fromkeys(rids):
+            r = self.reqs.get(rid)
+            if r is not None:
+                await self.compute(r, r.seq_len)  # the forward pass wrote the KV it commits
+        known = [self.reqs.get(rid) for rid in rids]
+        if any(r is None for r in known):
+            pred: Pred = (UnknownRequestError,), ()
+        elif len(set(rids)) != len(rids):
+            pred = (ArgumentError,), ()
+        elif any(r.seq_len + 1 > self.D for r in known):
+            pred = (LengthError,), ()
+        else:
+            pred = (), (CapacityError,)
+        what = f"decode_step({rids!r})"
+        res, exc = await self.call(what, lambda: self.rt.decode_step(rids))
+        if self.outcome(what, pred, exc):
+            got = np.asarray(res, dtype=np.int64)
+            if got.shape != (len(rids),):
+                raise self.fail("decode-result", f"{what} returned {got.tolist()[:8]}")
+            for i, rid in enumerate(rids):
+                r = self.reqs[rid]
+                r.committed = r.seq_len
+                self.apply_extend(r, 1, got[i:i + 1])
+        await self.check(what, exc)
+
     async def x_commit(self, rid: Hashable, c: int) -> None:
         r = self.reqs.get(rid)
         if r is not None:
@@ -1293,6 +1320,7 @@ class Driver:
             (6, self.g_compute),
             (10, self.g_extend),
             (6, self.g_commit),
+            (5, self.g_decode),
             (8, self.g_cache),
             (10 if live < 4 else 18, self.g_finish),
             (3, self.g_abort),
@@ -1353,6 +1381,15 @@ class Driver:
             return "extend", {"rid": self._ghost() if rid is None or self._bad(0.5) else rid,
                               "n": self.rng.choice((0, -1, self.D))}
         return "extend", {"rid": rid, "n": self.rng.randint(1, 2 * self.ps)}
+
+    def g_decode(self) -> Step | None:
+        live = self._live()
+        if not live:
+            return None
+        rids = self.rng.sample(live, self.rng.randint(1, len(live)))
+        if self._bad(0.1):
+            rids.insert(self.rng.randrange(len(rids) + 1), self._ghost() if self._bad(0.5) else rids[0])
+        return "decode", {"rids": rids}
 
     def g_commit(self) -> Step | None:
         rid = self._pick(self._live())

@@ -82,9 +82,24 @@ def _host_leaf_ignores_children() -> Callable[[], None]:
     return lambda: setattr(RadixTree, "_is_host_leaf", rule)
 
 
+def _decode_swaps_slots() -> Callable[[], None]:
+    from runtime.tree.cache import CacheCore
+
+    step = CacheCore.decode_step
+
+    def broken(self: CacheCore, rids):
+        # each request gets another request's new slot (an index mix-up in the batch)
+        return step(self, rids).roll(1)
+
+    CacheCore.decode_step = broken
+    return lambda: setattr(CacheCore, "decode_step", step)
+
+
 PLANTS: dict[str, Plant] = {
     "remap_duplicates": Plant(_remap_duplicates, frozenset({"slots-changed", "slot-shared", "kv-content"})),
     "shorten_record": Plant(_shorten_record, frozenset({"token-record"})),
+    "decode_swaps_slots": Plant(_decode_swaps_slots, frozenset({"extend-result", "slot-shared", "slots-changed",
+                                                                 "kv-content"})),
     "host_leaf_ignores_children": Plant(_host_leaf_ignores_children, frozenset({"invariant", "runtime-failed"}),
                                         "evictable host leaves"),
 }

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime.config import RuntimeConfig
-from runtime.errors import CapacityError, LengthError, StateError
+from runtime.errors import ArgumentError, CapacityError, LengthError, StateError, UnknownRequestError
 from runtime.invariants import check_invariants
 from runtime.messages import Direction
 from runtime.tree.cache import CacheCore
@@ -166,3 +166,50 @@ def test_can_admit_and_admit_agree_when_eviction_deletes_a_parents_only_child():
         core.extend("big", 8)
     core.abort("big")
     check_invariants(core, quiescent=True)
+
+
+def test_decode_step_is_commit_then_extend_by_one_for_each_request():
+    """The batched step gives exactly the slots, lengths and ledger state that per-request
+    commit + extend(1) give, page boundaries included (page 4: every fourth step allocates)."""
+    a, b = make_core(write_policy="write_through"), make_core(write_policy="write_through")
+    rids = ["x", "y", "z"]
+    for core in (a, b):
+        for i, rid in enumerate(rids):
+            core.admit(rid, toks(5 + 3 * i, 50 + i))
+    for _ in range(9):
+        got = a.decode_step(tuple(rids)).tolist()
+        want = []
+        for rid in rids:
+            b.commit(rid, b.requests[rid].seq_len)
+            want.extend(b.extend(rid, 1).tolist())
+        assert got == want
+        check_invariants(a)
+        for rid in rids:
+            ra, rb = a.requests[rid], b.requests[rid]
+            assert (ra.seq_len, ra.committed_len) == (rb.seq_len, rb.committed_len)
+            assert ra.slots.tolist() == rb.slots.tolist()
+    assert a.residency.device.snapshot() == b.residency.device.snapshot()
+
+
+@pytest.mark.parametrize("rids", [("x", "nope"), ("x", "x"), ("x", ["unhashable"])])
+def test_a_refused_decode_step_changes_nothing(rids):
+    core = make_core()
+    core.admit("x", toks(8, 60))
+    before = (core.requests["x"].seq_len, core.requests["x"].committed_len, core.residency.device.snapshot())
+    with pytest.raises((UnknownRequestError, ArgumentError)):
+        core.decode_step(rids)
+    assert (core.requests["x"].seq_len, core.requests["x"].committed_len, core.residency.device.snapshot()) == before
+
+
+def test_a_decode_step_short_of_pages_changes_nothing():
+    core = make_core(device_slots=16, host_tokens=0)
+    core.admit("x", toks(8, 61))  # 2 pages, next token starts a third
+    core.admit("y", toks(8, 62))  # 2 pages: the pool is full
+    before = core.residency.device.snapshot()
+    with pytest.raises(CapacityError):
+        core.decode_step(("x", "y"))
+    assert core.residency.device.snapshot() == before
+    assert [core.requests[r].seq_len for r in ("x", "y")] == [8, 8]
+    core.abort("y")
+    assert core.decode_step(("x",)).tolist() == [int(core.requests["x"].slots[8])]
+    check_invariants(core)
