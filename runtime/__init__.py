@@ -12,6 +12,8 @@ from runtime.errors import (
     ConfigError,
     DuplicateRequestError,
     HiCacheError,
+    InternalError,
+    InvariantViolation,
     LengthError,
     MailboxFull,
     OwnershipError,
@@ -27,7 +29,7 @@ from runtime.errors import (
 
 __all__ = [
     "CacheRuntime", "RuntimeConfig", "ArgumentError", "CallerError", "CapacityError", "ConfigError", "DuplicateRequestError", "HiCacheError",
-    "LengthError", "MailboxFull", "OwnershipError", "PinnedSlotError", "RuntimeClosed", "RuntimeFailed",
+    "InternalError", "InvariantViolation", "LengthError", "MailboxFull", "OwnershipError", "PinnedSlotError", "RuntimeClosed", "RuntimeFailed",
     "StateError", "TokenError", "TransferError", "UnknownRequestError", "ValidationError",
 ]
 

@@ -91,5 +91,11 @@ class RuntimeFailed(HiCacheError):
         self.__cause__ = cause
 
 
+class InternalError(HiCacheError, RuntimeError):
+    """The runtime broke its own contract between its parts (an ack for a copy it never issued, a
+    release with copies in flight, an internal message a part refused): a bug of the runtime,
+    never a caller's input. Fails the runtime whole; never sent to a caller as a refusal."""
+
+
 class InvariantViolation(AssertionError):
     """The debug invariant checker found a broken DESIGN.md invariant (fails the runtime)."""

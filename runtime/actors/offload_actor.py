@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
-from runtime.errors import CallerError
+from runtime.errors import CallerError, InternalError
 from runtime.messages import (
     DrainOffload,
     OffloadAck,
@@ -104,7 +104,7 @@ class OffloadActor(Actor[OffloadMessage]):
         key = (msg.rid, msg.generation)
         state = self.requests.get(key)
         if state is None or msg.op_id not in state.inflight:
-            raise RuntimeError(f"offload ack {msg.op_id} for {msg.rid!r}#{msg.generation}, which has no such copy")
+            raise InternalError(f"offload ack {msg.op_id} for {msg.rid!r}#{msg.generation}, which has no such copy")
         state.inflight.discard(msg.op_id)
         self.counters["offloads_landed" if msg.ok else "offloads_failed"] += 1
         if not msg.ok:
@@ -145,7 +145,7 @@ class OffloadActor(Actor[OffloadMessage]):
         try:
             started = await reply.wait()
         except CallerError as exc:  # internal call: a refusal here is a bug, not bad input
-            raise RuntimeError(f"offload of {key[0]!r}#{key[1]} refused: {exc}") from exc
+            raise InternalError(f"offload of {key[0]!r}#{key[1]} refused: {exc}") from exc
         if started is None:  # host pool full, request gone or trimmed: nothing changed anywhere
             self.counters["offloads_not_started"] += 1
             return

@@ -31,7 +31,7 @@ import torch
 
 from runtime.actors.base import DEFERRED, Actor, Reply
 from runtime.completion import CompletionBridge, as_transfer_error
-from runtime.errors import RuntimeClosed, TransferError
+from runtime.errors import InternalError, RuntimeClosed, TransferError
 from runtime.messages import (
     CopyDone,
     Direction,
@@ -250,7 +250,7 @@ class TransferActor(Actor[TransferMessage]):
                 pass
 
     def on_storage_callback_failed(self, msg: StorageCallbackFailed) -> None:
-        raise RuntimeError(f"applying a storage completion failed: {msg.error!r}") from msg.error
+        raise InternalError(f"applying a storage completion failed: {msg.error!r}") from msg.error
 
     def _on_storage_deadline(self, op_id: int) -> None:
         """On the loop thread, `storage_timeout_s` after the op was submitted, if its call has not

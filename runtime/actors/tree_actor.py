@@ -44,7 +44,7 @@ from runtime.messages import (
     TreeStats,
 )
 from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
-from runtime.errors import CallerError, StateError
+from runtime.errors import CallerError, InternalError, StateError
 from runtime.tree.cache import CacheCore
 from runtime.tree.records import PrefetchWait
 
@@ -186,13 +186,13 @@ class TreeActor(Actor[TreeMessage]):
         try:
             return self.core.offload_start(msg.rid, msg.generation, msg.start, msg.end)
         except CallerError as exc:
-            raise RuntimeError(f"offload start refused: {exc}") from exc
+            raise InternalError(f"offload start refused: {exc}") from exc
 
     def on_release_offloaded(self, msg: ReleaseOffloaded) -> None:
         try:
             self.core.offload_release(msg.rid, msg.generation)
         except CallerError as exc:
-            raise RuntimeError(f"offload release failed: {exc}") from exc
+            raise InternalError(f"offload release failed: {exc}") from exc
 
     # -- storage tier ----------------------------------------------------------------
     def on_prepare(self, msg: Prepare) -> int:

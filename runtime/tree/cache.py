@@ -33,6 +33,7 @@ import torch
 
 from runtime.config import RuntimeConfig
 from runtime.errors import (
+    InternalError,
     ArgumentError,
     CapacityError,
     DuplicateRequestError,
@@ -462,6 +463,8 @@ class CacheCore:
         if self.offload is not None and self.offload.owns(op_id):
             self.offload.apply_ack(op_id, error)
             return
+        if op_id not in self.copies.ops:
+            raise InternalError(f"ack of copy {op_id}, which is not in flight")
         out = self.copies.apply_ack(op_id, error)
         if out.failed is not None:
             for rid in out.failed_users:
@@ -488,13 +491,13 @@ class CacheCore:
     # -- decode offload (the offload actor's calls) ----------------------------------------
     def offload_start(self, rid: Hashable, generation: int, start: int, end: int) -> OffloadStarted | None:
         if self.offload is None:
-            raise RuntimeError("offload start without decode offload")
+            raise InternalError("offload start without decode offload")
         return self.offload.start(rid, generation, start, end, self.requests.get(rid))
 
     def offload_release(self, rid: Hashable, generation: int) -> bool:
         """Release a retired request once (False: nothing to release; see DecodeOffload.release)."""
         if self.offload is None:
-            raise RuntimeError("offload release without decode offload")
+            raise InternalError("offload release without decode offload")
         taken = self.offload.release(rid, generation, self.copies.backup_pending)
         if taken is False:
             return False
@@ -517,7 +520,8 @@ class CacheCore:
     def apply_storage_ack(self, op_id: int, pages: int, error: str | None,
                           ok: tuple[bool, ...] = ()) -> Prefetch | None:
         """A storage op finished; returns the prefetch that ended here (admit its waiters)."""
-        assert self.storage is not None
+        if self.storage is None or op_id not in self.storage.ops:
+            raise InternalError(f"ack of storage op {op_id}, which is not in flight")
         return self.storage.apply_ack(op_id, pages, error, ok, self.copies.backup_pending)
 
     def storage_overdue(self, op_id: int) -> Prefetch | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runtime.errors import InternalError
 from runtime.memory.owners import Owner, Tier
 from runtime.messages import Direction, TransferPlan
 from runtime.trace import get_logger
@@ -244,4 +245,4 @@ class CopyTracker:
                 return op
         if missing_ok:
             return None
-        raise KeyError("load op not found")
+        raise InternalError(f"no load in flight has readiness of op {readiness.op_id}")

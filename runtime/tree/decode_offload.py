@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.errors import StateError
+from runtime.errors import InternalError, StateError
 from runtime.memory.owners import Tier
 from runtime.messages import Direction, OffloadAck, OffloadCommit, OffloadFinish, OffloadStarted, TransferPlan
 from runtime.trace import get_logger
@@ -85,7 +85,7 @@ class DecodeOffload:
         res = self.residency
         ps = res.page_size
         if start % ps or end % ps or not 0 <= start < end:
-            raise RuntimeError(f"offload range [{start}, {end}) of {rid!r}#{generation} is not whole pages")
+            raise InternalError(f"offload range [{start}, {end}) of {rid!r}#{generation} is not whole pages")
         rec, limit = self._record(rid, generation, live)
         reason = None
         host = None
@@ -195,7 +195,7 @@ class DecodeOffload:
 
     def _check_idle(self, key: Key) -> None:
         if self.inflight.get(key):
-            raise RuntimeError(f"release of {key[0]!r}#{key[1]} with offloads {sorted(self.inflight[key])} in flight")
+            raise InternalError(f"release of {key[0]!r}#{key[1]} with offloads {sorted(self.inflight[key])} in flight")
 
     def _free_host(self, host: np.ndarray, rec: RequestRecord, reason: str) -> None:
         if len(host):

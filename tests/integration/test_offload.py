@@ -25,7 +25,7 @@ import pytest
 from runtime import CapacityError, RuntimeFailed, StateError, UnknownRequestError
 from runtime.actors.base import Reply
 from runtime.actors.offload_actor import OffloadActor
-from runtime.errors import InvariantViolation
+from runtime.errors import InternalError, InvariantViolation
 from runtime.fingerprint import fingerprint_kv, prefix_hashes
 from runtime.memory.ledger import SlotLedger
 from runtime.messages import Commit, Extend, OffloadStats
@@ -290,7 +290,7 @@ async def test_seed000_broken_variants_fail(monkeypatch, variant):
         cause, text = InvariantViolation, "should be owned by request"
     else:
         _release_without_waiting(monkeypatch, drop_guards=False)
-        cause, text = RuntimeError, "in flight"
+        cause, text = InternalError, "in flight"
     with pytest.raises(RuntimeFailed) as info:
         async with fake_runtime(offload_config()) as (rt, engine):
             await seed000_scenario(rt, engine)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from runtime.config import RuntimeConfig
-from runtime.errors import ArgumentError, CapacityError, LengthError, StateError, UnknownRequestError
+from runtime.errors import ArgumentError, CapacityError, InternalError, LengthError, StateError, UnknownRequestError
 from runtime.invariants import check_invariants
 from runtime.messages import Direction
 from runtime.tree.cache import CacheCore
@@ -213,3 +213,18 @@ def test_a_decode_step_short_of_pages_changes_nothing():
     core.abort("y")
     assert core.decode_step(("x",)).tolist() == [int(core.requests["x"].slots[8])]
     check_invariants(core)
+
+
+def test_an_ack_for_no_copy_in_flight_is_an_internal_error_and_changes_nothing():
+    """Acks come from the runtime's own transfer actor: one for an op the core never issued (or
+    already applied) is a bug of the runtime (InternalError, which fails it), not a KeyError."""
+    core = make_core()
+    core.admit("x", toks(8, 70))
+    core.cache("x", toks(8, 70)[:8])
+    (op_id,) = ack_all(core)
+    before = core.residency.device.snapshot(), core.residency.host.snapshot()
+    with pytest.raises(InternalError, match="not in flight"):
+        core.apply_ack(op_id, None)
+    with pytest.raises(InternalError, match="not in flight"):
+        core.apply_storage_ack(12345, 0, None)
+    assert (core.residency.device.snapshot(), core.residency.host.snapshot()) == before
