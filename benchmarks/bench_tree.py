@@ -64,7 +64,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks._common import ROOT, emit_json  # noqa: E402
-from runtime import _compiled  # noqa: E402
 from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.messages import Admit, Cache, Extend, Finish  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
@@ -234,14 +233,6 @@ def run_peer(cmd: list[str], cwd: Path) -> dict[int, dict[str, Any]]:
     return res
 
 
-def core_build_summary() -> str:
-    """"compiled", "pure" or the per-module mix: which tree core these figures are of."""
-    kinds = set(_compiled.status().values())
-    if len(kinds) == 1:
-        return kinds.pop()
-    return ", ".join(f"{m}: {v}" for m, v in _compiled.status().items())
-
-
 # -- main -----------------------------------------------------------------------------
 def main() -> None:
     configure_logging()  # production default: INFO to stderr (the library never configures)
@@ -275,8 +266,6 @@ def main() -> None:
     w = Workload(tg, params)
     print(f"# trace {params} -> {w.num_requests} requests, {len(w.waves)} waves, {w.prompt_tokens} prompt tokens, "
           f"max context {w.max_len}; built in {time.perf_counter() - t0:.2f}s", flush=True)
-    core_build = core_build_summary()
-    print(f"# tree core: {core_build} (HICACHE_PURE_PYTHON=1 runs it interpreted)", flush=True)
     if w.max_len > params["pool"]:
         sys.exit("bench_tree: a context is longer than the pool")
 
@@ -354,7 +343,6 @@ def main() -> None:
         "model_shape": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "kv_dtype": "float32"},
         "host_tier": False,
         "tracing": "production default (no trace_path, debug logging off)",
-        "core_build": core_build,
         "loop": "uvloop",
         "results": results,
     })

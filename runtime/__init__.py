@@ -1,9 +1,5 @@
 """HiCache Runtime: a hierarchical KV cache for LLM serving, as an asyncio actor system."""
 
-from runtime import _compiled
-
-_compiled.install_guard()  # before any module that may have a compiled twin is imported
-
 from runtime.config import RuntimeConfig
 from runtime.errors import (
     ArgumentError,

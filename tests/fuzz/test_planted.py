@@ -1,7 +1,6 @@
 """The API fuzzer finds planted bugs within the default run's budget (issue 13's acceptance).
 
-Each plant (tests/fuzz/planted.py) runs in a child process with `HICACHE_PURE_PYTHON=1` (a
-compiled twin would not see the patched method). The fuzzer must report a violation of the
+Each plant (tests/fuzz/planted.py) runs in a child process. The fuzzer must report a violation of the
 plant's kind within `BUDGET` API calls - the budget of `test_api_fuzz` - and shrink it to a
 replayable reproduction no longer than the episode that found it. Violations of other kinds
 (real bugs of the runtime, if any) are passed over and listed, not counted as finding the plant.
@@ -10,7 +9,6 @@ replayable reproduction no longer than the episode that found it. Violations of 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,11 +25,10 @@ BUDGET = CI_CALLS
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))
 def test_fuzzer_finds_the_planted_bug(plant, capsys):
-    env = {**os.environ, "HICACHE_PURE_PYTHON": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.fuzz.planted", plant, "--seed", str(SEED), "--calls", str(BUDGET),
          "--shrink-s", "30"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     with capsys.disabled():

@@ -18,9 +18,6 @@ from runtime.storage.hashing import HASH_BYTES, KVIdentity, chain_seed, page_has
 IDENT = KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64)
 TOKENS = np.arange(48, dtype=np.int32)
 # Pinned: changing the encoding changes every stored page's address; bump the format tag then.
-# the children import the pure-Python core: a compiled twin left stale by an edit would log a
-# warning on their stdout (hashing has no twin, so this changes nothing that is tested)
-PURE = {"HICACHE_PURE_PYTHON": "1"}
 KNOWN = ["8a77226b84047cbfb3aedd888c4b70cf", "f12214c3c1b80399448da867b9156e01", "4d471e53565cb36ecf1496d6e90aa438"]
 
 
@@ -55,7 +52,7 @@ def test_stable_across_processes():
     )
     # a different hash seed in the child: Python's hash() must play no part
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin", **PURE}, cwd=_repo_root())
+                         env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"}, cwd=_repo_root())
     assert out.stdout.strip().split(",") == KNOWN
 
 
@@ -151,7 +148,7 @@ def test_int_and_tuple_namespaces_are_stable_across_processes():
     here = [page_hashes(np.arange(16, dtype=np.int32), 16, ns, IDENT)[0].hex()
             for ns in (7, ("t", 7, (b"x", None)), -(2**70))]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "999", "PATH": "/usr/bin:/bin", **PURE}, cwd=_repo_root())
+                         env={"PYTHONHASHSEED": "999", "PATH": "/usr/bin:/bin"}, cwd=_repo_root())
     assert out.stdout.split() == here and len(set(here)) == 3
 
 
