@@ -59,6 +59,36 @@ def _check_cached_prefix(rec, held: np.ndarray, what: str) -> None:
               f"path's nor its duplicates {sorted(rec.dups.tolist())[:8]}")
 
 
+def _check_request_table(core: "CacheCore") -> None:
+    """Each live request has its own row, filed under its rid, naming its owner by a code the
+    device ledger holds for it; free rows map nothing."""
+    table = core.table
+    rows = table.live_rows()
+    if set(rows) != set(core.requests):
+        _fail(f"request table rows {sorted(map(repr, rows))[:5]} != live requests {sorted(map(repr, core.requests))[:5]}")
+    if len(set(rows.values())) != len(rows):
+        _fail("two live requests share a request table row")
+    free = table.free_rows()
+    if set(free) & set(rows.values()) or len(set(free)) != len(free):
+        _fail("a live request's row is on the free list, or a free row is listed twice")
+    if len(free) + len(rows) != len(table.seq_len):
+        _fail(f"request table rows leaked: {len(free)} free + {len(rows)} live of {len(table.seq_len)}")
+    if free and table.num_slots[free].any():
+        _fail("a free request table row still maps pages")
+    device = core.residency.device
+    for rid, row in rows.items():
+        rec = core.requests[rid]
+        if rec.table is not table or rec.row != row:
+            _fail(f"request {rid!r} reads row {rec.row} of {'another' if rec.table is not table else 'its'} "
+                  f"table, filed under row {row}")
+        code = int(table.codes[row])
+        if code and device.held_code(rec.owner) != code:
+            _fail(f"request {rid!r}'s row names owner code {code}, the device ledger holds "
+                  f"{device.held_code(rec.owner)} for it")
+        if table.record_at[row] is not rec:
+            _fail(f"request table row {row} does not point back at request {rid!r}")
+
+
 def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     """Raise `InvariantViolation` when any of invariants 1-5 (and 7 when `quiescent`) fails."""
     ps = core.page_size
@@ -96,6 +126,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         # tree, so every node a match can walk through holds its KV in some tier
         if node.device is None and node.host is None:
             _fail(f"node {node.id} holds no copy ({len(node.children)} children)")
+    _check_request_table(core)
     for rec in core.requests.values():
         if not (rec.cached_len <= rec.seq_len <= len(rec.slots)) or rec.cached_len % ps:
             _fail(f"request {rec.rid!r} lengths inconsistent: cached {rec.cached_len}, seq {rec.seq_len}, "
@@ -282,6 +313,8 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
             _fail(f"request {rec.rid!r} admitted again without a newer generation")
         if rec.session is not None:
             _fail(f"session turn {rec.rid!r} was retired for offload")
+        if rec.table is core.table:
+            _fail(f"retired request {rec.rid!r}#{rec.generation} still reads a row of the live table")
         if not (rec.cached_len <= rec.seq_len <= len(rec.slots)) or rec.cached_len % ps:
             _fail(f"retired request {rec.rid!r}#{rec.generation} lengths inconsistent")
         if z.final_len is not None and not 0 <= z.final_len <= rec.seq_len:

@@ -9,9 +9,13 @@ never scan the pool; per-owner page counts are kept incrementally. ``owned_slots
 ``snapshot`` and ``check`` are O(pool) debug/test helpers.
 
 Storage:
-- ``_codes[page]``: int64 owner code of the page, 0 = free. Owners are interned to codes that
-  increase monotonically (never reused, so a stale code can never name a different owner);
-  an owner's code is dropped when its page count reaches 0, so short-lived owners do not leak.
+- ``_codes[page]``: int64 owner code of the page, 0 = free. Owners are interned to small
+  codes; an owner's code is dropped (and later reused) when it owns no page and nobody holds
+  it, so short-lived owners do not leak. A code leaves the ledger only through `hold`: its
+  holder (a request table row) keeps it valid until `unhold`, so a code never names a
+  different owner while anyone outside has it.
+- ``_count[code]`` / ``_holds[code]``: pages per code and holds per code (numpy, so one
+  decode step's allocation for N owners is a few array operations).
 - ``_pins[page]``: number of in-flight copies that pin the page.
 - ``_stack[:_top]``: the free pages (LIFO).
 
@@ -127,9 +131,11 @@ class SlotLedger:
         self._pinned = 0  # total pin count over all pages: frees skip the pin check while it is 0
         # Owner interning.
         self._next_code = 1
+        self._free_codes: list[int] = []
         self._code_of: dict[Owner, int] = {}
         self._owner_of: dict[int, Owner] = {}
-        self._count: dict[int, int] = {}
+        self._count = np.zeros(64, dtype=np.int64)
+        self._holds = np.zeros(64, dtype=np.int64)
 
     # ------------------------------------------------------------------ queries
 
@@ -154,7 +160,12 @@ class SlotLedger:
 
     def pages_owned_by(self, owner: Owner) -> int:
         code = self._code_of.get(owner)
-        return 0 if code is None else self._count[code]
+        return 0 if code is None else int(self._count[code])
+
+    def held_code(self, owner: Owner) -> int | None:
+        """``owner``'s code while it is held (`hold`), else None."""
+        code = self._code_of.get(owner)
+        return code if code is not None and self._holds[code] else None
 
     def owned_slots(self, owner: Owner) -> np.ndarray:
         """Every slot of ``owner``, ascending (O(pool): debug/test helper)."""
@@ -172,7 +183,7 @@ class SlotLedger:
             pins=self._pins.copy(),
             free_pages=self._stack[: self._top].copy(),
             owners=dict(self._owner_of),
-            page_counts=dict(self._count),
+            page_counts={c: int(self._count[c]) for c in self._owner_of},
         )
 
     # ---------------------------------------------------------------- mutations
@@ -205,38 +216,54 @@ class SlotLedger:
             t.emit("alloc", self._tier_name, slots=slots, owner=owner, **ctx)
         return slots
 
-    def alloc_each(self, owners: list[Owner], **ctx: Any) -> np.ndarray:
-        """One free page for each of ``owners`` (a decode step's requests that start a page), in
-        one call: returns their slots, page i's ``page_size`` slots for ``owners[i]``."""
-        n = len(owners)
+    def alloc_held(self, codes: np.ndarray, **ctx: Any) -> np.ndarray:
+        """One free page for each owner code in ``codes`` (a decode step's requests that start a
+        page), as a few array operations: returns their slots, page i's ``page_size`` slots for
+        ``codes[i]``. Every code must be held (`hold`): that is what keeps it naming its owner."""
+        n = len(codes)
         top = self._top
         if n > top:
             raise CapacityError(f"{self._tier_name}: need {n} pages, {top} free")
-        code_of = self._code_of
-        for owner in owners:  # all checked before any change
-            if type(owner) is not Owner and not isinstance(owner, Owner):
-                raise OwnershipError(f"alloc needs an Owner, got {owner!r}")
         if n == 0:
             return _EMPTY.copy()
-        codes = []
-        count = self._count
-        for owner in owners:
-            code = code_of.get(owner)
-            if code is None:
-                code = self._intern(owner)
-            count[code] += 1
-            codes.append(code)
+        if codes.dtype != _I64 or codes.ndim != 1:
+            raise OwnershipError(f"alloc_held needs a 1-D int64 array of owner codes, got {codes.dtype}")
+        holds = self._holds
+        if codes.min() <= 0 or codes.max() >= len(holds) or not holds[codes].all():
+            raise OwnershipError("alloc_held of an owner code that is not held")
         pages = self._stack[top - n: top][::-1]
         self._top = top - n
         self._codes[pages] = codes
+        np.add.at(self._count, codes, 1)
         ps_table = self._page_slots
         slots = pages.copy() if ps_table is None else ps_table[pages].reshape(-1)
         t = self._tracer
         if t is not None and t.active:
             ps = self.page_size
-            for i, owner in enumerate(owners):
-                t.emit("alloc", self._tier_name, slots=slots[i * ps:(i + 1) * ps], owner=owner, **ctx)
+            owner_of = self._owner_of
+            for i, code in enumerate(codes.tolist()):
+                t.emit("alloc", self._tier_name, slots=slots[i * ps:(i + 1) * ps], owner=owner_of[code], **ctx)
         return slots
+
+    def hold(self, owner: Owner) -> int:
+        """Keep ``owner``'s code valid, pages or none, until `unhold`; returns the code (for
+        `alloc_held`). Holds nest."""
+        if not isinstance(owner, Owner):
+            raise OwnershipError(f"hold needs an Owner, got {owner!r}")
+        code = self._code_of.get(owner)
+        if code is None:
+            code = self._intern(owner)
+        self._holds[code] += 1
+        return code
+
+    def unhold(self, owner: Owner) -> None:
+        """Give back one hold of ``owner`` (its code is dropped once it owns no page either)."""
+        code = self._code_of.get(owner) if isinstance(owner, Owner) else None
+        if code is None or not self._holds[code]:
+            raise StateError(f"{self._tier_name}: unhold of {owner!r}, which is not held")
+        self._holds[code] -= 1
+        if not self._holds[code] and not self._count[code]:
+            self._drop(code)
 
     def free(self, slots: np.ndarray, owner: Owner, *, trusted: bool = False, **ctx: Any) -> None:
         """Return pages of ``owner`` to the free stack. Pinned pages always raise.
@@ -353,10 +380,19 @@ class SlotLedger:
         # Per-owner counts, recomputed from the per-page codes.
         live, counts = np.unique(codes[codes > 0], return_counts=True)
         actual = dict(zip(live.tolist(), counts.tolist()))
-        if actual != self._count:
-            problems.append(f"per-owner page counts differ: recomputed {_head(actual)}, kept {_head(self._count)}")
-        if set(self._owner_of) != set(actual):
-            problems.append("owner table does not match the codes in use")
+        kept = {c: int(self._count[c]) for c in self._owner_of if self._count[c]}
+        if actual != kept:
+            problems.append(f"per-owner page counts differ: recomputed {_head(actual)}, kept {_head(kept)}")
+        held = {c for c in self._owner_of if self._holds[c]}
+        if set(self._owner_of) != set(actual) | held:
+            problems.append("owner table does not match the codes in use or held")
+        dead = np.ones(len(self._count), dtype=bool)
+        dead[list(self._owner_of)] = False
+        dead[0] = False
+        if self._count[dead].any() or self._holds[dead].any() or (self._holds < 0).any():
+            problems.append("page counts or holds kept for codes no owner has")
+        if set(self._free_codes) & set(self._owner_of):
+            problems.append("a code in use is also free for reuse")
         if len(self._code_of) != len(self._owner_of) or any(
             self._owner_of.get(c) != o for o, c in self._code_of.items()
         ):
@@ -371,20 +407,28 @@ class SlotLedger:
     def _intern(self, owner: Owner) -> int:
         code = self._code_of.get(owner)
         if code is None:
-            code = self._next_code
-            self._next_code = code + 1
+            if self._free_codes:
+                code = self._free_codes.pop()
+            else:
+                code = self._next_code
+                self._next_code = code + 1
+                if code >= len(self._count):
+                    grow = len(self._count)
+                    self._count = np.concatenate((self._count, np.zeros(grow, dtype=np.int64)))
+                    self._holds = np.concatenate((self._holds, np.zeros(grow, dtype=np.int64)))
             self._code_of[owner] = code
             self._owner_of[code] = owner
-            self._count[code] = 0
         return code
 
     def _uncount(self, code: int, n: int) -> None:
-        left = self._count[code] - n
-        if left:
-            self._count[code] = left
-        else:
-            del self._count[code]
-            del self._code_of[self._owner_of.pop(code)]
+        count = self._count
+        count[code] -= n
+        if not count[code] and not self._holds[code]:
+            self._drop(code)
+
+    def _drop(self, code: int) -> None:
+        del self._code_of[self._owner_of.pop(code)]
+        self._free_codes.append(code)
 
     def _require_owner(self, pages: np.ndarray, owner: Owner, what: str) -> int:
         code = self._code_of.get(owner) if isinstance(owner, Owner) else None

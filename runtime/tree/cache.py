@@ -51,6 +51,7 @@ from runtime.tree.decode_offload import DecodeOffload
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFactory
 from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, aligned
+from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
 from runtime.tree.storage_tier import COUNTERS as STORAGE_COUNTERS
 from runtime.tree.storage_tier import StorageRequest, StorageTier
@@ -77,7 +78,8 @@ class CacheCore:
         self.offload: DecodeOffload | None = DecodeOffload(self.residency, op_ids) if config.decode_offload else None
         self.storage: StorageTier | None = None  # enable_storage()
         self._op_ids = op_ids
-        self.requests: dict[Hashable, RequestRecord] = {}
+        self.table = RequestTable(config.page_size)
+        self.requests: dict[Hashable, RequestRecord] = self.table.records  # read-only here: rows change in the table
         self.sessions: dict[Hashable, SessionRecord] = {}
         self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
         self._write_through_all = config.host_slots > 0 and config.write_policy == "write_through"
@@ -142,9 +144,8 @@ class CacheCore:
             slots = np.concatenate((*m.device_parts, fresh[host_len:]))
         rec = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens,
-            slots=slots, seq_len=len(tokens), committed_len=cached, cached_len=cached,
-            last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
-        self.requests[rid] = rec
+            cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
+        self._file(rec, slots, len(tokens), cached)
         stats = self._stats
         stats["requests_admitted"] += 1
         stats["tokens_device_hit"] += m.device_len
@@ -177,18 +178,19 @@ class CacheCore:
         rec = self._record(rid)
         if not isinstance(n, int) or n <= 0:
             raise LengthError(f"extend needs a positive token count, got {n!r}")
-        total = rec.seq_len + n
+        start = rec.seq_len
+        total = start + n
         if total > self.config.device_slots:
             raise LengthError(f"request {rid!r} would hold {total} tokens, more than the device pool")
-        missing = total - len(rec.slots)
+        missing = total - rec.num_slots
         if missing > 0:
             pages = -(-missing // self.page_size)
             if not self.residency.room_for(pages):
                 self._start_writeback(pages)
                 raise CapacityError(f"extend of {rid!r} needs {pages} device pages")
             rec.append_slots(self._alloc_device(pages, rec.owner, rid=rid))
-        start, rec.seq_len = rec.seq_len, total
-        return torch.from_numpy(rec.slots[start:total].copy())
+        rec.seq_len = total
+        return torch.from_numpy(rec.slot_range(start, total))
 
     def decode_step(self, rids: tuple[Hashable, ...]) -> torch.Tensor:
         """One decode step of the running requests `rids`: each commits every token it has (their
@@ -197,43 +199,40 @@ class CacheCore:
         order. All or nothing: an unknown or repeated rid, a request as long as the device pool,
         or too few pages (CapacityError; write-backs started, as for `extend`) changes nothing.
         The same as `commit(rid, seq_len)` then `extend(rid, 1)` for each, in order."""
-        get = self.requests.get
+        table = self.table
         try:
-            recs = [get(rid) for rid in rids]
-        except TypeError:  # an unhashable rid: never a live one
-            recs = [None]
-        if None in recs:
-            bad = next((rid for rid, rec in zip(rids, recs) if rec is None), rids)
-            raise UnknownRequestError(f"decode step: unknown request {bad!r}")
-        if len(set(rids)) != len(rids):
+            rows = table.rows_of(rids)
+        except (KeyError, TypeError):  # an unhashable rid is never a live one
+            bad = next((rid for rid in rids if not _is_live(table, rid)), rids)
+            raise UnknownRequestError(f"decode step: unknown request {bad!r}") from None
+        if table.has_repeats(rows):
             raise ArgumentError("decode step: a request appears twice")
-        ps = self.page_size
-        starting = [rec for rec in recs if rec.seq_len >= len(rec.slots)]  # next token starts a page
-        if starting:
-            limit = self.config.device_slots
-            for rec in starting:
-                if rec.seq_len + 1 > limit:
-                    raise LengthError(f"request {rec.rid!r} would hold {rec.seq_len + 1} tokens, more than the "
-                                      "device pool")
-            k = len(starting)
-            if not self.residency.room_for(k):
+        starting = table.starting_page(rows)
+        k = len(starting)
+        if k:
+            too_long = table.seq_len[starting] + 1 > self.config.device_slots
+            if too_long.any():
+                rec = table.record_at[int(starting[too_long][0])]
+                raise LengthError(f"request {rec.rid!r} would hold {rec.seq_len + 1} tokens, more than the device "
+                                  "pool")
+            res = self.residency
+            if not res.room_for(k):
                 self._start_writeback(k)
                 raise CapacityError(f"decode step needs {k} device pages")
-            free = self.residency.device.num_free_pages()
+            free = res.device.num_free_pages()
             if k > free:
-                self.copies.write_back(self.residency.evict_device(k - free))
-            pages = self.residency.alloc_device_each([rec.owner for rec in starting], reason="decode")
-            for i, rec in enumerate(starting):
-                rec.append_slots(pages[i * ps:(i + 1) * ps])
-        out = np.empty(len(recs), dtype=np.int64)
-        for i, rec in enumerate(recs):
-            pos = rec.seq_len
-            out[i] = rec.slots[pos]
-            rec.committed_len = pos
-            rec.seq_len = pos + 1
+                self.copies.write_back(res.evict_device(k - free))
+            codes = table.codes[starting]
+            if not codes.all():  # first decode step of these rows: the ledger holds their owners' codes
+                for row in starting[codes == 0].tolist():
+                    table.codes[row] = res.device.hold(table.record_at[row].owner)
+                codes = table.codes[starting]
+            slots = res.alloc_device_held(codes, reason="decode")
+            table.append_page_each(starting, slots)
+        out = table.advance(rows)
         if self.offload is not None:
-            for rec in recs:
-                self.offload.note_commit(rec)
+            for rid in rids:
+                self.offload.note_commit(self.requests[rid])
         return torch.from_numpy(out)
 
     def commit(self, rid: Hashable, committed_len: int) -> int:
@@ -364,10 +363,10 @@ class CacheCore:
         owner = Owner.request(rid, generation)
         own = self._alloc_device(pages, owner, rid=rid)
         slots = np.concatenate((sess.slots, own))
-        self.requests[rid] = RequestRecord(
+        self._file(RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens,
-            slots=slots, seq_len=len(tokens), committed_len=kv, cached_len=0, last_node=None,
-            prompt_len=len(tokens), session=sess.sid, session_len=session_len)
+            cached_len=0, last_node=None, prompt_len=len(tokens), session=sess.sid, session_len=session_len),
+            slots, len(tokens), kv)
         sess.turn = rid
         self._stats["requests_admitted"] += 1
         self._stats["tokens_device_hit"] += kv
@@ -382,10 +381,10 @@ class CacheCore:
         kept = rec.slots[rec.session_len:]
         if len(kept):
             self.residency.device.assign(kept, rec.owner, sess.owner, rid=rec.rid, session=sess.sid)
-        sess.slots = rec.slots.copy()
+        sess.slots = rec.slots
         sess.tokens = tokens
         sess.turn = None
-        del self.requests[rec.rid]
+        self._unfile(rec)
 
     # -- read-only questions -----------------------------------------------------------
     def match_prefix(self, tokens: np.ndarray, extra_key: Hashable = None) -> dict[str, int]:
@@ -549,7 +548,7 @@ class CacheCore:
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
         # a request's own leaf (its lock the only one, no copy in flight) grows in place
         extend = start is not None and not copies.busy(start)
-        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slots[:n], rec.owner, start, extend, True, rec.rid)
+        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_range(0, n), rec.owner, start, extend, True, rec.rid)
         duplicates = res.duplicate_slots
         if len(duplicates):
             # the slot contract: a live request's slots never change under its caller, so its
@@ -577,7 +576,7 @@ class CacheCore:
             self._retire(rec, None)
             return
         device = self.residency.device
-        own = rec.slots[rec.own_start:]
+        own = rec.slot_range(rec.own_start, rec.num_slots)
         if rec.session is not None:
             self.sessions[rec.session].turn = None
         if len(own):
@@ -588,10 +587,10 @@ class CacheCore:
             self.residency.tree.unlock(rec.last_node)
         for r in rec.readiness:
             self.copies.drop_user(r, rec.rid)
-        del self.requests[rec.rid]
+        self._unfile(rec)
 
     def _retire(self, rec: RequestRecord, final_len: int | None) -> None:
-        del self.requests[rec.rid]
+        self._unfile(rec, keep_reading=True)
         for r in rec.readiness:
             self.copies.drop_user(r, rec.rid)
         assert self.offload is not None
@@ -683,7 +682,24 @@ class CacheCore:
         """Free the request's own pages past `keep` tokens. The start is aligned up to the next
         page boundary: a page that still holds kept tokens is never freed."""
         start = max(rec.own_start, -(-keep // self.page_size) * self.page_size)
-        tail = rec.slots[start:]
-        if len(tail):
-            self.residency.device.free(tail, rec.owner, rid=rec.rid, reason="trim")
-            rec.slots = rec.slots[:start].copy()
+        if start < rec.num_slots:
+            self.residency.device.free(rec.slot_range(start, rec.num_slots), rec.owner, rid=rec.rid, reason="trim")
+            rec.truncate_slots(start)
+
+    def _file(self, rec: RequestRecord, slots: np.ndarray, seq_len: int, committed_len: int) -> None:
+        """A new live request: its row in the table."""
+        self.table.add(rec, slots, seq_len, committed_len)
+
+    def _unfile(self, rec: RequestRecord, keep_reading: bool = False) -> None:
+        """The request leaves the table: released or its turn ended, or retired (`keep_reading`:
+        the offloads still read its slots from a private copy of its row)."""
+        code = self.table.detach(rec) if keep_reading else self.table.remove(rec)
+        if code:
+            self.residency.device.unhold(rec.owner)
+
+
+def _is_live(table: RequestTable, rid: Hashable) -> bool:
+    try:
+        return table.row_of(rid) is not None
+    except TypeError:
+        return False

@@ -105,7 +105,7 @@ class DecodeOffload:
             return None
         assert rec is not None and host is not None and res.host is not None
         op_id = next(self._op_ids)
-        device = rec.slots[start:end].copy()
+        device = rec.slot_range(start, end)
         res.device.pin(device, op_id)
         res.host.pin(host, op_id)
         self.ops[op_id] = OffloadOp(op_id, rid, generation, start, end - start, device, host, rec.owner)

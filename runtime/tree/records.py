@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from runtime.memory.owners import Owner
 from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness
+
+if TYPE_CHECKING:
+    from runtime.tree.request_table import RequestTable
 
 EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -35,18 +38,17 @@ def make_plan(op_id: int, direction: Direction, src: np.ndarray, dst: np.ndarray
                                                         torch.from_numpy(np.array(dst, dtype=np.int64))),))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RequestRecord:
-    """The one record of a live request: its tokens, slots and lengths change together."""
+    """The one record of a live request. Its lengths and slots live in its row of the
+    `RequestTable` (`table`, `row`), so that a decode step updates a batch of them at once;
+    the properties below read and write that row."""
 
     rid: Hashable
     generation: int
     owner: Owner
     extra_key: Hashable
     tokens: np.ndarray  # int32 token ids the request has so far
-    slots: np.ndarray  # int64 device slots of its allocated pages
-    seq_len: int  # token positions in use (prompt + extended), <= len(slots)
-    committed_len: int
     cached_len: int  # prefix held by tree nodes, locked through last_node
     last_node: Node | None
     prompt_len: int
@@ -57,7 +59,40 @@ class RequestRecord:
     # slots of its own inside the cached prefix that duplicate tree pages (another request
     # cached the same prefix first): still the caller's until release (the slot contract)
     dups: np.ndarray = field(default_factory=lambda: EMPTY)
-    slot_buf: np.ndarray | None = None  # the buffer `slots` is a prefix view of, once it grew (extend)
+    table: RequestTable | None = None  # set by RequestTable.add; a private one-row table once removed
+    row: int = -1
+
+    @property
+    def seq_len(self) -> int:
+        """Token positions in use (prompt + extended), <= num_slots."""
+        return self.table.seq_len_at[self.row]
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        self.table.seq_len_at[self.row] = value
+
+    @property
+    def committed_len(self) -> int:
+        return self.table.committed_at[self.row]
+
+    @committed_len.setter
+    def committed_len(self, value: int) -> None:
+        self.table.committed_at[self.row] = value
+
+    @property
+    def num_slots(self) -> int:
+        """Slots mapped: whole pages, the cached prefix's and its own."""
+        return self.table.num_slots_at[self.row]
+
+    @property
+    def slots(self) -> np.ndarray:
+        """A fresh int64 copy of its slots (a view could change once its row is reused)."""
+        table, row = self.table, self.row
+        return table.slot_map[row, :table.num_slots_at[row]].astype(np.int64)
+
+    def slot_range(self, start: int, end: int) -> np.ndarray:
+        """A fresh int64 copy of its slots [start, end), 0 <= start <= end <= num_slots."""
+        return self.table.slot_map[self.row, start:end].astype(np.int64)
 
     @property
     def own_start(self) -> int:
@@ -65,16 +100,12 @@ class RequestRecord:
         return self.session_len if self.session is not None else self.cached_len
 
     def append_slots(self, new: np.ndarray) -> None:
-        """slots += new, amortised O(len(new)): the slots are a prefix view of a buffer with room
-        to grow (a decode step adds a page at a time; re-concatenating cost O(context) per page).
-        Only positions past the old end are written, so no view taken before changes."""
-        n, k = len(self.slots), len(new)
-        buf = self.slot_buf
-        if buf is None or self.slots.base is not buf or len(buf) < n + k:
-            buf = self.slot_buf = np.empty(max(2 * (n + k), 64), dtype=np.int64)
-            buf[:n] = self.slots
-        buf[n:n + k] = new
-        self.slots = buf[:n + k]
+        """Map `new` (whole pages) after its slots."""
+        self.table.append(self.row, new)
+
+    def truncate_slots(self, num_slots: int) -> None:
+        """Unmap its slots from `num_slots` (a page boundary) on."""
+        self.table.num_slots_at[self.row] = num_slots
 
 
 @dataclass(slots=True)

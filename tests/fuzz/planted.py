@@ -52,7 +52,9 @@ def _remap_duplicates() -> Callable[[], None]:
                 parts.append(node.device)
                 node = node.parent
             held = np.concatenate(parts[::-1])[: rec.cached_len]
-            rec.slots = np.concatenate((held, rec.slots[rec.cached_len:]))
+            remapped = np.concatenate((held, rec.slots[rec.cached_len:]))
+            rec.truncate_slots(0)
+            rec.append_slots(remapped)
             rec.dups = rec.dups[:0]
 
     CacheCore._insert = broken

@@ -394,7 +394,7 @@ def test_owner_codes_are_dropped(led):
         led.free(s, node)
     snap = led.snapshot()
     assert snap.owners == {} and snap.page_counts == {}
-    assert len(led._code_of) == 0 and len(led._owner_of) == 0 and len(led._count) == 0
+    assert len(led._code_of) == 0 and len(led._owner_of) == 0 and not led._count.any() and not led._holds.any()
     led.check()
 
 
@@ -529,3 +529,66 @@ def test_real_tracer_writes_page_runs(tmp_path):
     assert events[0]["event"] == "alloc" and events[0]["pages"] == [[0, 3]]
     assert events[0]["owner"] == str(R1) and events[0]["rid"] == "r1" and events[0]["tier"] == "device"
     assert events[1]["event"] == "free"
+
+
+# ---------------------------------------------------------------------------- holds (the request table)
+
+
+def test_a_held_code_outlives_its_pages_and_is_reused_only_after_unhold(led):
+    code = led.hold(R1)
+    assert led.held_code(R1) == code and led.pages_owned_by(R1) == 0
+    s = led.alloc(1, R1)
+    led.free(s, R1)
+    assert led.held_code(R1) == code  # no page, still held: the code still names R1
+    led.check()
+    led.unhold(R1)
+    assert led.held_code(R1) is None and R1 not in led.snapshot().owners.values()
+    assert led.hold(R2) == code  # reused only now
+    led.check()
+
+
+def test_alloc_held_gives_each_code_one_page(led):
+    codes = np.array([led.hold(R1), led.hold(R2)], dtype=np.int64)
+    slots = led.alloc_held(codes, reason="decode")
+    assert len(slots) == 2 * PS
+    assert led.owners_of(slots) == [R1, R2]
+    assert led.pages_owned_by(R1) == led.pages_owned_by(R2) == 1
+    led.check()
+    led.unhold(R1)
+    assert led.pages_owned_by(R1) == 1  # pages keep the code alive
+    led.free(slots[:PS], R1)
+    assert led.held_code(R1) is None
+    led.check()
+
+
+@pytest.mark.parametrize("bad", ["not_held", "zero", "past_end", "float"])
+def test_alloc_held_refuses_codes_that_are_not_held_and_changes_nothing(led, bad):
+    held = led.hold(R1)
+    other = led.alloc(1, R2)  # R2 has a code, but it is not held
+    assert led.owners_of(other) == [R2]  # R2's code is held + 1
+    codes = {"not_held": np.array([held, held + 1], dtype=np.int64),
+             "zero": np.array([0], dtype=np.int64),
+             "past_end": np.array([10 ** 6], dtype=np.int64),
+             "float": np.array([float(held)])}[bad]
+    before = led.snapshot()
+    with pytest.raises(OwnershipError):
+        led.alloc_held(codes)
+    assert led.snapshot() == before
+
+
+def test_alloc_held_beyond_the_free_pages_is_a_capacity_error(led):
+    code = led.hold(R1)
+    before = led.snapshot()
+    with pytest.raises(CapacityError):
+        led.alloc_held(np.full(led.num_pages + 1, code, dtype=np.int64))
+    assert led.snapshot() == before
+
+
+def test_unhold_of_an_owner_not_held_raises(led):
+    led.alloc(1, R1)
+    before = led.snapshot()
+    with pytest.raises(StateError):
+        led.unhold(R1)
+    with pytest.raises(StateError):
+        led.unhold(R2)
+    assert led.snapshot() == before

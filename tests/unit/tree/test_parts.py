@@ -18,6 +18,7 @@ from runtime.messages import Direction, OffloadAck, OffloadFinish
 from runtime.tree.copies import CopyTracker
 from runtime.tree.decode_offload import DecodeOffload
 from runtime.tree.readiness import ManualReadiness
+from runtime.tree.request_table import RequestTable
 from runtime.tree.records import RequestRecord
 from runtime.tree.residency import Residency
 from runtime.tree.storage_tier import StorageTier
@@ -114,7 +115,10 @@ def test_decode_offload_keeps_device_slots_until_release_after_the_last_ack():
     owner = Owner.request("a", 1)
     toks = tokens(8)
     slots = res.alloc_device(2, owner)
-    rec = RequestRecord("a", 1, owner, None, toks, slots, 8, 8, 0, None, 8)
+    rec = RequestRecord("a", 1, owner, None, toks, 0, None, 8)
+    table = RequestTable(res.page_size)
+    table.add(rec, slots, 8, 8)
+    table.detach(rec)  # a retired record keeps a private copy of its row
     started = offload.start("a", 1, 0, 8, rec)
     assert started is not None and offload.owns(started.op_id)
     offload.retire(rec, 8)
