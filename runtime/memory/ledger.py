@@ -228,8 +228,11 @@ class SlotLedger:
             return _EMPTY.copy()
         if codes.dtype != _I64 or codes.ndim != 1:
             raise OwnershipError(f"alloc_held needs a 1-D int64 array of owner codes, got {codes.dtype}")
-        holds = self._holds
-        if codes.min() <= 0 or codes.max() >= len(holds) or not holds[codes].all():
+        try:  # code 0 is never held; a negative code would wrap, so the minimum is checked too
+            held = self._holds[codes].all() and codes.min() > 0
+        except IndexError:
+            held = False
+        if not held:
             raise OwnershipError("alloc_held of an owner code that is not held")
         pages = self._stack[top - n: top][::-1]
         self._top = top - n

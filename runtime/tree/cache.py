@@ -207,29 +207,29 @@ class CacheCore:
             raise UnknownRequestError(f"decode step: unknown request {bad!r}") from None
         if table.has_repeats(rows):
             raise ArgumentError("decode step: a request appears twice")
-        starting = table.starting_page(rows)
+        seq = table.seq_len[rows]
+        starting = rows[seq >= table.num_slots[rows]]  # their next token starts a page
         k = len(starting)
         if k:
-            too_long = table.seq_len[starting] + 1 > self.config.device_slots
-            if too_long.any():
-                rec = table.record_at[int(starting[too_long][0])]
+            res = self.residency
+            longest = table.seq_len[starting]
+            if longest.max() >= self.config.device_slots:
+                rec = table.record_at[int(starting[longest.argmax()])]
                 raise LengthError(f"request {rec.rid!r} would hold {rec.seq_len + 1} tokens, more than the device "
                                   "pool")
-            res = self.residency
-            if not res.room_for(k):
-                self._start_writeback(k)
-                raise CapacityError(f"decode step needs {k} device pages")
             free = res.device.num_free_pages()
             if k > free:
+                if not res.room_for(k):
+                    self._start_writeback(k)
+                    raise CapacityError(f"decode step needs {k} device pages")
                 self.copies.write_back(res.evict_device(k - free))
             codes = table.codes[starting]
             if not codes.all():  # first decode step of these rows: the ledger holds their owners' codes
                 for row in starting[codes == 0].tolist():
                     table.codes[row] = res.device.hold(table.record_at[row].owner)
                 codes = table.codes[starting]
-            slots = res.alloc_device_held(codes, reason="decode")
-            table.append_page_each(starting, slots)
-        out = table.advance(rows)
+            table.append_page_each(starting, res.alloc_device_held(codes, reason="decode"))
+        out = table.advance(rows, seq)
         if self.offload is not None:
             for rid in rids:
                 self.offload.note_commit(self.requests[rid])

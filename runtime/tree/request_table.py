@@ -124,26 +124,23 @@ class RequestTable:
         mark[rows] = order
         return bool((mark[rows] != order).any())
 
-    def starting_page(self, rows: np.ndarray) -> np.ndarray:
-        """The rows whose next token starts a page they have not mapped yet."""
-        return rows[self.seq_len[rows] >= self.num_slots[rows]]
-
     def append_page_each(self, rows: np.ndarray, slots: np.ndarray) -> None:
         """Map page i of `slots` (page_size slots each) after the mapped slots of `rows[i]`
         (rows distinct)."""
         n = self.num_slots[rows]
         ps = self.page_size
-        if int(n.max()) + ps > self.slot_map.shape[1]:
-            self._fit(int(n.max()) + ps)
+        top = int(n.max()) + ps
+        if top > self.slot_map.shape[1]:
+            self._fit(top)
         if ps == 1:
             self.slot_map[rows, n] = slots
         else:
             self.slot_map[rows[:, None], n[:, None] + np.arange(ps)] = slots.reshape(-1, ps)
         self.num_slots[rows] = n + ps
 
-    def advance(self, rows: np.ndarray) -> np.ndarray:
-        """Commit every token of `rows` and give each the slot of one more (already mapped)."""
-        seq = self.seq_len[rows]
+    def advance(self, rows: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """Commit every token of `rows` (`seq`: their seq_len) and give each the slot of one
+        more (already mapped)."""
         out = self.slot_map[rows, seq].astype(_I64)
         self.committed[rows] = seq
         self.seq_len[rows] = seq + 1
