@@ -87,6 +87,11 @@ def _check_request_table(core: "CacheCore") -> None:
                   f"{device.held_code(rec.owner)} for it")
         if table.record_at[row] is not rec:
             _fail(f"request table row {row} does not point back at request {rid!r}")
+    # a hold outlives no row: the device ledger holds exactly the owners of rows that name a code
+    named = {core.requests[rid].owner for rid, row in rows.items() if table.codes[row]}
+    if device.held_owners() != named:
+        _fail(f"device ledger holds {sorted(map(str, device.held_owners()))[:5]}, request table rows name "
+              f"{sorted(map(str, named))[:5]}")
 
 
 def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
@@ -128,9 +133,9 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             _fail(f"node {node.id} holds no copy ({len(node.children)} children)")
     _check_request_table(core)
     for rec in core.requests.values():
-        if not (rec.cached_len <= rec.seq_len <= len(rec.slots)) or rec.cached_len % ps:
+        if not (rec.cached_len <= rec.seq_len <= rec.num_slots) or rec.cached_len % ps or rec.num_slots % ps:
             _fail(f"request {rec.rid!r} lengths inconsistent: cached {rec.cached_len}, seq {rec.seq_len}, "
-                  f"slots {len(rec.slots)}")
+                  f"slots {rec.num_slots}")
         if not (rec.cached_len <= rec.committed_len <= rec.seq_len) and rec.committed_len > rec.seq_len:
             _fail(f"request {rec.rid!r} committed {rec.committed_len} beyond seq {rec.seq_len}")
         claim("device", rec.slots[rec.own_start:], rec.owner, f"request {rec.rid!r}")
@@ -315,7 +320,7 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
             _fail(f"session turn {rec.rid!r} was retired for offload")
         if rec.table is core.table:
             _fail(f"retired request {rec.rid!r}#{rec.generation} still reads a row of the live table")
-        if not (rec.cached_len <= rec.seq_len <= len(rec.slots)) or rec.cached_len % ps:
+        if not (rec.cached_len <= rec.seq_len <= rec.num_slots) or rec.cached_len % ps:
             _fail(f"retired request {rec.rid!r}#{rec.generation} lengths inconsistent")
         if z.final_len is not None and not 0 <= z.final_len <= rec.seq_len:
             _fail(f"retired request {rec.rid!r}#{rec.generation} final length {z.final_len} beyond {rec.seq_len}")
@@ -341,7 +346,7 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
                   "released while the copy is in flight (seed 000)")
         if op.host_owner != rec.owner:
             _fail(f"offload op {op.op_id} host slots are not owned by its request")
-        if op.start % ps or op.length % ps or op.start + op.length > len(rec.slots):
+        if op.start % ps or op.length % ps or op.start + op.length > rec.num_slots:
             _fail(f"offload op {op.op_id} range [{op.start}, {op.start + op.length}) is not whole pages of its request")
         if not np.array_equal(rec.slots[op.start: op.start + op.length], op.device):
             _fail(f"offload op {op.op_id} reads slots that {op.rid!r}#{op.generation} no longer maps")

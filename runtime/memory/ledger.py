@@ -167,6 +167,11 @@ class SlotLedger:
         code = self._code_of.get(owner)
         return code if code is not None and self._holds[code] else None
 
+    def held_owners(self) -> set[Owner]:
+        """The owners held now (O(owners): for the invariant checker)."""
+        holds = self._holds
+        return {owner for code, owner in self._owner_of.items() if holds[code]}
+
     def owned_slots(self, owner: Owner) -> np.ndarray:
         """Every slot of ``owner``, ascending (O(pool): debug/test helper)."""
         code = self._code_of.get(owner)

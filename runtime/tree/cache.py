@@ -145,7 +145,7 @@ class CacheCore:
         rec = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens,
             cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
-        self._file(rec, slots, len(tokens), cached)
+        self.table.add(rec, slots, len(tokens), cached)
         stats = self._stats
         stats["requests_admitted"] += 1
         stats["tokens_device_hit"] += m.device_len
@@ -208,11 +208,12 @@ class CacheCore:
         if table.has_repeats(rows):
             raise ArgumentError("decode step: a request appears twice")
         seq = table.seq_len[rows]
-        starting = rows[seq >= table.num_slots[rows]]  # their next token starts a page
+        at_page_end = seq >= table.num_slots[rows]  # their next token starts a page
+        starting = rows[at_page_end]
         k = len(starting)
         if k:
             res = self.residency
-            longest = table.seq_len[starting]
+            longest = seq[at_page_end]
             if longest.max() >= self.config.device_slots:
                 rec = table.record_at[int(starting[longest.argmax()])]
                 raise LengthError(f"request {rec.rid!r} would hold {rec.seq_len + 1} tokens, more than the device "
@@ -363,7 +364,7 @@ class CacheCore:
         owner = Owner.request(rid, generation)
         own = self._alloc_device(pages, owner, rid=rid)
         slots = np.concatenate((sess.slots, own))
-        self._file(RequestRecord(
+        self.table.add(RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens,
             cached_len=0, last_node=None, prompt_len=len(tokens), session=sess.sid, session_len=session_len),
             slots, len(tokens), kv)
@@ -378,10 +379,11 @@ class CacheCore:
         whole pages past them freed (a page holding kept tokens is never freed)."""
         sess = self.sessions[rec.session]
         self._free_tail(rec, len(tokens))
-        kept = rec.slots[rec.session_len:]
+        slots = rec.slots
+        kept = slots[rec.session_len:]
         if len(kept):
             self.residency.device.assign(kept, rec.owner, sess.owner, rid=rec.rid, session=sess.sid)
-        sess.slots = rec.slots
+        sess.slots = slots
         sess.tokens = tokens
         sess.turn = None
         self._unfile(rec)
@@ -685,10 +687,6 @@ class CacheCore:
         if start < rec.num_slots:
             self.residency.device.free(rec.slot_range(start, rec.num_slots), rec.owner, rid=rec.rid, reason="trim")
             rec.truncate_slots(start)
-
-    def _file(self, rec: RequestRecord, slots: np.ndarray, seq_len: int, committed_len: int) -> None:
-        """A new live request: its row in the table."""
-        self.table.add(rec, slots, seq_len, committed_len)
 
     def _unfile(self, rec: RequestRecord, keep_reading: bool = False) -> None:
         """The request leaves the table: released or its turn ended, or retired (`keep_reading`:

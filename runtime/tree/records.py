@@ -59,7 +59,8 @@ class RequestRecord:
     # slots of its own inside the cached prefix that duplicate tree pages (another request
     # cached the same prefix first): still the caller's until release (the slot contract)
     dups: np.ndarray = field(default_factory=lambda: EMPTY)
-    table: RequestTable | None = None  # set by RequestTable.add; a private one-row table once removed
+    # set by RequestTable.add; None once released, a private one-row table once retired (detach)
+    table: RequestTable | None = None
     row: int = -1
 
     @property
