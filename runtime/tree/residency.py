@@ -286,17 +286,28 @@ class Residency:
         free = self.device.num_free_pages()
         if pages <= free:
             return True
-        keep = set(look.device_nodes) if look is not None else set()
         if pages > free + self.evictable_device_pages():  # not even eventually
             return False
-        return free + self.freeable_now(pages - free, keep) >= pages
+        keep: set[Node] = set()
+        tail: tuple[Node, int] | None = None
+        if look is not None:
+            keep.update(look.device_nodes)
+            if look.partial and look.num_device_nodes == len(look.nodes):
+                # the admission splits the partly matched last node: its unmatched part becomes a
+                # leaf of its own that the eviction may take
+                node = look.nodes[-1]
+                keep.discard(node)
+                tail = node, len(node.device) - look.partial
+        return free + self.freeable_now(pages - free, keep, tail) >= pages
 
-    def freeable_now(self, need: int, keep: set[Node]) -> int:
+    def freeable_now(self, need: int, keep: set[Node], tail: tuple[Node, int] | None = None) -> int:
         """Device pages that `evict_device` would free at once (at least `need` of them, if there
         are), without changing anything: a dry run over the evictable device leaves, parents
         becoming leaves as their device children go. A leaf whose eviction needs a backup
         (write-back, or a node whose host-only children need it to keep a copy) frees nothing
-        now, and its ancestors stay. Stops as soon as `need` pages are found."""
+        now, and its ancestors stay. Nodes in `keep` stay; `tail` = (node, tokens) counts only the
+        node's last `tokens`, as if split off (its first part is kept). Stops as soon as `need`
+        pages are found."""
         ps = self.page_size
         left: dict[Node, int] = {}  # device children a parent still has in the dry run
         deleted: dict[Node, int] = {}  # children the dry run deleted (no host copy): gone for good
@@ -314,6 +325,9 @@ class Residency:
                     continue
             if node.host is None and self.host is not None and (
                     self.write_back or len(node.children) > deleted.get(node, 0)):
+                continue
+            if tail is not None and node is tail[0]:
+                got += tail[1] // ps
                 continue
             got += len(node.device) // ps
             parent = node.parent

@@ -56,6 +56,15 @@ FINDINGS: dict[str, tuple[FuzzConfig, list[Step]]] = {
          _finish("r11", 11, 0),
          ("extend", {"rid": "r15", "n": 4}),
          ("can_then_admit", {"rid": "r18", "tokens": PROMPT_A, "cont": [7] * 22, "ns": "tenant-a"})]),
+    # can_admit says no where admit's eviction frees enough at once, second way (seed 3, episode
+    # 47): the prompt matches only the first page of a cached node; the dry run kept the whole node
+    # as the request's own prefix, where the admission splits it and may evict the unmatched part.
+    # The "no" then evicted the node (prefix and all) and the admit right after succeeded.
+    "can_admit_no_for_a_prefix_that_ends_inside_a_node": (
+        FuzzConfig(page_size=4, device_pages=6, host_pages=12, write_policy="write_through_selective"),
+        [_admit("r1", PROMPT_A + PROMPT_B[:7]),
+         _finish("r1", 21),
+         ("can_then_admit", {"rid": "r2", "tokens": PROMPT_A[:5] + PROMPT_B[:11], "cont": [7] * 20, "ns": None})]),
     # A load that fails after its request cached past the loading nodes (an impatient caller:
     # it computed before the load's readiness) fails the runtime in the rollback:
     # TreeError('detach_device of node 2: not an evictable device leaf (... device children=1)').
