@@ -430,6 +430,9 @@ class Driver:
         self.reqs: dict[Hashable, Req] = {}
         self.sessions: dict[Hashable, Sess] = {}
         self.prepared: set[Hashable] = set()  # rids prepare() said it reads for: abort of them may succeed
+        # rids of a step's cache/finish items whose loads were (or may have been) in flight when the
+        # step was sent: the items are judged after it returns, when the loads may have landed
+        self.loading_when_sent: set[Hashable] = set()
         self.gone: list[Hashable] = []  # rids released lately (double finish, reuse)
         self.next_rid = 0
         self.next_sid = 0
@@ -566,7 +569,8 @@ class Driver:
     def _load_doubt(self, r: Req) -> tuple[bool, bool]:
         """(its load failed, it may have failed): a failed load makes cache/finish a TransferError."""
         failed = r.failed or any(x.error() is not None for x in r.readiness)
-        return failed, failed or not all(x.done() for x in r.readiness)
+        loading_then = bool(r.readiness) and r.rid in self.loading_when_sent
+        return failed, failed or loading_then or not all(x.done() for x in r.readiness)
 
     def _facade_refuses(self, toks: np.ndarray) -> bool:
         """The façade refuses empty or longer-than-the-pool tokens before anything is sent."""
@@ -1209,7 +1213,18 @@ class Driver:
         only_admits = all(k == "admit" for k, _ in items)
         # an admit item may start a load that a later cache or finish item meets
         loading = any(k == "admit" for k, _ in items) or await self.loading()
-        res, exc = await self.call(what, lambda: self.rt.step(msgs), cancel if only_admits else None)
+        admitted = {a["rid"] for k, a in items if k == "admit"}
+        self.loading_when_sent = {
+            a["rid"] for k, a in items if k in ("cache", "finish") and (
+                a["rid"] in admitted or (a["rid"] in self.reqs and self._load_doubt(self.reqs[a["rid"]])[1]))}
+        try:
+            res, exc = await self.call(what, lambda: self.rt.step(msgs), cancel if only_admits else None)
+            await self._judge_step(what, items, toks_of, res, exc, loading)
+        finally:
+            self.loading_when_sent = set()
+
+    async def _judge_step(self, what: str, items: list[tuple[str, dict[str, Any]]], toks_of: list[np.ndarray | None],
+                          res: Any, exc: Any, loading: bool) -> None:
         if exc is CANCELLED:
             await self.check(what + " cancelled", None)
             return
@@ -1245,9 +1260,10 @@ class Driver:
                 if self.outcome(sub, self.p_abort(rid), err) and rid in self.reqs:
                     self.release(rid)
                 self.prepared.discard(rid)
-        # a failed item changes nothing, but the others do: only a batch of failures is compared whole
-        all_failed = all(isinstance(r, BaseException) for r in res)
-        await self.check(what, any_error if all_failed else None)
+        # an item refused by validation changes nothing, but the others do (a TransferError of a
+        # finish releases its request): only a batch of validation errors is compared whole
+        all_refused = all(isinstance(r, ValidationError) for r in res)
+        await self.check(what, any_error if all_refused else None)
 
     async def x_release(self, which: int, layers: int | None = None, fail: bool = False) -> None:
         """Complete (or fail) one copy in flight; wait for its ack (not an API call)."""
