@@ -201,12 +201,12 @@ class CacheCore:
         The same as `commit(rid, seq_len)` then `extend(rid, 1)` for each, in order."""
         table = self.table
         try:
-            rows = table.rows_of(rids)
+            rows = table.batch_rows(rids)
         except (KeyError, TypeError):  # an unhashable rid is never a live one
             bad = next((rid for rid in rids if not _is_live(table, rid)), rids)
             raise UnknownRequestError(f"decode step: unknown request {bad!r}") from None
-        if table.has_repeats(rows):
-            raise ArgumentError("decode step: a request appears twice")
+        except ValueError:
+            raise ArgumentError("decode step: a request appears twice") from None
         seq = table.seq_len[rows]
         at_page_end = seq >= table.num_slots[rows]  # their next token starts a page
         starting = rows[at_page_end]

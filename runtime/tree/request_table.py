@@ -48,6 +48,9 @@ class RequestTable:
         self.record_at: list[RequestRecord | None] = [None] * rows
         self.slot_map = np.zeros((rows, max(width, page_size)), dtype=np.int32)
         self._mark = np.zeros(rows, dtype=_I64)  # scratch: repeated rows in a batch
+        # the last batch's rids and rows (read-only), valid until a row is freed: a decode loop
+        # steps the same batch again and again
+        self._last_batch: tuple[tuple[Hashable, ...], np.ndarray] | None = None
 
     # -- rows ------------------------------------------------------------------------
     def add(self, rec: RequestRecord, slots: np.ndarray, seq_len: int, committed: int) -> None:
@@ -111,6 +114,25 @@ class RequestTable:
         self.num_slots_at[row] = end
 
     # -- a batch of rows (a decode step) ----------------------------------------------
+    def batch_rows(self, rids: tuple[Hashable, ...]) -> np.ndarray:
+        """The rows of `rids`, in order, read-only. KeyError or TypeError: one is not live;
+        ValueError: one appears twice. The same batch as last time, with no row freed since,
+        gets the same rows without a lookup."""
+        last = self._last_batch
+        if last is not None:
+            try:
+                same = last[0] == rids
+            except Exception:  # a rid with a broken __eq__ is looked up (and fails) below
+                same = False
+            if same:
+                return last[1]
+        rows = self.rows_of(rids)
+        if self.has_repeats(rows):
+            raise ValueError("a request appears twice")
+        rows.flags.writeable = False
+        self._last_batch = (rids, rows)
+        return rows
+
     def rows_of(self, rids: Sequence[Hashable]) -> np.ndarray:
         """The rows of `rids`, in order (KeyError or TypeError: one is not live)."""
         if len(rids) <= 1:
@@ -149,6 +171,7 @@ class RequestTable:
     # -- helpers -----------------------------------------------------------------------
     def _free(self, rec: RequestRecord) -> int:
         row = self._row_of.pop(rec.rid)
+        self._last_batch = None
         del self.records[rec.rid]
         self.num_slots_at[row] = self.seq_len_at[row] = self.committed_at[row] = 0
         code = self.codes.item(row)

@@ -89,6 +89,28 @@ def test_rows_of_and_repeats():
         t.rows_of(("a", ["unhashable"]))
 
 
+def test_batch_rows_are_reused_only_while_no_row_is_freed():
+    """Checked failing with `_free` not dropping the last batch: the stale rows of a removed
+    request come back instead of a KeyError, and a re-added rid reads its old row."""
+    t = RequestTable(1)
+    recs = {rid: record(rid) for rid in "abc"}
+    for rec in recs.values():
+        t.add(rec, np.array([0], dtype=np.int64), 1, 1)
+    rows = t.batch_rows(("c", "a"))
+    assert rows.tolist() == [t.row_of("c"), t.row_of("a")] and not rows.flags.writeable
+    assert t.batch_rows(("c", "a")) is rows  # the same batch: no lookup
+    t.add(record("d"), np.array([0], dtype=np.int64), 1, 1)  # an added row moves no other
+    assert t.batch_rows(("c", "a")) is rows
+    with pytest.raises(ValueError):
+        t.batch_rows(("a", "b", "a"))
+    t.remove(recs["a"])
+    with pytest.raises(KeyError):
+        t.batch_rows(("c", "a"))
+    t.remove(recs["b"])
+    t.add(record("a"), np.array([0], dtype=np.int64), 1, 1)  # "a" again, in another row
+    assert t.batch_rows(("c", "a")).tolist() == [t.row_of("c"), t.row_of("a")]
+
+
 @pytest.mark.parametrize("ps", [1, 4])
 def test_advance_matches_per_request_reads(ps):
     """A batch step: rows that start a page get one, every row gets the slot at its seq_len."""
