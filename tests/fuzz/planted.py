@@ -10,6 +10,8 @@ Each plant wraps or replaces one function of the core the way a regression would
 - `host_leaf_ignores_children`: the tree's evictable-host-leaf rule forgets "no child with host
   slots" (seed 004).
 - `decode_swaps_slots`: `decode_step` hands each request another request's new slot.
+- `stale_batch_rows`: the request table keeps reusing a decode batch's rows after one of its
+  requests ended (its row freed, perhaps reused by another request).
 
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
@@ -97,11 +99,29 @@ def _decode_swaps_slots() -> Callable[[], None]:
     return lambda: setattr(CacheCore, "decode_step", step)
 
 
+def _stale_batch_rows() -> Callable[[], None]:
+    from runtime.tree.request_table import RequestTable
+
+    free = RequestTable._free
+
+    def broken(self: RequestTable, rec):
+        last = self._last_batch
+        code = free(self, rec)
+        self._last_batch = last  # the rows of a batch outlive its requests
+        return code
+
+    RequestTable._free = broken
+    return lambda: setattr(RequestTable, "_free", free)
+
+
 PLANTS: dict[str, Plant] = {
     "remap_duplicates": Plant(_remap_duplicates, frozenset({"slots-changed", "slot-shared", "kv-content"})),
     "shorten_record": Plant(_shorten_record, frozenset({"token-record"})),
     "decode_swaps_slots": Plant(_decode_swaps_slots, frozenset({"extend-result", "slot-shared", "slots-changed",
                                                                  "kv-content"})),
+    "stale_batch_rows": Plant(_stale_batch_rows, frozenset({"accepted-invalid", "decode-result", "extend-result",
+                                                             "slot-shared", "slots-changed", "kv-content", "invariant",
+                                                             "runtime-failed"})),
     "host_leaf_ignores_children": Plant(_host_leaf_ignores_children, frozenset({"invariant", "runtime-failed"}),
                                         "evictable host leaves"),
 }
