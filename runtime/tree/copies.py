@@ -23,7 +23,7 @@ from runtime.trace import get_logger
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness, ReadinessFactory
 from runtime.tree.records import CopyOp, make_plan
-from runtime.tree.residency import Residency
+from runtime.tree.residency import Residency, node_owner
 
 _log = get_logger("hicache.tree")
 
@@ -62,7 +62,7 @@ class CopyTracker:
         if node.id in self.backup_pending or node.id in self.loading:
             return False
         pages = node.num_tokens // res.page_size
-        host = res.alloc_host(pages, Owner.node(node.id), node=node.id)
+        host = res.alloc_host(pages, node_owner(node), node=node.id)
         if host is None:
             return False
         op_id = next(self._op_ids)
@@ -71,7 +71,7 @@ class CopyTracker:
         res.device.pin(device, op_id)
         res.host.pin(host, op_id)
         self.ops[op_id] = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
-                                 Owner.node(node.id), evict_after=evict_after)
+                                 node_owner(node), evict_after=evict_after)
         self.backup_pending[node.id] = op_id
         res.emit("backup", Tier.HOST, host, node=node.id, op=op_id)
         self._plans.append((make_plan(op_id, Direction.BACKUP, device, host), None))
@@ -100,7 +100,7 @@ class CopyTracker:
         res.tree.lock(deepest)
         res.device.pin(device, op_id)
         res.host.pin(host, op_id)
-        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, Owner.node(deepest.id),
+        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest),
                     readiness=readiness)
         self.ops[op_id] = op
         res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
@@ -196,7 +196,7 @@ class CopyTracker:
             if self.loading.get(node.id) is op.readiness:  # (an orphaned op's nodes may load again)
                 del self.loading[node.id]
         if op.orphaned:  # its nodes were rolled back with a failed load above them
-            self.residency.device.free(op.device, Owner.node(op.node.id), node=op.node.id, reason="load_orphaned")
+            self.residency.device.free(op.device, node_owner(op.node), node=op.node.id, reason="load_orphaned")
             return
         if error is not None and op.readiness is not None and op.readiness.all_ready():
             # every layer was reported on device: its users computed on it, and KV below it

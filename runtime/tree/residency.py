@@ -26,6 +26,15 @@ from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
 from runtime.tree.records import EMPTY, aligned
 
 
+def node_owner(node: Node) -> Owner:
+    """The ledger owner of a node's slots, made once per node (an `Owner` costs ~1 µs to build,
+    and the eviction and split paths name it for every node they touch)."""
+    owner = node.owner
+    if owner is None:
+        owner = node.owner = Owner.node(node.id)
+    return owner
+
+
 class Residency:
     # -- state -------------------------------------------------------------------
     def __init__(self, config: RuntimeConfig, tracer: SlotTracer | None = None) -> None:
@@ -95,7 +104,7 @@ class Residency:
 
     def drop_device(self, node: Node) -> None:
         slots = self.tree.detach_device(node)
-        self.device.free(slots, Owner.node(node.id), node=node.id, reason="evict")
+        self.device.free(slots, node_owner(node), node=node.id, reason="evict")
         self.emit("evict", Tier.DEVICE, slots, node=node.id)
         self.stats["device_evicted_tokens"] += len(slots)
 
@@ -105,10 +114,10 @@ class Residency:
             parent = node.parent
             device, host = self.tree.delete_leaf(node)
             if device is not None:
-                self.device.free(device, Owner.node(node.id), node=node.id, reason="evict")
+                self.device.free(device, node_owner(node), node=node.id, reason="evict")
                 self.stats["device_evicted_tokens"] += len(device)
             if host is not None and self.host is not None:
-                self.host.free(host, Owner.node(node.id), node=node.id, reason="evict")
+                self.host.free(host, node_owner(node), node=node.id, reason="evict")
                 self.stats["host_evicted_tokens"] += len(host)
             if (parent is None or parent.parent is None or parent.children or parent.device is not None
                     or parent.host is not None or parent.lock_ref > 0):
@@ -169,10 +178,7 @@ class Residency:
         res = self.tree.insert(tokens, extra_key, slots, start=start, extend_leaf=extend_leaf)
         assign = self.device.assign
         for node, part in res.adopted:
-            to = node.owner
-            if to is None:
-                to = node.owner = Owner.node(node.id)
-            assign(part, owner, to, trusted=trusted, rid=rid, node=node.id)
+            assign(part, owner, node_owner(node), trusted=trusted, rid=rid, node=node.id)
         return res
 
     def attach_load(self, host_nodes: list[Node], device: np.ndarray, owner: Owner) -> None:
@@ -181,7 +187,7 @@ class Residency:
         for node in host_nodes:
             part = device[offset: offset + node.num_tokens]
             offset += node.num_tokens
-            self.device.assign(part, owner, Owner.node(node.id), node=node.id)
+            self.device.assign(part, owner, node_owner(node), node=node.id)
             self.tree.attach_device(node, part)
 
     def attach_backup(self, chain: list[Node], host: np.ndarray, host_owner: Owner) -> None:
@@ -192,23 +198,23 @@ class Residency:
             part = host[offset: offset + node.num_tokens].copy()
             offset += node.num_tokens
             if node is not deepest:
-                self.host.assign(part, host_owner, Owner.node(node.id), node=node.id)  # type: ignore[union-attr]
+                self.host.assign(part, host_owner, node_owner(node), node=node.id)  # type: ignore[union-attr]
             self.tree.attach_host(node, part)
 
     def roll_back_load(self, chain: list[Node]) -> None:
         """A failed load's device copies never became valid: detach and free them."""
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
-            self.device.free(slots, Owner.node(node.id), node=node.id, reason="load_failed")
+            self.device.free(slots, node_owner(node), node=node.id, reason="load_failed")
 
     def orphan_load(self, chain: list[Node]) -> None:
         """Detach a load's device copies from its chain: its deepest node's owner keeps them all
         until the load's ack frees them (the load was started under a load that failed)."""
-        owner = Owner.node(chain[-1].id)
+        owner = node_owner(chain[-1])
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
             if node is not chain[-1]:
-                self.device.assign(slots, Owner.node(node.id), owner, node=chain[-1].id, reason="load_orphaned")
+                self.device.assign(slots, node_owner(node), owner, node=chain[-1].id, reason="load_orphaned")
 
     def adopt_host_run(self, tokens: np.ndarray, extra_key: Hashable, start: int, host: np.ndarray,
                        owner: Owner, rid: Hashable, busy: Container[int]) -> tuple[int, Node | None]:
@@ -241,7 +247,7 @@ class Residency:
                 part = host[lo - start: offset - start]
                 if node.host is None and node.id not in busy:
                     self.tree.attach_host(node, part)
-                    host_ledger.assign(part, owner, Owner.node(node.id), rid=rid, node=node.id)
+                    host_ledger.assign(part, owner, node_owner(node), rid=rid, node=node.id)
                     kept += len(part)
                 else:
                     drop(part, "duplicate")
@@ -249,16 +255,16 @@ class Residency:
         if m.matched_len < end:
             rest = host[m.matched_len - start:]
             parent = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
-            host_ledger.assign(rest, owner, Owner.node(parent.id), rid=rid, node=parent.id)
+            host_ledger.assign(rest, owner, node_owner(parent), rid=rid, node=parent.id)
             kept += len(rest)
         return kept, parent
 
     def on_split(self, lower: Node, upper: Node) -> None:
         """A split hands the upper part's slots to the new node."""
         if upper.device is not None:
-            self.device.assign(upper.device, Owner.node(lower.id), Owner.node(upper.id), node=upper.id, reason="split")
+            self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
         if upper.host is not None and self.host is not None:
-            self.host.assign(upper.host, Owner.node(lower.id), Owner.node(upper.id), node=upper.id, reason="split")
+            self.host.assign(upper.host, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
 
     # -- questions (change nothing) ---------------------------------------------------
     def admission(self, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int, int]:
