@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks._common import ROOT, emit_json  # noqa: E402
 from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.errors import CapacityError  # noqa: E402
 from runtime.messages import Admit, Cache, Extend, Finish  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
 from runtime.trace import SlotTracer, configure_logging  # noqa: E402
@@ -187,6 +188,98 @@ async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
     return wall, stats["hit_rate"]
 
 
+# -- the host tier (--host) ----------------------------------------------------------
+HOST_POLICIES = ("none", "write_through_selective", "write_through", "write_back")
+
+
+def make_host_config(page_size: int, pool: int, policy: str) -> RuntimeConfig:
+    """The tree benchmark's runtime with a host tier twice the device pool (`none`: no host tier)
+    and the CPU copy engine (worker-thread copies of a tiny KV: what is measured is the loop)."""
+    host = 0 if policy == "none" else 2 * pool
+    return RuntimeConfig(num_layers=1, num_kv_heads=1, head_dim=1, page_size=page_size, device_slots=pool,
+                         host_tokens=host, eviction_policy="lru", copy_engine="cpu",
+                         write_policy="write_through_selective" if policy == "none" else policy)
+
+
+async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]:
+    """The batched driver as a scheduler with a host tier must run it: admits first, then (once
+    their host loads are ready) the prompts' caches, then extend + finish; an item refused for
+    capacity (write-backs still copying) is retried after the loop turns."""
+    retries = 0
+
+    async def run(make: Any, group: list[Any]) -> list[Any]:
+        nonlocal retries
+        out: list[Any] = [None] * len(group)
+        todo = list(range(len(group)))
+        while todo:
+            res = await rt.step([m for i in todo for m in make(group[i])])
+            per = len(res) // len(todo)
+            again = []
+            for i, k in zip(todo, range(0, len(res), per)):
+                errs = [r for r in res[k:k + per] if isinstance(r, BaseException)]
+                if errs and not all(isinstance(e, CapacityError) for e in errs):
+                    raise errs[0]
+                if errs:
+                    again.append(i)
+                else:
+                    out[i] = res[k]
+            if again:
+                retries += len(again)
+                await asyncio.sleep(0.0002)
+            todo = again
+        return out
+
+    async with CacheRuntime.open(cfg) as rt:
+        gc.collect()
+        t0 = time.perf_counter()
+        for wave in w.waves:
+            admitted = await run(lambda r: [Admit(r[0], r[1])], wave)
+            for res in admitted:
+                for ready in res.readiness:
+                    await ready.wait_all()
+            await run(lambda r: [Cache(r[0], r[1])], wave)
+            await run(lambda r: [Extend(r[0], r[3]), Finish(r[0], r[2])], wave)
+        wall = time.perf_counter() - t0
+        stats = await rt.stats()
+        assert stats["live_requests"] == 0
+    return wall, {"hit_rate": stats["hit_rate"], "host_hit_rate": stats["host_hit_rate"],
+                  "backups": stats["backups_issued"], "loads": stats["loads_issued"], "capacity_retries": retries}
+
+
+def host_bench(w: Workload, pages: list[int], pool: int, repeats: int) -> list[dict[str, Any]]:
+    """Every write policy against no host tier, alternating, median of `repeats`; the loop's cost
+    per copy = (wall with the policy - wall without a host tier) / (backups + loads)."""
+    walls: dict[tuple[int, str], list[float]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
+    info: dict[tuple[int, str], dict[str, Any]] = {}
+    for rep in range(repeats):
+        for ps in pages:
+            for policy in HOST_POLICIES[rep % 4:] + HOST_POLICIES[:rep % 4]:
+                wall, d = _loop_run(_host(make_host_config(ps, pool, policy), w))
+                walls[ps, policy].append(wall)
+                info[ps, policy] = d
+                print(f"# rep {rep} page {ps} {policy:24s} {w.num_requests / wall:8.0f} req/s  hit {d['hit_rate']:.4f}"
+                      f" (host {d['host_hit_rate']:.4f})  backups {d['backups']} loads {d['loads']}"
+                      f" retries {d['capacity_retries']}", flush=True)
+    rows = []
+    for ps in pages:
+        base = statistics.median(walls[ps, "none"])
+        for policy in HOST_POLICIES:
+            wall = statistics.median(walls[ps, policy])
+            d = info[ps, policy]
+            ops = d["backups"] + d["loads"]
+            rows.append({"page_size": ps, "policy": policy, "req_per_s": round(w.num_requests / wall, 1),
+                         "req_per_s_runs": [round(w.num_requests / x) for x in walls[ps, policy]],
+                         "vs_no_host": round(base / wall, 3), **d,
+                         "loop_us_per_copy": round((wall - base) / ops * 1e6, 1) if ops else None})
+    print(f"{'page':>4} {'policy':24s} {'req/s':>8} {'vs none':>8} {'backups':>8} {'loads':>6} {'hit':>7} "
+          f"{'host hit':>8} {'us/copy':>8}")
+    for r in rows:
+        per = "" if r["loop_us_per_copy"] is None else f"{r['loop_us_per_copy']:8.1f}"
+        print(f"{r['page_size']:4d} {r['policy']:24s} {r['req_per_s']:8.0f} {r['vs_no_host']:7.2f}x {r['backups']:8d} "
+              f"{r['loads']:6d} {r['hit_rate']:7.4f} {r['host_hit_rate']:8.4f} {per:>8}")
+    return rows
+
+
 def _loop_run(coro: Any) -> Any:
     try:
         import uvloop
@@ -244,6 +337,8 @@ def main() -> None:
     ap.add_argument("--modes", default="sync,actor,batched")
     ap.add_argument("--peers", default=None, metavar="PYTHON", help="python of the peer venv: also run the peers")
     ap.add_argument("--peer-repeats", type=int, default=3)
+    ap.add_argument("--host", action="store_true",
+                    help="with a host tier: every write policy against none, and the loop's cost per copy")
     ap.add_argument("--vllm-page-sizes", default="16",
                     help="block sizes for vLLM (its default is 16; at 1 it hashes every token: ~200 req/s)")
     ap.add_argument("--peerbench", default=str(PEERBENCH), help="directory of the peers' bench scripts")
@@ -269,6 +364,12 @@ def main() -> None:
     if w.max_len > params["pool"]:
         sys.exit("bench_tree: a context is longer than the pool")
 
+    if a.host:
+        emit_json({"bench": "tree_host", "trace": params, "requests": w.num_requests, "repeats": a.repeats,
+                   "measured": "batched actor API with a host tier (CPU copy engine), requests/s",
+                   "baseline": "the same without a host tier", "loop": "uvloop",
+                   "results": host_bench(w, pages, params["pool"], a.repeats)})
+        return
     cfgs = {ps: make_config(ps, params["pool"]) for ps in pages}
     walls: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     hits: dict[tuple[int, str], set[float]] = {(ps, m): set() for ps in pages for m in modes}

@@ -321,9 +321,10 @@ class SlotLedger:
         if t is not None and t.active:
             t.emit("assign", self._tier_name, slots=slots, owner=from_owner, to=to_owner, **ctx)
 
-    def pin(self, slots: np.ndarray, op_id: int, **ctx: Any) -> None:
-        """Add one pin (an in-flight copy ``op_id``) to each page; pages must be owned."""
-        pages = self._pages(slots)
+    def pin(self, slots: np.ndarray, op_id: int, *, trusted: bool = False, **ctx: Any) -> None:
+        """Add one pin (an in-flight copy ``op_id``) to each page; pages must be owned.
+        ``trusted``: see `assign`."""
+        pages = self._trusted_pages(slots) if trusted else self._pages(slots)
         if len(pages):
             codes = self._codes[pages]
             if np.count_nonzero(codes) != len(codes):
@@ -335,9 +336,9 @@ class SlotLedger:
         if t is not None and t.active:
             t.emit("pin", self._tier_name, slots=slots, op=op_id, **ctx)
 
-    def unpin(self, slots: np.ndarray, op_id: int, **ctx: Any) -> None:
-        """Remove one pin from each page; every page must be pinned."""
-        pages = self._pages(slots)
+    def unpin(self, slots: np.ndarray, op_id: int, *, trusted: bool = False, **ctx: Any) -> None:
+        """Remove one pin from each page; every page must be pinned. ``trusted``: see `assign`."""
+        pages = self._trusted_pages(slots) if trusted else self._pages(slots)
         if len(pages):
             pins = self._pins[pages]
             if np.count_nonzero(pins) != len(pins):

@@ -141,44 +141,52 @@ class ResolvedPlan:
 def _to_numpy_copy(t: torch.Tensor, what: str) -> np.ndarray:
     if not isinstance(t, torch.Tensor):
         raise ValidationError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+    if t.dtype not in _INDEX_DTYPES:
         raise ValidationError(f"{what} must be an integer tensor, got {t.dtype}")
     if t.dim() != 1:
         raise ValidationError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
-    # .cpu() is a no-op (same object) for a CPU tensor: np.array(copy=True) makes the array ours.
-    return np.array(t.detach().cpu().numpy(), dtype=np.int64, copy=True)
+    # np.array(copy=True) makes the array ours; a CPU tensor needs no .cpu() (the same object)
+    return np.array((t if t.device.type == "cpu" else t.cpu()).detach().numpy(), dtype=np.int64, copy=True)
+
+
+_INDEX_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
 
 
 def _pages_of(slots: np.ndarray, page_size: int, what: str) -> np.ndarray:
+    if page_size == 1:
+        return slots
     if slots.size % page_size:
         raise LengthError(f"{what}: {slots.size} slots is not a whole number of pages of {page_size}")
     starts = slots[::page_size]
-    if page_size > 1:
-        ok = (starts % page_size == 0).all() and (
-            slots.reshape(-1, page_size) == starts[:, None] + np.arange(page_size, dtype=np.int64)
-        ).all()
-    else:
-        ok = True
-    if not ok:
+    if not (slots.reshape(-1, page_size) - starts[:, None] == np.arange(page_size, dtype=np.int64)).all() or (
+            starts % page_size).any():
         raise LengthError(f"{what}: slots are not whole, aligned pages of {page_size}")
     return starts // page_size
 
 
-def _runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
-    n = src_pages.size
-    if n == 0:
-        return np.empty((0, 3), dtype=np.int64)
-    brk = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
-    starts = np.concatenate(([0], brk))
-    lengths = np.diff(np.concatenate((starts, [n])))
-    return np.stack((src_pages[starts], dst_pages[starts], lengths), axis=1)
+def _runs(src_pages: np.ndarray, dst_pages: np.ndarray, src_step: np.ndarray, dst_step: np.ndarray) -> np.ndarray:
+    """(src start, dst start, length) of each run of pages adjacent on both sides; `*_step`:
+    the differences of consecutive pages."""
+    brk = ((src_step != 1) | (dst_step != 1)).nonzero()[0]
+    first = np.empty(brk.size + 1, dtype=np.int64)  # each run's first position
+    first[0] = 0
+    np.add(brk, 1, out=first[1:])
+    runs = np.empty((first.size, 3), dtype=np.int64)
+    runs[:, 0] = src_pages[first]
+    runs[:, 1] = dst_pages[first]
+    last = runs[:, 2]
+    last[:-1] = first[1:]
+    last[-1] = src_pages.size
+    last -= first
+    return runs
 
 
 def resolve(plan: TransferPlan, page_sizes: int | Mapping[str, int]) -> ResolvedPlan:
     """Derive what a copy needs from ``plan`` into new objects; ``plan`` is left untouched.
 
     Validates that every transfer has equal-length, page-aligned src/dst slot indices and
-    no destination page twice. ``page_sizes``: one page size, or one per pool name.
+    no destination page twice. ``page_sizes``: one page size, or one per pool name. A few
+    numpy calls per transfer, whatever its length: it runs on the event loop for every copy.
     """
     out = []
     for i, t in enumerate(plan.transfers):
@@ -194,12 +202,21 @@ def resolve(plan: TransferPlan, page_sizes: int | Mapping[str, int]) -> Resolved
             raise LengthError(f"transfer {i} ({t.pool}): src has {src.size} slots, dst {dst.size}")
         sp = _pages_of(src, ps, f"transfer {i} ({t.pool}) src")
         dp = _pages_of(dst, ps, f"transfer {i} ({t.pool}) dst")
-        order = np.argsort(sp, kind="stable")
-        sp, dp = sp[order], dp[order]
-        sorted_dp = np.sort(dp)
-        if sorted_dp.size > 1 and not (np.diff(sorted_dp) != 0).all():
-            raise ValidationError(f"transfer {i} ({t.pool}): a destination page appears twice")
-        out.append(ResolvedTransfer(t.pool, ps, _frozen(sp), _frozen(dp), _frozen(_runs(sp, dp))))
+        if sp.size > 1:
+            # (argmin and one index: the cheapest "any below" numpy has for a short array)
+            src_step = sp[1:] - sp[:-1]
+            if src_step[src_step.argmin()] < 0:  # into source order (a node's slots usually are)
+                order = np.argsort(sp, kind="stable")
+                sp, dp = sp[order], dp[order]
+                src_step = sp[1:] - sp[:-1]
+            dst_step = dp[1:] - dp[:-1]
+            # ascending destinations cannot repeat; otherwise a sorted copy tells
+            if dst_step[dst_step.argmin()] <= 0 and not np.diff(np.sort(dp)).all():
+                raise ValidationError(f"transfer {i} ({t.pool}): a destination page appears twice")
+            runs = _runs(sp, dp, src_step, dst_step)
+        else:
+            runs = np.array([[sp[0], dp[0], 1]], dtype=np.int64) if sp.size else np.empty((0, 3), dtype=np.int64)
+        out.append(ResolvedTransfer(t.pool, ps, _frozen(sp), _frozen(dp), _frozen(runs)))
     return ResolvedPlan(plan.op_id, plan.direction, tuple(out))
 
 

@@ -68,8 +68,8 @@ class CopyTracker:
         op_id = next(self._op_ids)
         device = node.device.copy()
         res.tree.lock(node)
-        res.device.pin(device, op_id)
-        res.host.pin(host, op_id)
+        res.device.pin(device, op_id, trusted=True)
+        res.host.pin(host, op_id, trusted=True)
         self.ops[op_id] = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
                                  node_owner(node), evict_after=evict_after)
         self.backup_pending[node.id] = op_id
@@ -98,8 +98,8 @@ class CopyTracker:
         host = np.concatenate([n.host for n in host_nodes])
         deepest = host_nodes[-1]
         res.tree.lock(deepest)
-        res.device.pin(device, op_id)
-        res.host.pin(host, op_id)
+        res.device.pin(device, op_id, trusted=True)
+        res.host.pin(host, op_id, trusted=True)
         op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest),
                     readiness=readiness)
         self.ops[op_id] = op
@@ -155,9 +155,9 @@ class CopyTracker:
     def apply_ack(self, op_id: int, error: str | None) -> AckOutcome:
         res = self.residency
         op = self.ops.pop(op_id)
-        res.device.unpin(op.device, op_id)
+        res.device.unpin(op.device, op_id, trusted=True)
         assert res.host is not None
-        res.host.unpin(op.host, op_id)
+        res.host.unpin(op.host, op_id, trusted=True)
         chain = res.tree.split_chain(op.node, op.length)
         out = AckOutcome(op)
         if op.direction is Direction.BACKUP:
