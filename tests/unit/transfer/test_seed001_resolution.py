@@ -13,7 +13,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from runtime.errors import ValidationError
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.memory.pools import DevicePool, HostPool, KVShape
@@ -241,3 +244,26 @@ def test_cuda_engine_leaves_cpu_indices_on_cpu():
         assert_resolution_pure(lambda p: engine.submit(p).done.synchronize(), scattered_plan())
     finally:
         engine.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=24), st.sampled_from([1, 2, 4]))
+def test_resolved_runs_are_exactly_the_page_pairs(pairs, ps):
+    """The runs (src start, dst start, length) expand to the plan's page pairs in source order,
+    whatever the order given; a destination page twice is refused. (The run computation was
+    rewritten for speed; checked failing with a run length off by one.)"""
+    src = np.array([p for p, _ in pairs], dtype=np.int64)
+    dst = np.array([q for _, q in pairs], dtype=np.int64)
+    expand = lambda pages: (pages[:, None] * ps + np.arange(ps)).reshape(-1)  # noqa: E731
+    plan = TransferPlan(1, Direction.BACKUP, (PoolTransfer("kv", torch.from_numpy(expand(src)),
+                                                           torch.from_numpy(expand(dst))),))
+    if len(set(dst.tolist())) < len(dst):
+        with pytest.raises(ValidationError):
+            resolve(plan, ps)
+        return
+    t = resolve(plan, ps).transfers[0]
+    order = np.argsort(src, kind="stable")
+    want = list(zip(src[order].tolist(), dst[order].tolist()))
+    got = [(s + k, d + k) for s, d, n in t.runs.tolist() for k in range(n)]
+    assert got == want and list(zip(t.src_pages.tolist(), t.dst_pages.tolist())) == want
+    assert all(n >= 1 for _, _, n in t.runs.tolist())
