@@ -202,9 +202,9 @@ def make_host_config(page_size: int, pool: int, policy: str) -> RuntimeConfig:
 
 
 async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]:
-    """The batched driver as a scheduler with a host tier must run it: admits first, then (once
-    their host loads are ready) the prompts' caches, then extend + finish; an item refused for
-    capacity (write-backs still copying) is retried after the loop turns."""
+    """The batched driver as a scheduler with a host tier must run it, four steps per wave:
+    admits, then (once their host loads are ready) the prompts' caches, extends, finishes; an
+    item refused for capacity (write-backs still copying) is retried after the loop turns."""
     retries = 0
 
     async def run(make: Any, group: list[Any]) -> list[Any]:
@@ -238,7 +238,8 @@ async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]
                 for ready in res.readiness:
                     await ready.wait_all()
             await run(lambda r: [Cache(r[0], r[1])], wave)
-            await run(lambda r: [Extend(r[0], r[3]), Finish(r[0], r[2])], wave)
+            await run(lambda r: [Extend(r[0], r[3])], wave)
+            await run(lambda r: [Finish(r[0], r[2])], wave)
         wall = time.perf_counter() - t0
         stats = await rt.stats()
         assert stats["live_requests"] == 0

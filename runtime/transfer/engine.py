@@ -145,8 +145,13 @@ def _to_numpy_copy(t: torch.Tensor, what: str) -> np.ndarray:
         raise ValidationError(f"{what} must be an integer tensor, got {t.dtype}")
     if t.dim() != 1:
         raise ValidationError(f"{what} must be 1-D, got shape {tuple(t.shape)}")
-    # np.array(copy=True) makes the array ours; a CPU tensor needs no .cpu() (the same object)
-    return np.array((t if t.device.type == "cpu" else t.cpu()).detach().numpy(), dtype=np.int64, copy=True)
+    # np.array(copy=True) makes the array ours. An integer tensor never requires grad (no
+    # detach); .numpy() refuses a tensor off the CPU, which is then copied over first.
+    try:
+        view = t.numpy()
+    except TypeError:
+        view = t.cpu().numpy()
+    return np.array(view, dtype=np.int64, copy=True)
 
 
 _INDEX_DTYPES = frozenset((torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8))
