@@ -48,7 +48,7 @@ from runtime.trace import SlotTracer
 from runtime.tree.copies import CopyTracker
 from runtime.tree.decode_offload import COUNTERS as OFFLOAD_COUNTERS
 from runtime.tree.decode_offload import DecodeOffload
-from runtime.tree.radix import Node
+from runtime.tree.radix import MatchResult, Node
 from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFactory
 from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, aligned
 from runtime.tree.request_table import RequestTable
@@ -108,7 +108,7 @@ class CacheCore:
         look, host_len, need_pages = res.admission(tokens, extra_key)
         cached = look.device_len + host_len
         if not res.room_for(need_pages, look):
-            self._start_writeback(need_pages)
+            self._start_writeback(need_pages, look)
             raise CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {res.device.num_free_pages()} free, "
                 f"{res.evictable_device_pages()} evictable")
@@ -413,7 +413,7 @@ class CacheCore:
         look, _, need = self.residency.admission(self._check_tokens(tokens), extra_key)
         if self.residency.room_for(need, look):
             return True
-        self._start_writeback(need)
+        self._start_writeback(need, look)
         return False
 
     @property
@@ -627,14 +627,23 @@ class CacheCore:
             self.copies.write_back(self.residency.evict_device(short))
         return self.residency.alloc_device(pages, owner, **ctx)
 
-    def _start_writeback(self, pages: int) -> None:
+    def _start_writeback(self, pages: int, look: MatchResult | None = None) -> None:
         """A capacity shortfall (`room_for` said no): start the write-backs that will free
         device pages at their acks, so that the caller's retry can succeed. Changes nothing a
-        caller holds; only when the pages could be had at all."""
+        caller holds; only when the pages could be had at all. An admission's own cached prefix
+        (`look`) is kept out of the eviction, as its admission will lock it."""
         res = self.residency
         free = res.device.num_free_pages()
-        if res.host is not None and pages <= free + res.evictable_device_pages():
+        if res.host is None or pages > free + res.evictable_device_pages():
+            return
+        keep = look.last_device_node if look is not None and look.num_device_nodes else None
+        if keep is not None:
+            res.tree.lock(keep)
+        try:
             self.copies.write_back(res.evict_device(pages - free))
+        finally:
+            if keep is not None:
+                res.tree.unlock(keep)
 
     # -- helpers: validation -------------------------------------------------------------
     def _record(self, rid: Hashable) -> RequestRecord:

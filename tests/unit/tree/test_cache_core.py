@@ -228,3 +228,23 @@ def test_an_ack_for_no_copy_in_flight_is_an_internal_error_and_changes_nothing()
     with pytest.raises(InternalError, match="not in flight"):
         core.apply_storage_ack(12345, 0, None)
     assert (core.residency.device.snapshot(), core.residency.host.snapshot()) == before
+
+
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_a_refused_admission_keeps_its_own_cached_prefix(policy):
+    """A no from `can_admit` (or a refused `admit`) starts the evictions and backups that make
+    room, but never at the cost of the prefix the request would reuse: its admission would lock
+    it. Checked failing without the lock in `_start_writeback` (the prefix, least recently used,
+    was deleted under write_through_selective and backed up then dropped under write_back)."""
+    core = make_core(device_slots=64, write_policy=policy)
+    prefix = toks(8, 1)
+    core.admit("a", np.concatenate((prefix, toks(1, 2))))
+    core.finish("a", np.concatenate((prefix, toks(1, 2))))
+    core.admit("hold", toks(48, 3))  # 12 of the 16 pages: 2 stay free, the prefix holds 2
+    ask = np.concatenate((prefix, toks(12, 4)))  # 3 pages beyond the prefix
+    assert not core.can_admit(ask)
+    with pytest.raises(CapacityError):
+        core.admit("b", ask)
+    ack_all(core)
+    check_invariants(core)
+    assert core.match_prefix(ask)["device"] == 8
