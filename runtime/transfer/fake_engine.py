@@ -117,9 +117,10 @@ class FakeCopyEngine:
                 pass  # the failure is in the completions
         return handle
 
-    def pending(self) -> list[int]:
+    def pending(self, direction: Direction | None = None) -> list[int]:
+        """Op ids in flight, in submit order (only those of `direction` if given)."""
         with self._cond:
-            return list(self._ops)
+            return [op_id for op_id, op in self._ops.items() if direction is None or op.resolved.direction is direction]
 
     def release(self, op_id: int, layers: int | None = None) -> None:
         """Copy then complete the remaining layers up to layer index ``layers`` (inclusive; None = all).

@@ -68,7 +68,7 @@ from runtime.errors import (
 )
 from runtime.fingerprint import fingerprint_kv, prefix_hashes
 from runtime.invariants import check_invariants
-from runtime.messages import Abort, Admit, AdmitResult, Cache, Commit, Extend, Finish
+from runtime.messages import Abort, Admit, AdmitResult, Cache, Commit, Direction, Extend, Finish
 from runtime.runtime import CacheRuntime
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
@@ -1121,9 +1121,12 @@ class Driver:
             raise self.fail("can-admit-result", f"{what} returned {res!r}")
         await self.check(what, None if exc is CANCELLED else exc)
 
-    async def x_crowd(self, pressure: dict[str, Any] | None, items: list[tuple[str, dict[str, Any]]]) -> None:
+    async def x_crowd(self, pressure: dict[str, Any] | None, items: list[tuple[str, dict[str, Any]]],
+                      fail_first_load: bool = False) -> None:
         """`pressure`: a long unrelated prompt passes through first (admitted, then aborted): cached
-        prefixes lose their device copies, those backed up stay on host. Then one batch of `items`."""
+        prefixes lose their device copies, those backed up stay on host. Then one batch of `items`;
+        `fail_first_load`: then the oldest load in flight fails (loads started under it, by the
+        batch's later admits, must be rolled back with it)."""
         if pressure is not None:
             # as long as the pool allows: every evictable device copy goes
             av, _ = await self.call("available()", self.rt.available)
@@ -1134,6 +1137,8 @@ class Driver:
                 if pressure["rid"] in self.reqs:
                     await self.x_abort(pressure["rid"])
         await self.x_batch(items, None)
+        if fail_first_load:
+            await self.x_release(0, None, True, loads=True)
 
     async def x_can_then_admit(self, rid: Hashable, tokens: list[int], cont: list[int], ns: Hashable = None) -> None:
         """can_admit, then admit of the same tokens: they decide by one answer (API, "Capacity").
@@ -1272,12 +1277,12 @@ class Driver:
         all_refused = all(isinstance(r, ValidationError) for r in res)
         await self.check(what, any_error if all_refused else None)
 
-    async def x_release(self, which: int, layers: int | None = None, fail: bool = False) -> None:
-        """Complete (or fail) one copy in flight; wait for its ack (not an API call)."""
+    async def x_release(self, which: int, layers: int | None = None, fail: bool = False, loads: bool = False) -> None:
+        """Complete (or fail) one copy in flight (`loads`: one load); wait for its ack (not an API call)."""
         if self.engine is None:
             await asyncio.sleep(0.001)  # the CPU engine's copies land by themselves
             return
-        pending = self.engine.pending()
+        pending = self.engine.pending(Direction.LOAD if loads else None)
         if not pending:
             return
         op = pending[which % len(pending)]
@@ -1535,7 +1540,10 @@ class Driver:
             if rid in self.reqs or any(a["rid"] == rid for _, a in items):
                 continue
             items.append(("admit", {"rid": rid, "tokens": toks[:b], "cont": toks[b:D], "ns": ns}))
-        return ("crowd", {"pressure": pressure, "items": items}) if items else ("stats", {})
+        if not items:
+            return "stats", {}
+        fail = self.cfg.copy_faults and len(items) > 1 and rng.random() < 0.3
+        return "crowd", {"pressure": pressure, "items": items, **({"fail_first_load": True} if fail else {})}
 
     def g_open_session(self) -> Step:
         if self.sessions and self._bad(0.1):

@@ -10,6 +10,8 @@ Each plant wraps or replaces one function of the core the way a regression would
 - `host_leaf_ignores_children`: the tree's evictable-host-leaf rule forgets "no child with host
   slots" (seed 004).
 - `decode_swaps_slots`: `decode_step` hands each request another request's new slot.
+- `failed_load_keeps_loads_below`: a load that fails leaves the loads started under it (by
+  later admissions of longer prompts) in place, as if its chain were alone.
 - `stale_batch_rows`: the request table keeps reusing a decode batch's rows after one of its
   requests ended (its row freed, perhaps reused by another request).
 
@@ -99,6 +101,14 @@ def _decode_swaps_slots() -> Callable[[], None]:
     return lambda: setattr(CacheCore, "decode_step", step)
 
 
+def _failed_load_keeps_loads_below() -> Callable[[], None]:
+    from runtime.tree.copies import CopyTracker
+
+    orphan = CopyTracker._orphan_loads_below
+    CopyTracker._orphan_loads_below = lambda self, failed, top, users: None
+    return lambda: setattr(CopyTracker, "_orphan_loads_below", orphan)
+
+
 def _stale_batch_rows() -> Callable[[], None]:
     from runtime.tree.request_table import RequestTable
 
@@ -119,6 +129,8 @@ PLANTS: dict[str, Plant] = {
     "shorten_record": Plant(_shorten_record, frozenset({"token-record"})),
     "decode_swaps_slots": Plant(_decode_swaps_slots, frozenset({"extend-result", "slot-shared", "slots-changed",
                                                                  "kv-content"})),
+    "failed_load_keeps_loads_below": Plant(_failed_load_keeps_loads_below,
+                                           frozenset({"invariant", "runtime-failed", "kv-content", "leak"})),
     "stale_batch_rows": Plant(_stale_batch_rows, frozenset({"accepted-invalid", "decode-result", "extend-result",
                                                              "slot-shared", "slots-changed", "kv-content", "invariant",
                                                              "runtime-failed"})),
