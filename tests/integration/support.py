@@ -14,11 +14,7 @@ from runtime.fingerprint import mismatches, write_fingerprints
 from runtime.invariants import check_invariants
 from runtime.runtime import CacheRuntime
 from runtime.transfer.fake_engine import FakeCopyEngine
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    """`n` token ids drawn from `seed` (distinct seeds: distinct prompts)."""
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+from tests.tokens import toks  # noqa: F401 (re-exported: the integration tests import it from here)
 
 
 def small_config(**changes: Any) -> RuntimeConfig:

@@ -17,10 +17,7 @@ from runtime.invariants import check_invariants
 from runtime.messages import Direction
 from runtime.tree.cache import CacheCore
 from runtime.tree.readiness import ManualReadiness
-
-
-def toks(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
+from tests.tokens import toks
 
 
 def make_core(**changes) -> CacheCore:

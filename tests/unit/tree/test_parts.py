@@ -22,6 +22,7 @@ from runtime.tree.request_table import RequestTable
 from runtime.tree.records import RequestRecord
 from runtime.tree.residency import Residency
 from runtime.tree.storage_tier import StorageTier
+from tests.tokens import toks
 
 PS = 4
 
@@ -33,22 +34,18 @@ def config(**changes) -> RuntimeConfig:
     return RuntimeConfig(**base)
 
 
-def tokens(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 30000, n, dtype=np.int32)
-
-
-def cached(res: Residency, toks: np.ndarray, rid: str = "r"):
-    """Insert `toks` with fresh device pages of a request, as a finished request leaves them."""
+def cached(res: Residency, prompt: np.ndarray, rid: str = "r"):
+    """Insert `prompt` with fresh device pages of a request, as a finished request leaves them."""
     owner = Owner.request(rid, 1)
-    slots = res.alloc_device(len(toks) // PS, owner)
-    out = res.insert(toks, None, slots, owner, trusted=True)
-    assert [len(s) for _, s in out.adopted] == [len(toks)]
+    slots = res.alloc_device(len(prompt) // PS, owner)
+    out = res.insert(prompt, None, slots, owner, trusted=True)
+    assert [len(s) for _, s in out.adopted] == [len(prompt)]
     return out.last_node
 
 
 def test_residency_insert_hands_pages_to_the_node_and_delete_frees_them():
     res = Residency(config())
-    node = cached(res, tokens(16))
+    node = cached(res, toks(16, 0))
     assert res.device.owned_slots(Owner.node(node.id)).tolist() == sorted(node.device.tolist())
     assert res.device.num_free_pages() == 16 - 4
     res.delete(node)
@@ -57,7 +54,7 @@ def test_residency_insert_hands_pages_to_the_node_and_delete_frees_them():
 
 def test_residency_write_back_eviction_returns_the_nodes_instead_of_copying():
     res = Residency(config(write_policy="write_back"))
-    node = cached(res, tokens(16))
+    node = cached(res, toks(16, 0))
     free = res.device.num_free_pages()
     assert res.evict_device(4) == [node]  # needs a backup first: nothing freed, nothing issued
     assert res.device.num_free_pages() == free and node.device is not None
@@ -66,7 +63,7 @@ def test_residency_write_back_eviction_returns_the_nodes_instead_of_copying():
 
 def test_residency_eviction_without_host_deletes_and_room_for_agrees():
     res = Residency(config(host_tokens=0))
-    cached(res, tokens(16))
+    cached(res, toks(16, 0))
     free = res.device.num_free_pages()
     assert res.room_for(free + 4)
     assert res.evict_device(4) == []
@@ -76,7 +73,7 @@ def test_residency_eviction_without_host_deletes_and_room_for_agrees():
 def test_copy_tracker_backup_pins_then_its_ack_hands_host_pages_to_the_node():
     res = Residency(config())
     copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
-    node = cached(res, tokens(16))
+    node = cached(res, toks(16, 0))
     assert copies.backup(node)
     assert not copies.backup(node)  # one backup per node at a time
     (plan, readiness), = copies.take_plans()
@@ -93,7 +90,7 @@ def test_copy_tracker_backup_pins_then_its_ack_hands_host_pages_to_the_node():
 def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
     res = Residency(config())
     copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
-    node = cached(res, tokens(16))
+    node = cached(res, toks(16, 0))
     copies.backup(node)
     (plan, _), = copies.take_plans()
     copies.apply_ack(plan.op_id, None)
@@ -103,7 +100,7 @@ def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
     op = copies.start_load([node], 16, device, owner)
     copies.add_user(op.readiness, "u")
     assert copies.loads_under([node]) == [op.readiness] and copies.busy(node)
-    assert copies.insert_cap(tokens(16), 16, None) == 0  # nothing may hang below a running load
+    assert copies.insert_cap(toks(16, 0), 16, None) == 0  # nothing may hang below a running load
     out = copies.apply_ack(op.op_id, "boom")
     assert out.failed == "boom" and out.failed_users == {"u"}
     assert node.device is None and res.device.num_free_pages() == 16 and not copies.loading
@@ -113,9 +110,9 @@ def test_decode_offload_keeps_device_slots_until_release_after_the_last_ack():
     res = Residency(config(decode_offload=True))
     offload = DecodeOffload(res, itertools.count(1))
     owner = Owner.request("a", 1)
-    toks = tokens(8)
+    prompt = toks(8, 0)
     slots = res.alloc_device(2, owner)
-    rec = RequestRecord("a", 1, owner, None, toks, 0, None, 8)
+    rec = RequestRecord("a", 1, owner, None, prompt, 0, None, 8)
     table = RequestTable(res.page_size)
     table.add(rec, slots, 8, 8)
     table.detach(rec)  # a retired record keeps a private copy of its row
@@ -141,7 +138,7 @@ def test_storage_tier_lookup_that_finds_nothing_ends_the_prefetch():
     cfg = config()
     res = Residency(cfg)
     storage = StorageTier(cfg, res, itertools.count(1))
-    assert storage.prepare("p", tokens(33), None) == 32
+    assert storage.prepare("p", toks(33, 0), None) == 32
     (op_id, write, keys, pages), = storage.take_requests()
     assert not write and len(keys) == 8 and pages == ()
     assert "p" in storage.prefetches
