@@ -204,8 +204,9 @@ class Actor(Generic[M]):
     """Base of the three actors: a loop over mailbox bursts dispatching by message type.
 
     Subclasses fill `handlers` (message type -> bound method) and may override
-    `after_burst` (e.g. the debug invariant checker). Handlers run to completion one at a
-    time; an async handler is awaited before the next message.
+    `after_message` (e.g. the tree actor hands on the core's effects and runs the debug invariant
+    checker). Handlers run to completion one at a time; an async handler is awaited before the
+    next message.
     """
 
     name = "actor"
