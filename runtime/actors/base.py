@@ -205,7 +205,7 @@ class Actor(Generic[M]):
 
     Subclasses fill `handlers` (message type -> bound method) and may override
     `after_message` (e.g. the tree actor hands on the core's effects and runs the debug invariant
-    checker). Handlers run to completion one at a time; an async handler is awaited before the
+    checker) and `after_burst` (the transfer actor starts the copies a burst queued). Handlers run to completion one at a time; an async handler is awaited before the
     next message.
     """
 
@@ -256,6 +256,7 @@ class Actor(Generic[M]):
                 if reply is not None and result is not DEFERRED:
                     reply.set_result(result)
                 self.after_message(msg)
+            self.after_burst()
 
     def _unrefusable(self, exc: CallerError, msg: Any) -> CallerError:
         """`exc` fails the runtime as it is (the supervisor's cause); the note says why it was not
@@ -263,6 +264,9 @@ class Actor(Generic[M]):
         why = "an internal structure's error" if isinstance(exc, self.internal_errors) else "no caller to take it"
         exc.add_note(f"{self.name} actor, handling {type(msg).__name__}: {why}; the runtime fails")
         return exc
+
+    def after_burst(self) -> None:
+        """Hook run once the burst's messages are handled, before the actor waits again."""
 
     def after_message(self, msg: Any) -> None:
         """Hook run after each handled message (debug invariant checks)."""

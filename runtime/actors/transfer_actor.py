@@ -47,7 +47,7 @@ from runtime.messages import (
 )
 from runtime.storage.backend import ContractViolation, checked_count, checked_flags, read_prefix
 from runtime.trace import get_logger
-from runtime.transfer.engine import CopyEngine
+from runtime.transfer.engine import CopyEngine, merged_plan
 
 log = get_logger("hicache.transfer")
 
@@ -70,6 +70,11 @@ class _InFlight:
     error: str | None = None
 
 
+# Backups coalesced into one engine submission at most: each one's ack waits for the whole
+# submission, and a caller refused for capacity waits for the acks of the write-backs it started.
+BACKUPS_PER_SUBMISSION = 8
+
+
 class TransferActor(Actor[TransferMessage]):
     name = "transfer"
 
@@ -85,6 +90,10 @@ class TransferActor(Actor[TransferMessage]):
         self.inflight: dict[int, _InFlight] = {}
         self.issue_order: dict[Direction, deque[int]] = {d: deque() for d in Direction}
         self.running = {d: 0 for d in Direction}
+        self._to_pump: set[Direction] = set()  # directions with copies queued in this burst
+        # an engine that copies several backups as one submission (one hand-off to its copy
+        # thread, one completion): a burst's backups start together, each still acked alone
+        self._coalesce_backups = getattr(engine, "coalesce_backups", False) is True
         self.drain_waiters: list[Reply[None]] = []
         self.bytes_per_slot = bytes_per_slot
         self.counters = {"ops_done": 0, "ops_failed": 0, "bytes_device_to_host": 0, "bytes_host_to_device": 0}
@@ -161,7 +170,7 @@ class TransferActor(Actor[TransferMessage]):
         self.waiting[direction].append(msg)
         self.issue_order[direction].append(msg.plan.op_id)
         self.inflight[msg.plan.op_id] = _InFlight(msg)
-        self._pump(direction)
+        self._to_pump.add(direction)  # at the burst's end, with the rest of the burst's copies
 
     def on_copy_done(self, msg: CopyDone) -> None:
         entry = self.inflight[msg.op_id]
@@ -169,7 +178,7 @@ class TransferActor(Actor[TransferMessage]):
         direction = entry.submit.plan.direction
         self.running[direction] -= 1
         self._flush_acks(direction)
-        self._pump(direction)
+        self._to_pump.add(direction)
         self._maybe_drained()
 
     def on_submit_storage(self, msg: SubmitStorage) -> None:
@@ -319,11 +328,43 @@ class TransferActor(Actor[TransferMessage]):
             **({"inflight_storage_ops": len(self.storage_inflight)} if self.storage is not None else {}),
         }
 
+    def after_burst(self) -> None:
+        if self._to_pump:
+            for direction in (Direction.LOAD, Direction.BACKUP):  # loads first: requests wait on them
+                if direction in self._to_pump:
+                    self._pump(direction)
+            self._to_pump.clear()
+
     # -- helpers -----------------------------------------------------------------
     def _pump(self, direction: Direction) -> None:
         queue = self.waiting[direction]
-        while queue and self.running[direction] < self.limits[direction]:
-            self._start(queue.popleft())
+        limit = self.limits[direction]
+        while queue and self.running[direction] < limit:
+            n = min(len(queue), limit - self.running[direction], BACKUPS_PER_SUBMISSION)
+            if n > 1 and direction is Direction.BACKUP and self._coalesce_backups:
+                self._start_backups([queue.popleft() for _ in range(n)])
+            else:
+                self._start(queue.popleft())
+
+    def _start_backups(self, group: list[SubmitCopy]) -> None:
+        """Backups started together as one engine submission (their pages concatenated under the
+        first op id); each is acked alone, in issue order, all with the submission's outcome."""
+        assert self.bridge is not None
+        ids = tuple(submit.plan.op_id for submit in group)
+        self.running[Direction.BACKUP] += len(group)
+        log.debug("copy_start", op=ids[0], direction=Direction.BACKUP.value, ops=len(ids))
+        try:
+            handle = self.engine.submit(merged_plan(ids[0], [submit.plan for submit in group]))
+        except Exception as exc:  # noqa: BLE001 - an engine that refuses a plan is a failed copy
+            for op_id in ids:
+                self.mailbox.put_internal(CopyDone(op_id, repr(exc)))
+            return
+        done = self.bridge.watch(handle.done)
+        done.add_done_callback(lambda fut, ids=ids: self._on_group_done(ids, fut))
+
+    def _on_group_done(self, ids: tuple[int, ...], fut: asyncio.Future[None]) -> None:
+        for op_id in ids:
+            self._on_done_future(op_id, fut)
 
     def _start(self, submit: SubmitCopy) -> None:
         assert self.bridge is not None

@@ -65,6 +65,10 @@ def check_pool_pairs(pools: Mapping[str, tuple[DevicePool, HostPool]]) -> None:
 class CpuCopyEngine:
     """Copies between CPU-resident device pools and host pools in worker threads."""
 
+    # the transfer actor may hand it a burst's backups as one plan (`merged_plan`): one hand-off
+    # to the worker and one completion instead of one per backup
+    coalesce_backups = True
+
     def __init__(
         self,
         pools: Mapping[str, tuple[DevicePool, HostPool]],

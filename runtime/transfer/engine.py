@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from runtime.errors import LengthError, ValidationError
-from runtime.messages import Direction, TransferPlan
+from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.transfer.row_kernel import RowView, copy_rows
 
 __all__ = [
@@ -100,6 +100,19 @@ class CopyEngine(Protocol):
     def close(self) -> None:
         """Wait for in-flight copies, stop workers; later submits raise `RuntimeClosed`."""
         ...
+
+
+def merged_plan(op_id: int, plans: Sequence[TransferPlan]) -> TransferPlan:
+    """One plan copying every page of `plans` (one direction), per pool in order of appearance:
+    several copies as one engine submission. The index tensors are new (`torch.cat`)."""
+    by_pool: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for plan in plans:
+        for t in plan.transfers:
+            src, dst = by_pool.setdefault(t.pool, ([], []))
+            src.append(t.src)
+            dst.append(t.dst)
+    return TransferPlan(op_id, plans[0].direction,
+                        tuple(PoolTransfer(pool, torch.cat(src), torch.cat(dst)) for pool, (src, dst) in by_pool.items()))
 
 
 # ---------------------------------------------------------------------------------------

@@ -180,13 +180,15 @@ async def idle(turns: int = 30) -> None:
 
 @asynccontextmanager
 async def harness(*, max_inflight_loads: int = 3, max_queued_backups: int = 8, layout: str = "layer_first",
-                  fault: Callable[[int, int], None] | None = None, check_pins: bool = True) -> AsyncIterator[Harness]:
+                  fault: Callable[[int, int], None] | None = None, check_pins: bool = True,
+                  coalesce: bool = False) -> AsyncIterator[Harness]:
     dev = DevicePool(SHAPE, DEV_PAGES * PS, PS)
     host = HostPool(SHAPE, HOST_PAGES * PS, PS, layout, pin_memory=False)
     gen = torch.Generator().manual_seed(3)
     host.buffer.copy_(torch.randn(host.buffer.shape, generator=gen))
     dev.buffer[:, :, : RESIDENT * PS].copy_(torch.randn(dev.buffer[:, :, : RESIDENT * PS].shape, generator=gen))
     engine = FakeCopyEngine({"kv": (dev, host)}, fault=fault)
+    engine.coalesce_backups = coalesce  # as the CPU engine does: a burst's backups in one submission
     transfer = TransferActor(engine, max_inflight_loads=max_inflight_loads, max_queued_backups=max_queued_backups,
                              mailbox_capacity=64, bytes_per_slot=SHAPE.bytes_per_token)
     req = Requester(transfer.mailbox, engine)
@@ -311,6 +313,42 @@ async def test_backups_beyond_the_queue_bound_wait():
         assert h.req.ack_ids(Direction.BACKUP) == [b.op_id for b in backups]
         for b in backups:
             assert torch.equal(h.host.read_slots(b.dst), h.dev.read_slots(b.src))
+
+
+async def test_a_bursts_backups_go_to_the_engine_together_and_are_acked_one_by_one():
+    """With an engine that coalesces backups, the backups queued in one burst are one submission
+    (at most BACKUPS_PER_SUBMISSION); each still gets its own ack, in issue order, and its pages
+    copied. Checked failing with `_on_group_done` acking only the first op of the group."""
+    async with harness(max_queued_backups=8, coalesce=True) as h:
+        backups = await asyncio.gather(*(h.issue(Direction.BACKUP, 1, start=i) for i in range(5)))
+        await until(lambda: len(h.engine.pending()) > 0)
+        await idle()
+        assert len(h.engine.submitted) < 5  # one burst: fewer submissions than backups
+        assert sum(p.num_slots for p in h.engine.submitted) == 5 * PS
+        st = await h.stats()
+        assert (st["inflight_backups"], st["queued_backups"]) == (5, 0)
+        for op in h.engine.pending():
+            h.engine.release(op)
+        await until(lambda: len(h.req.acks) == 5)
+        assert h.req.ack_ids(Direction.BACKUP) == sorted(b.op_id for b in backups)
+        for b in backups:
+            assert torch.equal(h.host.read_slots(b.dst), h.dev.read_slots(b.src))
+        st = await h.stats()
+        assert st["ops_done"] == 5 and st["bytes_device_to_host"] == 5 * PS * SHAPE.bytes_per_token
+
+
+async def test_a_failed_coalesced_submission_fails_each_of_its_backups():
+    async with harness(max_queued_backups=8, coalesce=True) as h:
+        backups = await asyncio.gather(*(h.issue(Direction.BACKUP, 1, start=i) for i in range(4)))
+        await until(lambda: len(h.engine.pending()) > 0)
+        await idle()
+        for op in h.engine.pending():
+            h.engine.fail(op, OSError("host memory gone"))
+        await until(lambda: len(h.req.acks) == 4)
+        assert all(not a.ok and "host memory gone" in a.error for a in h.req.acks)
+        assert sorted(h.req.rolled_back) == sorted(b.op_id for b in backups)
+        assert h.req.backed_up == {} and h.req.total_pins() == 0
+        assert (await h.stats())["ops_failed"] == 4
 
 
 # ---------------------------------------------------------------------------------------
