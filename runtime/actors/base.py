@@ -203,10 +203,10 @@ DEFERRED: Any = _Deferred()
 class Actor(Generic[M]):
     """Base of the three actors: a loop over mailbox bursts dispatching by message type.
 
-    Subclasses fill `handlers` (message type -> bound method) and may override
-    `after_message` (e.g. the tree actor hands on the core's effects and runs the debug invariant
-    checker) and `after_burst` (the transfer actor starts the copies a burst queued). Handlers run to completion one at a time; an async handler is awaited before the
-    next message.
+    Subclasses fill `handlers` (message type -> bound method) and may override `after_message`
+    (the tree actor hands on the core's effects, runs the debug invariant checker) and
+    `after_burst` (the transfer actor starts the copies a burst queued). Handlers run to
+    completion one at a time; an async handler is awaited before the next message.
     """
 
     name = "actor"

@@ -342,55 +342,43 @@ class TransferActor(Actor[TransferMessage]):
         while queue and self.running[direction] < limit:
             n = min(len(queue), limit - self.running[direction], BACKUPS_PER_SUBMISSION)
             if n > 1 and direction is Direction.BACKUP and self._coalesce_backups:
-                self._start_backups([queue.popleft() for _ in range(n)])
+                self._start([queue.popleft() for _ in range(n)])
             else:
-                self._start(queue.popleft())
+                self._start([queue.popleft()])
 
-    def _start_backups(self, group: list[SubmitCopy]) -> None:
-        """Backups started together as one engine submission (their pages concatenated under the
-        first op id); each is acked alone, in issue order, all with the submission's outcome."""
+    def _start(self, group: list[SubmitCopy]) -> None:
+        """Start one copy, or several backups as one engine submission (their pages concatenated
+        under the first op id); each op is acked alone, in issue order, with the submission's
+        outcome. Only a lone copy has a readiness (a load)."""
         assert self.bridge is not None
+        first = group[0]
+        direction = first.plan.direction
         ids = tuple(submit.plan.op_id for submit in group)
-        self.running[Direction.BACKUP] += len(group)
-        log.debug("copy_start", op=ids[0], direction=Direction.BACKUP.value, ops=len(ids))
-        try:
-            handle = self.engine.submit(merged_plan(ids[0], [submit.plan for submit in group]))
-        except Exception as exc:  # noqa: BLE001 - an engine that refuses a plan is a failed copy
-            for op_id in ids:
-                self.mailbox.put_internal(CopyDone(op_id, repr(exc)))
-            return
-        done = self.bridge.watch(handle.done)
-        done.add_done_callback(lambda fut, ids=ids: self._on_group_done(ids, fut))
-
-    def _on_group_done(self, ids: tuple[int, ...], fut: asyncio.Future[None]) -> None:
-        for op_id in ids:
-            self._on_done_future(op_id, fut)
-
-    def _start(self, submit: SubmitCopy) -> None:
-        assert self.bridge is not None
-        plan = submit.plan
-        self.running[plan.direction] += 1
-        log.debug("copy_start", op=plan.op_id, direction=plan.direction.value, slots=plan.num_slots)
+        plan = first.plan if len(group) == 1 else merged_plan(ids[0], [submit.plan for submit in group])
+        self.running[direction] += len(group)
+        log.debug("copy_start", op=ids[0], direction=direction.value, slots=plan.num_slots, ops=len(ids))
         try:
             handle = self.engine.submit(plan)
         except Exception as exc:  # noqa: BLE001 - an engine that refuses a plan is a failed copy
-            self.mailbox.put_internal(CopyDone(plan.op_id, repr(exc)))
-            if submit.readiness is not None:
-                submit.readiness.fail_all(as_transfer_error(exc))
+            for op_id in ids:
+                self.mailbox.put_internal(CopyDone(op_id, repr(exc)))
+            if first.readiness is not None:
+                first.readiness.fail_all(as_transfer_error(exc))
             return
-        if submit.readiness is not None:
-            submit.readiness.bind(self.bridge, handle)
+        if first.readiness is not None:
+            first.readiness.bind(self.bridge, handle)
         done = self.bridge.watch(handle.done)
-        done.add_done_callback(lambda fut, op_id=plan.op_id: self._on_done_future(op_id, fut))
+        done.add_done_callback(lambda fut, ids=ids: self._on_done_future(ids, fut))
 
-    def _on_done_future(self, op_id: int, fut: asyncio.Future[None]) -> None:
+    def _on_done_future(self, ids: tuple[int, ...], fut: asyncio.Future[None]) -> None:
         if fut.cancelled():
             error: str | None = "cancelled"
         else:
             exc = fut.exception()
             error = None if exc is None else repr(exc.__cause__ or exc)
         try:
-            self.mailbox.put_internal(CopyDone(op_id, error))
+            for op_id in ids:
+                self.mailbox.put_internal(CopyDone(op_id, error))
         except Exception:  # noqa: BLE001 - mailbox aborted: the runtime already failed
             pass
 

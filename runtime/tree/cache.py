@@ -214,8 +214,9 @@ class CacheCore:
         if k:
             res = self.residency
             longest = seq[at_page_end]
-            if longest.max() >= self.config.device_slots:
-                rec = table.record_at[int(starting[longest.argmax()])]
+            i = longest.argmax()
+            if longest[i] >= self.config.device_slots:
+                rec = table.record_at[int(starting[i])]
                 raise LengthError(f"request {rec.rid!r} would hold {rec.seq_len + 1} tokens, more than the device "
                                   "pool")
             free = res.device.num_free_pages()
@@ -229,7 +230,7 @@ class CacheCore:
                 for row in starting[codes == 0].tolist():
                     table.codes[row] = res.device.hold(table.record_at[row].owner)
                 codes = table.codes[starting]
-            table.append_page_each(starting, res.alloc_device_held(codes, reason="decode"))
+            table.append_page_each(starting, res.device.alloc_held(codes, reason="decode"))
         out = table.advance(rows, seq)
         if self.offload is not None:
             for rid in rids:

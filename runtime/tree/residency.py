@@ -57,12 +57,6 @@ class Residency:
             raise CapacityError(f"{pages} device pages needed, {self.device.num_free_pages()} free after eviction")
         return self.device.alloc(pages, owner, **ctx)
 
-    def alloc_device_held(self, codes: np.ndarray, **ctx: Any) -> np.ndarray:
-        """One free page for each held owner code (the caller evicted first), in one ledger call."""
-        if len(codes) > self.device.num_free_pages():
-            raise CapacityError(f"{len(codes)} device pages needed, {self.device.num_free_pages()} free after eviction")
-        return self.device.alloc_held(codes, **ctx)
-
     def alloc_host(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray | None:
         """Host pages, evicting host-only copies for them; None when they cannot be had."""
         assert self.host is not None

@@ -318,7 +318,7 @@ async def test_backups_beyond_the_queue_bound_wait():
 async def test_a_bursts_backups_go_to_the_engine_together_and_are_acked_one_by_one():
     """With an engine that coalesces backups, the backups queued in one burst are one submission
     (at most BACKUPS_PER_SUBMISSION); each still gets its own ack, in issue order, and its pages
-    copied. Checked failing with `_on_group_done` acking only the first op of the group."""
+    copied. Checked failing with `_on_done_future` acking only the first op of the group."""
     async with harness(max_queued_backups=8, coalesce=True) as h:
         backups = await asyncio.gather(*(h.issue(Direction.BACKUP, 1, start=i) for i in range(5)))
         await until(lambda: len(h.engine.pending()) > 0)
