@@ -71,6 +71,7 @@ from runtime.validation import (
     check_optional_count,
     check_optional_id,
     step_item,
+    step_tokens,
 )
 from runtime.validation import tokens as _checked_tokens
 
@@ -345,23 +346,23 @@ class CacheRuntime:
         cancelled while awaiting it leaves no admission behind (as for `admit`)."""
         if type(items) is not list and type(items) is not tuple:
             raise ArgumentError(f"step takes a list or tuple of items, got {type(items).__name__}")
-        limit, max_len = self._token_limit, self.config.device_slots
+        toks = step_tokens(self._token_limit, self.config.device_slots)
         try:
-            sent = [step_item(item, limit, max_len) for item in items]
+            sent = [step_item(item, toks) for item in items]
         except ValidationError:
-            return await self._step_with_refusals(items, limit, max_len)
+            return await self._step_with_refusals(items, toks)
         return await self._ask_step(sent)
 
     async def _ask_step(self, items: list[Any]) -> tuple[Any, ...]:
         return await self._sup.ask(self._tree.mailbox, Batch(tuple(items), Reply(on_abandon=self._release_step)))
 
-    async def _step_with_refusals(self, items: Sequence[Any], limit: int, max_len: int) -> tuple[Any, ...]:
+    async def _step_with_refusals(self, items: Sequence[Any], toks: Callable[[Any], np.ndarray]) -> tuple[Any, ...]:
         """`step` with refused items: the others go in one message, the refusals keep their places."""
         out: list[Any] = []
         sent: list[Any] = []
         for item in items:
             try:
-                sent.append(step_item(item, limit, max_len))
+                sent.append(step_item(item, toks))
                 out.append(None)
             except ValidationError as exc:
                 out.append(exc)

@@ -171,22 +171,41 @@ def _out_of_range(arr: np.ndarray, limit: int) -> None:
 # with the message's own token array (every other field as given).
 
 
+def step_tokens(limit: int, max_len: int) -> Callable[[Any], np.ndarray]:
+    """`tokens` for the items of one `step`: an array object given to several of them (a prompt
+    to `Admit`, then to `Cache`) is checked and copied once, and they share the copy. Nothing
+    runs between the items' checks, so the copy holds what a second one would."""
+    seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def check(value: Any) -> np.ndarray:
+        if type(value) is not np.ndarray:
+            return tokens(value, limit, max_len)
+        hit = seen.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        arr = tokens(value, limit, max_len)
+        seen[id(value)] = (value, arr)  # `value` kept: its id is not reused during the step
+        return arr
+
+    return check
+
+
 def _with_reply(item: Any) -> ArgumentError:
     return ArgumentError(f"a step item is built with reply=None (the step has one reply), got {type(item).__name__} "
                          "with a reply")
 
 
 # The plain cases are tested inline (`type(x) in ATOMS`): a step checks several items per request.
-def _admit(m: Admit, limit: int, max_len: int) -> Admit:
+def _admit(m: Admit, toks: Callable[[Any], np.ndarray]) -> Admit:
     if m.reply is not None:
         raise _with_reply(m)
     rid, ns, sid = m.rid, m.extra_key, m.session
-    return Admit(rid if type(rid) in _ID_ATOMS else check_id(rid), tokens(m.tokens, limit, max_len),
+    return Admit(rid if type(rid) in _ID_ATOMS else check_id(rid), toks(m.tokens),
                  ns if type(ns) in _NAMESPACE_ATOMS else check_namespace(ns),
                  None if sid is None else sid if type(sid) in _ID_ATOMS else check_id(sid, "session"))
 
 
-def _extend(m: Extend, limit: int, max_len: int) -> Extend:
+def _extend(m: Extend, toks: Callable[[Any], np.ndarray]) -> Extend:
     if m.reply is not None:
         raise _with_reply(m)
     if type(m.rid) not in _ID_ATOMS:
@@ -196,7 +215,7 @@ def _extend(m: Extend, limit: int, max_len: int) -> Extend:
     return m
 
 
-def _commit(m: Commit, limit: int, max_len: int) -> Commit:
+def _commit(m: Commit, toks: Callable[[Any], np.ndarray]) -> Commit:
     if m.reply is not None:
         raise _with_reply(m)
     if type(m.rid) not in _ID_ATOMS:
@@ -206,22 +225,22 @@ def _commit(m: Commit, limit: int, max_len: int) -> Commit:
     return m
 
 
-def _cache(m: Cache, limit: int, max_len: int) -> Cache:
+def _cache(m: Cache, toks: Callable[[Any], np.ndarray]) -> Cache:
     if m.reply is not None:
         raise _with_reply(m)
     rid = m.rid
-    return Cache(rid if type(rid) in _ID_ATOMS else check_id(rid), tokens(m.tokens, limit, max_len))
+    return Cache(rid if type(rid) in _ID_ATOMS else check_id(rid), toks(m.tokens))
 
 
-def _finish(m: Finish, limit: int, max_len: int) -> Finish:
+def _finish(m: Finish, toks: Callable[[Any], np.ndarray]) -> Finish:
     if m.reply is not None:
         raise _with_reply(m)
     rid, n = m.rid, m.finished_len
-    return Finish(rid if type(rid) in _ID_ATOMS else check_id(rid), tokens(m.tokens, limit, max_len),
+    return Finish(rid if type(rid) in _ID_ATOMS else check_id(rid), toks(m.tokens),
                   n if n is None or type(n) is int else check_count(n, "finished_len"))
 
 
-def _abort(m: Abort, limit: int, max_len: int) -> Abort:
+def _abort(m: Abort, toks: Callable[[Any], np.ndarray]) -> Abort:
     if m.reply is not None:
         raise _with_reply(m)
     if type(m.rid) not in _ID_ATOMS:
@@ -229,14 +248,15 @@ def _abort(m: Abort, limit: int, max_len: int) -> Abort:
     return m
 
 
-STEP_ITEMS: dict[type, Callable[[Any, int, int], Any]] = {
+STEP_ITEMS: dict[type, Callable[[Any, Callable[[Any], np.ndarray]], Any]] = {
     Admit: _admit, Extend: _extend, Commit: _commit, Cache: _cache, Finish: _finish, Abort: _abort,
 }
 
 
-def step_item(item: Any, limit: int, max_len: int) -> Any:
-    """The item to send for one `step` item, or a `ValidationError` raised."""
+def step_item(item: Any, toks: Callable[[Any], np.ndarray]) -> Any:
+    """The item to send for one `step` item (its token arrays checked by `toks`, from
+    `step_tokens`), or a `ValidationError` raised."""
     check = STEP_ITEMS.get(type(item))
     if check is None:
         raise ArgumentError(f"a step item is one of {', '.join(t.__name__ for t in STEP_ITEMS)}, got {_describe(item)}")
-    return check(item, limit, max_len)
+    return check(item, toks)

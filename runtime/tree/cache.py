@@ -157,7 +157,8 @@ class CacheCore:
                     copies.backup(node)
         # a lookup that landed while this admit waited marked it prepared
         from_storage = self.storage.admitted(rid, host_len) if self.storage is not None else 0
-        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)].copy()), m.device_len, host_len,
+        # `slots` is this call's own array (the table copied it into its row)
+        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)]), m.device_len, host_len,
                            tuple(readiness), from_storage)
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
@@ -672,7 +673,8 @@ class CacheCore:
         if len(arr) > rec.seq_len:
             raise LengthError(f"{len(arr)} tokens given but request {rec.rid!r} has KV slots for {rec.seq_len}")
         keep = min(len(arr), len(rec.tokens))
-        if keep and arr[:keep].tobytes() != rec.tokens[:keep].tobytes():
+        # (a `step`'s Cache shares its Admit's checked prompt array: nothing to compare)
+        if keep and arr is not rec.tokens and arr[:keep].tobytes() != rec.tokens[:keep].tobytes():
             raise StateError(f"tokens of {rec.rid!r} do not extend the tokens it was admitted or cached with")
         return arr
 

@@ -271,6 +271,21 @@ async def test_a_token_array_reused_by_the_caller_changes_nothing_cached(batched
         await quiescent_check(rt)
 
 
+def test_step_checks_an_array_given_to_several_items_once():
+    """A prompt given to `Admit` and then `Cache` in one step is checked and copied once and the
+    two sent items share the copy (a step's hot path); an equal but distinct array, or the same
+    array in the next step, gets its own copy. Fails with `step_tokens` copying every time."""
+    from runtime.validation import step_item, step_tokens
+
+    prompt, twin = np.arange(64, dtype=np.int32), np.arange(64, dtype=np.int32)
+    toks = step_tokens(1 << 31, 128)
+    admit, cache, other = (step_item(m, toks) for m in (Admit("a", prompt), Cache("a", prompt), Cache("b", twin)))
+    assert admit.tokens is cache.tokens and admit.tokens is not prompt
+    assert other.tokens is not admit.tokens and np.array_equal(other.tokens, twin)
+    again = step_item(Cache("a", prompt), step_tokens(1 << 31, 128))
+    assert again.tokens is not admit.tokens and np.array_equal(again.tokens, prompt)
+
+
 def test_step_rebuilds_token_items_keeping_every_other_field():
     """`step` checks each item and rebuilds the token-carrying ones by hand
     (`runtime.validation.STEP_ITEMS`, the batch hot path): every field but `tokens` must come over
@@ -279,14 +294,14 @@ def test_step_rebuilds_token_items_keeping_every_other_field():
     import dataclasses
 
     from runtime.messages import Abort, Commit
-    from runtime.validation import STEP_ITEMS
+    from runtime.validation import STEP_ITEMS, step_tokens
 
     valid = {"rid": ("r", 7), "tokens": np.arange(5, dtype=np.int32), "extra_key": ("tenant", 3),
              "session": "s1", "num_tokens": 2, "committed_len": 4, "finished_len": 1, "reply": None}
     assert set(STEP_ITEMS) == {Admit, Extend, Commit, Cache, Finish, Abort}
     for cls, check in STEP_ITEMS.items():
         values = {f.name: valid[f.name] for f in dataclasses.fields(cls)}
-        new = check(cls(**values), 1 << 31, 64)
+        new = check(cls(**values), step_tokens(1 << 31, 64))
         assert type(new) is cls
         for name, value in values.items():
             if name == "tokens":
