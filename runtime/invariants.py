@@ -18,9 +18,10 @@ from runtime.memory.owners import Owner
 from runtime.messages import Direction
 
 if TYPE_CHECKING:
-    from runtime.memory.ledger import LedgerSnapshot
+    from runtime.memory.ledger import LedgerSnapshot, SlotLedger
     from runtime.tree.cache import CacheCore
-    from runtime.tree.radix import Node
+    from runtime.tree.radix import Node, RadixTree
+    from runtime.tree.tiers_only import TiersOnlyCore
 
 
 def _fail(msg: str) -> None:
@@ -36,7 +37,7 @@ def _pages(slots: np.ndarray, page_size: int) -> list[int]:
     return (pages[:, 0] // page_size).tolist()
 
 
-def _all_nodes(core: "CacheCore") -> list["Node"]:
+def _all_nodes(core: "CacheCore | TiersOnlyCore") -> list["Node"]:
     out: list[Node] = []
     stack = list(core.residency.tree.roots())
     while stack:
@@ -197,51 +198,16 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             _fail(f"prefetch of {rid!r} has no storage read in flight")
 
     for tier, ledger in (("device", core.residency.device), ("host", core.residency.host)):
-        if ledger is None:
-            continue
-        snap: LedgerSnapshot = ledger.snapshot()
-        table = expected[tier]
-        owned_pages = set(np.flatnonzero(snap.page_codes).tolist())
-        free = snap.free_pages.tolist()
-        if len(set(free)) != len(free):
-            _fail(f"{tier} free list has duplicates")
-        if set(free) & owned_pages:
-            _fail(f"{tier} pages both free and owned: {sorted(set(free) & owned_pages)[:8]}")
-        if len(free) + len(owned_pages) != snap.num_pages:
-            _fail(f"{tier}: free ({len(free)}) + owned ({len(owned_pages)}) != all ({snap.num_pages}) pages")
-        for page, owner in table.items():
-            actual = snap.owner_of_page(page)
-            if actual != owner:
-                _fail(f"{tier} page {page} should be owned by {owner}, ledger says {actual}")
-        leaked = owned_pages - set(table)
-        if leaked:
-            _fail(f"{tier} pages owned in the ledger but held by nothing: {sorted(leaked)[:8]} "
-                  f"(owners {[str(snap.owner_of_page(p)) for p in sorted(leaked)[:4]]})")
-        # 3: pins equal the in-flight copies referencing the page
-        nonzero = {int(p): int(snap.pins[p]) for p in np.flatnonzero(snap.pins)}
-        if nonzero != dict(pins[tier]):
-            _fail(f"{tier} pins {dict(list(nonzero.items())[:6])} != in-flight copies {dict(list(pins[tier].items())[:6])}")
-        for page in nonzero:
-            if page not in owned_pages:
-                _fail(f"{tier} page {page} pinned but free")
+        if ledger is not None:
+            _check_ledger(tier, ledger, expected[tier], pins[tier])
 
     # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
-    locks: Counter[int] = Counter()
     holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in copy_ops.values()]
     if core.offload is not None:  # decode offload: retired requests
         holders += [z.rec.last_node for z in core.offload.retired.values()]
     prefetches = [sop.prefetch for sop in storage_ops.values() if sop.prefetch is not None]
     holders += [pf.anchor_lock for pf in prefetches]  # storage prefetch: the prefix it will hang under
-    for holder in holders:
-        node = holder
-        while node is not None and node not in roots:
-            locks[node.id] += 1
-            node = node.parent
-    for node in nodes:
-        if node.lock_ref < 0:
-            _fail(f"node {node.id} has a negative lock count")
-        if node.lock_ref != locks.get(node.id, 0):
-            _fail(f"node {node.id} lock_ref {node.lock_ref} != holders {locks.get(node.id, 0)}")
+    _check_locks(nodes, holders, roots)
 
     # host protection counts from who holds them: storage writes (the chain they write) and
     # prefetch anchors (their host-only part), each over the length recorded when taken
@@ -265,17 +231,10 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         n for n in nodes
         if n.device is not None and n.lock_ref == 0 and not any(c.device is not None for c in n.children.values())
     }
-    host_leaves = {
-        n for n in nodes
-        if n.device is None and n.host is not None and n.host_protect == 0 and n.lock_ref == 0
-        and not any(c.host is not None for c in n.children.values())
-    }
     if set(tree.device_leaves) != device_leaves:
         _fail(f"evictable device leaves differ from their definition: tree {sorted(n.id for n in tree.device_leaves)} "
               f"vs {sorted(n.id for n in device_leaves)}")
-    if set(tree.host_leaves) != host_leaves:
-        _fail(f"evictable host leaves differ from their definition: tree {sorted(n.id for n in tree.host_leaves)} "
-              f"vs {sorted(n.id for n in host_leaves)}")
+    _check_host_leaves(tree, nodes)
 
     # 7: at quiescence nothing is in flight and only tree nodes own slots
     if quiescent:
@@ -288,6 +247,111 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         for tier in ("device", "host"):
             if pins[tier]:
                 _fail(f"{tier} pins left at quiescence")
+
+
+# -- shared by both cores -------------------------------------------------------------------
+
+
+def _check_ledger(tier: str, ledger: "SlotLedger", table: dict[int, Owner], pins: Counter[int]) -> None:
+    """The ledger agrees with what the structures hold: every page owned by whom they say, none
+    leaked, free and owned apart, pins equal to the in-flight copies touching each page (3)."""
+    snap: LedgerSnapshot = ledger.snapshot()
+    owned_pages = set(np.flatnonzero(snap.page_codes).tolist())
+    free = snap.free_pages.tolist()
+    if len(set(free)) != len(free):
+        _fail(f"{tier} free list has duplicates")
+    if set(free) & owned_pages:
+        _fail(f"{tier} pages both free and owned: {sorted(set(free) & owned_pages)[:8]}")
+    if len(free) + len(owned_pages) != snap.num_pages:
+        _fail(f"{tier}: free ({len(free)}) + owned ({len(owned_pages)}) != all ({snap.num_pages}) pages")
+    for page, owner in table.items():
+        actual = snap.owner_of_page(page)
+        if actual != owner:
+            _fail(f"{tier} page {page} should be owned by {owner}, ledger says {actual}")
+    leaked = owned_pages - set(table)
+    if leaked:
+        _fail(f"{tier} pages owned in the ledger but held by nothing: {sorted(leaked)[:8]} "
+              f"(owners {[str(snap.owner_of_page(p)) for p in sorted(leaked)[:4]]})")
+    nonzero = {int(p): int(snap.pins[p]) for p in np.flatnonzero(snap.pins)}
+    if nonzero != dict(pins):
+        _fail(f"{tier} pins {dict(list(nonzero.items())[:6])} != in-flight copies {dict(list(pins.items())[:6])}")
+    for page in nonzero:
+        if page not in owned_pages:
+            _fail(f"{tier} page {page} pinned but free")
+
+
+def _check_locks(nodes: list["Node"], holders: list["Node | None"], roots: set) -> None:
+    """4: every node's lock count equals the holders whose locked path runs through it."""
+    locks: Counter[int] = Counter()
+    for holder in holders:
+        node = holder
+        while node is not None and node not in roots:
+            locks[node.id] += 1
+            node = node.parent
+    for node in nodes:
+        if node.lock_ref < 0:
+            _fail(f"node {node.id} has a negative lock count")
+        if node.lock_ref != locks.get(node.id, 0):
+            _fail(f"node {node.id} lock_ref {node.lock_ref} != holders {locks.get(node.id, 0)}")
+
+
+def _check_host_leaves(tree: "RadixTree", nodes: list["Node"]) -> None:
+    """5 (host): the evictable host leaves equal their definition."""
+    host_leaves = {
+        n for n in nodes
+        if n.device is None and n.host is not None and n.host_protect == 0 and n.lock_ref == 0
+        and not any(c.host is not None for c in n.children.values())
+    }
+    if set(tree.host_leaves) != host_leaves:
+        _fail(f"evictable host leaves differ from their definition: tree {sorted(n.id for n in tree.host_leaves)} "
+              f"vs {sorted(n.id for n in host_leaves)}")
+
+
+# -- tiers-only mode ----------------------------------------------------------------------------
+
+
+def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
+    """Invariants 1-5 (and 7 when `quiescent`) of the tiers-only core: every tree node holds a
+    host copy (no device copy: the engine's blocks are not the tree's) owned by the node, a
+    backup's pages are its own until its ack, pins and locks equal the copies in flight."""
+    ps = core.page_size
+    tree = core.residency.tree
+    roots = set(tree.roots())
+    nodes = [n for n in _all_nodes(core) if n not in roots]
+    table: dict[int, Owner] = {}
+    pins: Counter[int] = Counter()
+
+    def claim(slots: np.ndarray, owner: Owner, what: str) -> None:
+        for page in _pages(slots, ps):
+            if page in table and table[page] != owner:
+                _fail(f"host page {page} claimed by {table[page]} and by {owner} ({what})")
+            table[page] = owner
+
+    for node in nodes:
+        if node.device is not None:
+            _fail(f"node {node.id} holds device slots in tiers-only mode")
+        if node.host is None or len(node.host) != len(node.key) // 4:
+            _fail(f"node {node.id} holds no host copy of its tokens")
+        claim(node.host, Owner.node(node.id), f"node {node.id}")
+    for op in core.copies.values():
+        if op.direction is Direction.BACKUP:
+            claim(op.host, op.owner, f"backup {op.op_id} destination")
+        for page in _pages(op.host, ps):
+            pins[page] += 1
+        rec = core.requests.get(op.rid)
+        if rec is None or op.op_id not in rec.copies:
+            _fail(f"copy {op.op_id} is not filed under its request {op.rid!r}")
+    for rec in core.requests.values():
+        if not rec.copies and rec.finished:
+            _fail(f"finished request {rec.rid!r} is kept with no copy in flight")
+        if rec.copies - set(core.copies):
+            _fail(f"request {rec.rid!r} names copies that are not in flight")
+    assert core.residency.host is not None
+    _check_ledger("host", core.residency.host, table, pins)
+    _check_locks(nodes, [op.node for op in core.copies.values()], roots)
+    _check_host_leaves(tree, nodes)
+    if quiescent and (core.copies or core.requests):
+        _fail(f"{len(core.copies)} copies and {len(core.requests)} requests left at quiescence")
 
 
 # -- decode offload ---------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class CacheCore:
                  readiness_factory: ReadinessFactory = ManualReadiness) -> None:
         self.config = config
         self.page_size = config.page_size
-        self.residency = Residency(config, tracer)
+        self.residency = Residency.from_config(config, tracer)
         self.residency.tree.on_split = self._on_split
         op_ids = itertools.count(1)  # one id space: ledger pins are keyed by op id
         self.copies = CopyTracker(self.residency, op_ids, config.num_layers, readiness_factory)

@@ -37,16 +37,22 @@ def node_owner(node: Node) -> Owner:
 
 class Residency:
     # -- state -------------------------------------------------------------------
-    def __init__(self, config: RuntimeConfig, tracer: SlotTracer | None = None) -> None:
-        self.page_size = config.page_size
-        self.write_back = config.host_slots > 0 and config.write_policy == "write_back"
+    def __init__(self, page_size: int, device_slots: int, host_slots: int, *, eviction_policy: str = "lru",
+                 write_back: bool = False, tracer: SlotTracer | None = None) -> None:
+        """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
+        device memory): a tree of host copies over the host ledger."""
+        self.page_size = page_size
+        self.write_back = host_slots > 0 and write_back
         self.tracer = tracer
-        self.tree = RadixTree(config.page_size, policy_by_name(config.eviction_policy))
-        self.device = SlotLedger(config.device_slots, config.page_size, Tier.DEVICE, tracer)
-        self.host: SlotLedger | None = (
-            SlotLedger(config.host_slots, config.page_size, Tier.HOST, tracer) if config.host_slots > 0 else None
-        )
+        self.tree = RadixTree(page_size, policy_by_name(eviction_policy))
+        self.device = SlotLedger(device_slots, page_size, Tier.DEVICE, tracer)
+        self.host: SlotLedger | None = SlotLedger(host_slots, page_size, Tier.HOST, tracer) if host_slots > 0 else None
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
+
+    @classmethod
+    def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None) -> "Residency":
+        return cls(config.page_size, config.device_slots, config.host_slots, eviction_policy=config.eviction_policy,
+                   write_back=config.write_policy == "write_back", tracer=tracer)
 
     # -- allocation --------------------------------------------------------------
     def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:

@@ -44,7 +44,7 @@ def cached(res: Residency, prompt: np.ndarray, rid: str = "r"):
 
 
 def test_residency_insert_hands_pages_to_the_node_and_delete_frees_them():
-    res = Residency(config())
+    res = Residency.from_config(config())
     node = cached(res, toks(16, 0))
     assert res.device.owned_slots(Owner.node(node.id)).tolist() == sorted(node.device.tolist())
     assert res.device.num_free_pages() == 16 - 4
@@ -53,7 +53,7 @@ def test_residency_insert_hands_pages_to_the_node_and_delete_frees_them():
 
 
 def test_residency_write_back_eviction_returns_the_nodes_instead_of_copying():
-    res = Residency(config(write_policy="write_back"))
+    res = Residency.from_config(config(write_policy="write_back"))
     node = cached(res, toks(16, 0))
     free = res.device.num_free_pages()
     assert res.evict_device(4) == [node]  # needs a backup first: nothing freed, nothing issued
@@ -62,7 +62,7 @@ def test_residency_write_back_eviction_returns_the_nodes_instead_of_copying():
 
 
 def test_residency_eviction_without_host_deletes_and_room_for_agrees():
-    res = Residency(config(host_tokens=0))
+    res = Residency.from_config(config(host_tokens=0))
     cached(res, toks(16, 0))
     free = res.device.num_free_pages()
     assert res.room_for(free + 4)
@@ -71,7 +71,7 @@ def test_residency_eviction_without_host_deletes_and_room_for_agrees():
 
 
 def test_copy_tracker_backup_pins_then_its_ack_hands_host_pages_to_the_node():
-    res = Residency(config())
+    res = Residency.from_config(config())
     copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
     node = cached(res, toks(16, 0))
     assert copies.backup(node)
@@ -88,7 +88,7 @@ def test_copy_tracker_backup_pins_then_its_ack_hands_host_pages_to_the_node():
 
 
 def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
-    res = Residency(config())
+    res = Residency.from_config(config())
     copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
     node = cached(res, toks(16, 0))
     copies.backup(node)
@@ -107,7 +107,7 @@ def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
 
 
 def test_decode_offload_keeps_device_slots_until_release_after_the_last_ack():
-    res = Residency(config(decode_offload=True))
+    res = Residency.from_config(config(decode_offload=True))
     offload = DecodeOffload(res, itertools.count(1))
     owner = Owner.request("a", 1)
     prompt = toks(8, 0)
@@ -136,7 +136,7 @@ def test_decode_offload_keeps_device_slots_until_release_after_the_last_ack():
 
 def test_storage_tier_lookup_that_finds_nothing_ends_the_prefetch():
     cfg = config()
-    res = Residency(cfg)
+    res = Residency.from_config(cfg)
     storage = StorageTier(cfg, res, itertools.count(1))
     assert storage.prepare("p", toks(33, 0), None) == 32
     (op_id, write, keys, pages), = storage.take_requests()
