@@ -1,0 +1,113 @@
+"""PagedKVCopier: whole-page copies between an engine's paged KV tensors and a host pool.
+
+Tiers-only mode: the engine (vLLM) owns the device KV, one tensor per attention layer, and
+registers them with the connector's worker side; the runtime owns the host tier. A page here is
+one engine block. The copier reads the layout it is given, per layer, and refuses any other:
+
+- ``kv_first``: ``(2, num_blocks, block_size, heads, head_dim)`` (K = 0, V = 1), vLLM's
+  flash-attention layout;
+- ``block_first``: ``(num_blocks, 2, block_size, heads, head_dim)``.
+
+The host pool is one tensor ``[pages, layers, 2, block_size, heads, head_dim]``: a page is
+contiguous across layers (the storage page format, `HostPool`'s ``page_first``). Plans are the
+tiers-only core's `TransferPlan`s: token slots ``block * block_size + offset`` on the device
+side, ``page * block_size + offset`` on the host side, whole pages in order. A plan's slots are
+checked against both pools before anything is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from runtime.errors import ConfigError, TransferError
+from runtime.messages import Direction, TransferPlan
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """The geometry every registered layer shares."""
+
+    kv_first: bool
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor, block_size: int, kv_first: bool | None = None) -> "PagedLayout":
+        """`kv_first` None: read from the shape (``kv_first`` when its first dimension is 2)."""
+        if kv_first is None:
+            kv_first = t.dim() == 5 and t.shape[0] == 2
+        if t.dim() != 5 or t.shape[0 if kv_first else 1] != 2:
+            raise ConfigError(f"a paged KV layer must be (2, blocks, block_size, heads, dim) or "
+                              f"(blocks, 2, block_size, heads, dim), got {tuple(t.shape)}")
+        blocks = t.shape[1] if kv_first else t.shape[0]
+        if t.shape[2] != block_size:
+            raise ConfigError(f"a paged KV layer's block size is {t.shape[2]}, the runtime's page size {block_size}")
+        if not t.is_contiguous():
+            raise ConfigError("a paged KV layer must be contiguous")
+        return PagedLayout(kv_first, int(blocks), block_size, int(t.shape[3]), int(t.shape[4]), t.dtype)
+
+
+class PagedKVCopier:
+    """Copies plans' whole pages between the registered layers and the host pool it owns."""
+
+    def __init__(self, layers: Mapping[str, torch.Tensor], block_size: int, host_pages: int, *,
+                 kv_first: bool | None = None) -> None:
+        if not layers:
+            raise ConfigError("no KV layers registered")
+        self.names = list(layers)
+        self.layers = [layers[n] for n in self.names]
+        self.layout = PagedLayout.of(self.layers[0], block_size, kv_first)
+        for name, t in zip(self.names, self.layers):
+            if PagedLayout.of(t, block_size, self.layout.kv_first) != self.layout or t.device != self.layers[0].device:
+                raise ConfigError(f"KV layer {name!r} differs from {self.names[0]!r} in shape, dtype or device")
+        lay = self.layout
+        pin = self.layers[0].device.type == "cuda"
+        self.host = torch.zeros((host_pages, len(self.layers), 2, block_size, lay.num_heads, lay.head_dim),
+                                dtype=lay.dtype, pin_memory=pin)
+        self.index = {name: i for i, name in enumerate(self.names)}
+
+    @property
+    def host_pages(self) -> int:
+        return self.host.shape[0]
+
+    def pages(self, plan: TransferPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device blocks, host pages) of a plan, checked: whole pages, inside both pools."""
+        bs = self.layout.block_size
+        (transfer,) = plan.transfers
+        device, host = (transfer.src, transfer.dst) if plan.direction is Direction.BACKUP else (transfer.dst, transfer.src)
+        if device.numel() != host.numel() or device.numel() % bs:
+            raise TransferError(f"copy {plan.op_id}: {device.numel()} device and {host.numel()} host slots are not "
+                                "the same whole pages")
+        blocks, pages = device[::bs] // bs, host[::bs] // bs
+        offsets = torch.arange(bs)
+        if not (torch.equal((blocks[:, None] * bs + offsets).reshape(-1), device)
+                and torch.equal((pages[:, None] * bs + offsets).reshape(-1), host)):
+            raise TransferError(f"copy {plan.op_id}: slots are not whole, aligned pages")
+        if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) >= self.layout.num_blocks
+                            or int(pages.min()) < 0 or int(pages.max()) >= self.host_pages):
+            raise TransferError(f"copy {plan.op_id}: a page lies outside the engine's blocks or the host pool")
+        return blocks, pages
+
+    def copy_layer(self, plan: TransferPlan, layer: int, blocks: torch.Tensor, pages: torch.Tensor) -> None:
+        """One layer of one plan (the caller checked its pages with `pages`)."""
+        kv = self.layers[layer]
+        if plan.direction is Direction.BACKUP:
+            part = kv[:, blocks].transpose(0, 1) if self.layout.kv_first else kv[blocks]
+            self.host[pages, layer] = part.to(self.host.device, non_blocking=True)
+        else:
+            part = self.host[pages, layer].to(kv.device, non_blocking=True)
+            if self.layout.kv_first:
+                kv[:, blocks] = part.transpose(0, 1)
+            else:
+                kv[blocks] = part
+
+    def run(self, plan: TransferPlan) -> None:
+        blocks, pages = self.pages(plan)
+        for layer in range(len(self.layers)):
+            self.copy_layer(plan, layer, blocks, pages)
