@@ -2,17 +2,19 @@
 
 Tiers-only mode: the engine (vLLM) owns the device KV, one tensor per attention layer, and
 registers them with the connector's worker side; the runtime owns the host tier. A page here is
-one engine block. The copier reads the layout it is given, per layer, and refuses any other:
+one engine block. The copier reads the layout it is given and copies a block's logical contents,
+whatever its memory order:
 
-- ``kv_first``: ``(2, num_blocks, block_size, heads, head_dim)`` (K = 0, V = 1), vLLM's
-  flash-attention layout;
-- ``block_first``: ``(num_blocks, 2, block_size, heads, head_dim)``.
+- ``block_first`` (vLLM 0.33): ``(num_blocks, ...)``, e.g. ``(num_blocks, kv_heads, block_size,
+  head_dim_k + head_dim_v)`` whose strides follow the engine's `KVCacheLayout`;
+- ``kv_first`` (older vLLM, flash-attention): ``(2, num_blocks, block_size, heads, head_dim)``.
 
-The host pool is one tensor ``[pages, layers, 2, block_size, heads, head_dim]``: a page is
-contiguous across layers (the storage page format, `HostPool`'s ``page_first``). Plans are the
-tiers-only core's `TransferPlan`s: token slots ``block * block_size + offset`` on the device
-side, ``page * block_size + offset`` on the host side, whole pages in order. A plan's slots are
-checked against both pools before anything is copied.
+The host pool is one tensor ``[pages, layers, *block]`` (``block`` = one block's logical shape,
+K and V first for ``kv_first``): a page is contiguous across layers, and the same logical
+contents whichever memory layout the engine chose, so pages move between engines that differ in
+it. Plans are the tiers-only core's `TransferPlan`s: token slots ``block * block_size + offset``
+on the device side, ``page * block_size + offset`` on the host side, whole pages in order. A
+plan's slots are checked against both pools before anything is copied.
 """
 
 from __future__ import annotations
@@ -32,25 +34,20 @@ class PagedLayout:
 
     kv_first: bool
     num_blocks: int
-    block_size: int
-    num_heads: int
-    head_dim: int
+    block: tuple[int, ...]  # one block's logical shape, as the host pool stores it
     dtype: torch.dtype
 
     @staticmethod
-    def of(t: torch.Tensor, block_size: int, kv_first: bool | None = None) -> "PagedLayout":
-        """`kv_first` None: read from the shape (``kv_first`` when its first dimension is 2)."""
+    def of(t: torch.Tensor, kv_first: bool | None = None) -> "PagedLayout":
+        """`kv_first` None: read from the shape (a 5-D tensor whose first dimension is 2)."""
         if kv_first is None:
             kv_first = t.dim() == 5 and t.shape[0] == 2
-        if t.dim() != 5 or t.shape[0 if kv_first else 1] != 2:
-            raise ConfigError(f"a paged KV layer must be (2, blocks, block_size, heads, dim) or "
-                              f"(blocks, 2, block_size, heads, dim), got {tuple(t.shape)}")
-        blocks = t.shape[1] if kv_first else t.shape[0]
-        if t.shape[2] != block_size:
-            raise ConfigError(f"a paged KV layer's block size is {t.shape[2]}, the runtime's page size {block_size}")
-        if not t.is_contiguous():
-            raise ConfigError("a paged KV layer must be contiguous")
-        return PagedLayout(kv_first, int(blocks), block_size, int(t.shape[3]), int(t.shape[4]), t.dtype)
+        if t.dim() < 2 or (kv_first and (t.dim() != 5 or t.shape[0] != 2)):
+            raise ConfigError(f"a paged KV layer is (blocks, ...) or (2, blocks, block_size, heads, dim), "
+                              f"got {tuple(t.shape)}")
+        if kv_first:
+            return PagedLayout(True, int(t.shape[1]), (2, *t.shape[2:]), t.dtype)
+        return PagedLayout(False, int(t.shape[0]), tuple(t.shape[1:]), t.dtype)
 
 
 class PagedKVCopier:
@@ -60,17 +57,16 @@ class PagedKVCopier:
                  kv_first: bool | None = None) -> None:
         if not layers:
             raise ConfigError("no KV layers registered")
+        self.block_size = block_size
         self.names = list(layers)
         self.layers = [layers[n] for n in self.names]
-        self.layout = PagedLayout.of(self.layers[0], block_size, kv_first)
+        self.layout = PagedLayout.of(self.layers[0], kv_first)
         for name, t in zip(self.names, self.layers):
-            if PagedLayout.of(t, block_size, self.layout.kv_first) != self.layout or t.device != self.layers[0].device:
+            if PagedLayout.of(t, self.layout.kv_first) != self.layout or t.device != self.layers[0].device:
                 raise ConfigError(f"KV layer {name!r} differs from {self.names[0]!r} in shape, dtype or device")
-        lay = self.layout
         pin = self.layers[0].device.type == "cuda"
-        self.host = torch.zeros((host_pages, len(self.layers), 2, block_size, lay.num_heads, lay.head_dim),
-                                dtype=lay.dtype, pin_memory=pin)
-        self.index = {name: i for i, name in enumerate(self.names)}
+        self.host = torch.zeros((host_pages, len(self.layers), *self.layout.block), dtype=self.layout.dtype,
+                                pin_memory=pin)
 
     @property
     def host_pages(self) -> int:
@@ -78,7 +74,7 @@ class PagedKVCopier:
 
     def pages(self, plan: TransferPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """(device blocks, host pages) of a plan, checked: whole pages, inside both pools."""
-        bs = self.layout.block_size
+        bs = self.block_size
         (transfer,) = plan.transfers
         device, host = (transfer.src, transfer.dst) if plan.direction is Direction.BACKUP else (transfer.dst, transfer.src)
         if device.numel() != host.numel() or device.numel() % bs:

@@ -75,6 +75,7 @@ class TiersOnlyCore:
         self.page_size = page_size
         self.num_device_blocks = num_device_blocks
         self.residency = Residency(page_size, 0, host_slots, eviction_policy=eviction_policy, tracer=tracer)
+        self.residency.tree.on_split = self.residency.on_split  # a split hands the upper part's pages over
         self.requests: dict[Hashable, TierRequest] = {}
         self.copies: dict[int, TierCopy] = {}
         self._op_ids = itertools.count(1)

@@ -13,9 +13,14 @@ BS, BLOCKS, HEADS, DIM, LAYERS = 4, 8, 2, 3, 3
 
 
 def paged(kv_first: bool, fill: bool) -> dict[str, torch.Tensor]:
-    shape = (2, BLOCKS, BS, HEADS, DIM) if kv_first else (BLOCKS, 2, BS, HEADS, DIM)
+    """Old layout (2, blocks, block_size, heads, dim), or vLLM 0.33's (blocks, heads, block_size,
+    K|V) as a strided view of a block-token-head buffer (its `LBNHC` memory order)."""
     gen = torch.Generator().manual_seed(0)
-    return {f"layer.{i}": torch.randn(shape, generator=gen) if fill else torch.zeros(shape) for i in range(LAYERS)}
+    out = {}
+    for i in range(LAYERS):
+        raw = torch.randn((BLOCKS, BS, HEADS, 2 * DIM), generator=gen) if fill else torch.zeros(BLOCKS, BS, HEADS, 2 * DIM)
+        out[f"layer.{i}"] = raw.view(2, BLOCKS, BS, HEADS, DIM) if kv_first else raw.transpose(1, 2)
+    return out
 
 
 def slots(pages: list[int]) -> torch.Tensor:
@@ -65,10 +70,10 @@ def test_a_bad_plan_is_refused_before_anything_is_copied(bad):
 def test_layers_must_share_one_layout_with_the_runtimes_page_size():
     with pytest.raises(ConfigError):
         PagedKVCopier({}, BS, 4)
-    with pytest.raises(ConfigError):
-        PagedKVCopier(paged(True, False), BS * 2, 4)
     mixed = {**paged(True, False), "odd": torch.zeros(2, BLOCKS + 1, BS, HEADS, DIM)}
     with pytest.raises(ConfigError):
         PagedKVCopier(mixed, BS, 4)
     with pytest.raises(ConfigError):
-        PagedKVCopier({"x": torch.zeros(3, BLOCKS, BS, HEADS, DIM)}, BS, 4)
+        PagedKVCopier({"x": torch.zeros(3, BLOCKS, BS, HEADS, DIM)}, BS, 4, kv_first=True)
+    with pytest.raises(ConfigError):
+        PagedKVCopier({"x": torch.zeros(BLOCKS)}, BS, 4)

@@ -85,6 +85,25 @@ def test_a_backup_copies_only_the_pages_the_tier_lacks_and_namespaces_stay_apart
     check_tiers_only(c, quiescent=True)
 
 
+def test_a_prefix_that_diverges_inside_a_cached_node_splits_it_and_each_half_owns_its_pages():
+    """Found driving vLLM's scheduler: without the split hand-over the upper half's host pages
+    stayed with the lower node (the checker says so)."""
+    c = core()
+    backed_up(c, "a", toks(16), [0, 1, 2, 3])
+    other = np.concatenate((toks(8), toks(8, base=900)))
+    load, got = c.load("b", np.concatenate((other, [1])), None, 0, 8, [4, 5, 6])
+    step(c)
+    assert got == 8
+    plan = c.backup("b", other, None, 16, [4, 5, 6, 7])
+    step(c)
+    assert plan.transfers[0].src.tolist() == list(range(24, 32))  # only the diverging half
+    for op in (load.op_id, plan.op_id):
+        step(c, c.apply_ack(op, None))
+    assert c.lookup(np.concatenate((other, [1])), None, 0) == 16 and c.lookup(toks(17), None, 0) == 16
+    step(c, c.finish("b"))
+    check_tiers_only(c, quiescent=True)
+
+
 def test_a_failed_backup_frees_its_host_pages_and_caches_nothing():
     c = core()
     plan = c.backup("a", toks(8), None, 8, [0, 1])

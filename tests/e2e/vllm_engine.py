@@ -1,0 +1,197 @@
+"""vLLM's real scheduler on CPU with the connector's scheduler and worker sides in one process.
+
+`FakeEngine` stands in for vLLM's engine core and model runner (as vLLM's own connector unit
+tests do): `schedule()`, then the worker connector's per-step calls around a fake forward, then
+`update_from_output`. The fake forward writes a fingerprint of each computed token's prefix
+into its KV slot in every layer, and samples the next token from a sum over *all* the KV it
+reads: wrong KV anywhere in a request's context changes its output. A tiny `LlamaConfig` saved
+to a temp dir is the model (no hub); vLLM's block size 16, KV float32, one group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+BLOCK, LAYERS, KV_HEADS, HEAD, VOCAB, EOS = 16, 2, 2, 8, 1000, 2
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+init_none_hash(sha256)
+
+
+def save_tiny_model(path: str) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=KV_HEADS * HEAD * 2, intermediate_size=64, num_hidden_layers=LAYERS,
+                num_attention_heads=4, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                max_position_embeddings=4096).save_pretrained(path)
+
+
+def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime.integrations.vllm",
+                extra: dict[str, Any] | None = None, max_batched: int = 256) -> VllmConfig:
+    kvt = None
+    if connector is not None:
+        kvt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
+                               kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy="recompute")
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache.kv_cache_layout = "LBNHC"  # what the engine core resolves for vLLM's default backend
+    return VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0),
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False,
+                                         async_scheduling=False, disable_hybrid_kv_cache_manager=True),
+        cache_config=cache, kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+
+
+def fingerprint(prefix_hash: int, layer: int) -> float:
+    return float(prefix_hash % 4093 + 1 + 5000 * layer)  # exact in float32; sums of 2k stay exact
+
+
+@dataclass
+class FakeEngine:
+    """One vLLM instance: scheduler, worker connector (if any), paged KV tensors."""
+
+    config: VllmConfig
+    num_blocks: int
+    scheduler: Scheduler = field(init=False)
+    worker: Any = field(init=False)
+    kv: dict[str, torch.Tensor] = field(init=False)
+    computed: dict[str, int] = field(default_factory=dict)  # tokens the fake forward computed per request
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
+    finished: set[str] = field(default_factory=set)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
+        page = spec.page_size_bytes
+        tensor = KVCacheTensor(size=page * self.num_blocks * LAYERS, layers=NAMES,
+                               layer_stride=page * self.num_blocks, block_stride=page)
+        kvc = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[tensor],
+                            kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+        self.config.cache_config.num_gpu_blocks = self.num_blocks
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kvc,
+                                   structured_output_manager=StructuredOutputManager(self.config),
+                                   block_size=BLOCK, log_stats=True)
+        raw = torch.zeros(tensor.size, dtype=torch.int8)
+        self.kv = dict(zip(NAMES, create_kv_cache_views(raw, spec, self.num_blocks, KVCacheLayout.LBNHC, tensor)))
+        self.worker = None
+        if self.config.kv_transfer_config is not None:
+            self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kvc)
+            self.worker.register_kv_caches(self.kv)
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        self.scheduler.add_request(Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp,
+                                           pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256)))
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.scheduler.has_requests():
+            self.step()
+            if self.steps > max_steps:
+                raise AssertionError("the engine did not drain")
+
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        self.steps += 1
+        out = None
+        if self.worker is not None:
+            w = self.worker
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            if so.has_sync_kv_loads:
+                w.start_load_kv(None)
+        sampled = self._forward(so)
+        if self.worker is not None:
+            if not so.has_sync_kv_loads:
+                w.start_load_kv(None)
+            w.wait_for_save()
+            sending, recving = w.get_finished(so.finished_req_ids)
+            out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                    invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                    kv_connector_worker_meta=w.build_connector_worker_meta())
+            w.clear_connector_metadata()
+        ids = list(so.num_scheduled_tokens)
+        engine_out = self.scheduler.update_from_output(so, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[sampled.get(r, []) for r in ids], kv_connector_output=out))
+        for outputs in engine_out.values():
+            for o in outputs.outputs:
+                self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+
+    def _forward(self, so: Any) -> dict[str, list[int]]:
+        """Write each scheduled token's fingerprint into its KV slot; sample from all KV read."""
+        sampled = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            end = req.num_computed_tokens  # (the scheduler advanced it past this step's tokens)
+            start = end - n
+            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            tokens = req.all_token_ids
+            h = _prefix_hash(tokens[:start])
+            for pos in range(start, end):
+                h = _extend_hash(h, tokens[pos])
+                b, off = blocks[pos // BLOCK], pos % BLOCK
+                for layer, name in enumerate(NAMES):
+                    self.kv[name][b, :, off, :] = fingerprint(h, layer)
+            self.computed[rid] = self.computed.get(rid, 0) + n
+            if end >= req.num_tokens:  # prefill done (or a decode step): sample from every KV slot read
+                total = 0.0
+                for pos in range(end):
+                    b, off = blocks[pos // BLOCK], pos % BLOCK
+                    total += sum(float(self.kv[name][b, 0, off, 0]) for name in NAMES)
+                sampled[rid] = [int(total) % (VOCAB - 10) + 10]
+        return sampled
+
+    def assert_drained(self) -> None:
+        """Nothing leaked: no request, every block back (but vLLM's null block), and the
+        connector's core quiescent."""
+        sched = self.scheduler
+        assert not sched.requests and not sched.has_requests()
+        pool = sched.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == self.num_blocks - 1
+        if self.connector is not None:
+            from runtime.invariants import check_tiers_only
+
+            check_tiers_only(self.connector.core, quiescent=True)
+            assert not self.connector._local_hit
+
+
+def _prefix_hash(tokens: Iterable[int]) -> int:
+    h = 1469598103934665603
+    for t in tokens:
+        h = _extend_hash(h, t)
+    return h
+
+
+def _extend_hash(h: int, token: int) -> int:
+    return ((h ^ int(token)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
