@@ -47,7 +47,7 @@ class TierCopy:
     rid: Hashable
     direction: Direction
     host: np.ndarray  # host slots it reads (load) or fills (backup), pinned
-    node: Node  # locked: the path a load reads, or the prefix a backup extends (a root: none)
+    node: Node | None  # locked: the path a load reads, or the prefix a backup extends (None: no prefix)
     tokens: np.ndarray | None = None  # backup: the tokens whose pages [start, len) it copies
     start: int = 0
     extra_key: Hashable = None
@@ -119,7 +119,7 @@ class TiersOnlyCore:
         if got <= 0:
             return None, 0
         host = np.concatenate([n.host for n in m.nodes])[computed:computed + got]
-        op = self._issue(rid, Direction.LOAD, host, m.last_node)
+        op = self._issue(rid, Direction.LOAD, host, _lockable(m.last_node))
         self.stats["tokens_loaded"] += got
         return _plan(op.op_id, Direction.LOAD, host, device[:got]), got
 
@@ -142,14 +142,17 @@ class TiersOnlyCore:
         start = m.host_len
         if start >= n:
             return None
-        res.tree.lock(m.last_node)  # the prefix it extends stays while host room is made
+        prefix = _lockable(m.last_node)
+        if prefix is not None:
+            res.tree.lock(prefix)  # the prefix it extends stays while host room is made
         owner = Owner.request(rid, next(self._generations))
         host = res.alloc_host((n - start) // self.page_size, owner, rid=rid)
         if host is None:
-            res.tree.unlock(m.last_node)
+            if prefix is not None:
+                res.tree.unlock(prefix)
             self.stats["tokens_backup_skipped"] += n - start
             return None
-        op = self._issue(rid, Direction.BACKUP, host, m.last_node, locked=True)
+        op = self._issue(rid, Direction.BACKUP, host, prefix, locked=True)
         op.tokens, op.start, op.extra_key, op.owner = tokens[:n].copy(), start, extra_key, owner
         self.stats["tokens_backed_up"] += n - start
         return _plan(op.op_id, Direction.BACKUP, device[start:], host)
@@ -188,7 +191,8 @@ class TiersOnlyCore:
                 res.host.free(op.host, op.owner, rid=op.rid, reason="backup_failed")
         elif error is not None:
             self.stats["load_errors"] += 1
-        res.tree.unlock(op.node)
+        if op.node is not None:
+            res.tree.unlock(op.node)
         if error is not None:
             log.warning("tiers_copy_failed", op=op_id, rid=op.rid, direction=op.direction.value, error=error)
         rec = self.requests[op.rid]
@@ -204,12 +208,12 @@ class TiersOnlyCore:
                 "copies_in_flight": len(self.copies), "requests_tracked": len(self.requests)}
 
     # -- helpers -------------------------------------------------------------------
-    def _issue(self, rid: Hashable, direction: Direction, host: np.ndarray, node: Node, *,
+    def _issue(self, rid: Hashable, direction: Direction, host: np.ndarray, node: Node | None, *,
                locked: bool = False) -> TierCopy:
         res = self.residency
         assert res.host is not None
         op_id = next(self._op_ids)
-        if not locked:
+        if not locked and node is not None:
             res.tree.lock(node)
         res.host.pin(host, op_id)
         op = self.copies[op_id] = TierCopy(op_id, rid, direction, host, node)
@@ -240,6 +244,13 @@ class TiersOnlyCore:
             raise ArgumentError(f"block ids must cover tokens [{start}, {end}) with blocks in "
                                 f"[0, {self.num_device_blocks}), got {len(blocks)} blocks")
         return (blocks[:, None] * ps + self._offsets).reshape(-1)
+
+
+def _lockable(node: Node) -> Node | None:
+    """The node to lock, None for a namespace root: a root needs no lock, and the tree may drop
+    an emptied namespace's root and make a new one while a copy runs (found by the tiers-only
+    property test: the ack's unlock named a root no longer in the tree)."""
+    return None if node.parent is None else node
 
 
 def _tokens(tokens: Any) -> np.ndarray:
