@@ -108,11 +108,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     pins = {"device": Counter(), "host": Counter()}
 
     def claim(tier: str, slots: np.ndarray, owner: Owner, what: str) -> None:
-        table = expected[tier]
-        for page in _pages(slots, ps):
-            if page in table and table[page] != owner:
-                _fail(f"{tier} page {page} claimed by {table[page]} and by {owner} ({what})")
-            table[page] = owner
+        _claim(expected[tier], tier, ps, slots, owner, what)
 
     # 1-2: what the tree holds, what requests map, what copies write, each with one owner
     for node in nodes:
@@ -252,6 +248,15 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
 # -- shared by both cores -------------------------------------------------------------------
 
 
+def _claim(table: dict[int, Owner], tier: str, ps: int, slots: np.ndarray, owner: Owner, what: str) -> None:
+    """Record `owner` as the expected owner of the pages of `slots`; a page two structures
+    claim for different owners is a violation (1)."""
+    for page in _pages(slots, ps):
+        if page in table and table[page] != owner:
+            _fail(f"{tier} page {page} claimed by {table[page]} and by {owner} ({what})")
+        table[page] = owner
+
+
 def _check_ledger(tier: str, ledger: "SlotLedger", table: dict[int, Owner], pins: Counter[int]) -> None:
     """The ledger agrees with what the structures hold: every page owned by whom they say, none
     leaked, free and owned apart, pins equal to the in-flight copies touching each page (3)."""
@@ -322,10 +327,7 @@ def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
     pins: Counter[int] = Counter()
 
     def claim(slots: np.ndarray, owner: Owner, what: str) -> None:
-        for page in _pages(slots, ps):
-            if page in table and table[page] != owner:
-                _fail(f"host page {page} claimed by {table[page]} and by {owner} ({what})")
-            table[page] = owner
+        _claim(table, "host", ps, slots, owner, what)
 
     for node in nodes:
         if node.device is not None:

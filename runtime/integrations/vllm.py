@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = get_logger("vllm_connector")
+log = get_logger("hicache.vllm")
 
 __all__ = ["HiCacheConnector", "TieredMeta", "CopyAcks"]
 

@@ -14,7 +14,8 @@ K and V first for ``kv_first``): a page is contiguous across layers, and the sam
 contents whichever memory layout the engine chose, so pages move between engines that differ in
 it. Plans are the tiers-only core's `TransferPlan`s: token slots ``block * block_size + offset``
 on the device side, ``page * block_size + offset`` on the host side, whole pages in order. A
-plan's slots are checked against both pools before anything is copied.
+plan's slots are checked as the copy engines check theirs, and against both pools, before
+anything is copied.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import ConfigError, TransferError
+from runtime.errors import ConfigError
 from runtime.messages import Direction, TransferPlan
+from runtime.transfer.engine import check_bounds, resolve
 
 
 @dataclass(frozen=True)
@@ -73,22 +75,17 @@ class PagedKVCopier:
         return self.host.shape[0]
 
     def pages(self, plan: TransferPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device blocks, host pages) of a plan, checked: whole pages, inside both pools."""
-        bs = self.block_size
-        (transfer,) = plan.transfers
-        device, host = (transfer.src, transfer.dst) if plan.direction is Direction.BACKUP else (transfer.dst, transfer.src)
-        if device.numel() != host.numel() or device.numel() % bs:
-            raise TransferError(f"copy {plan.op_id}: {device.numel()} device and {host.numel()} host slots are not "
-                                "the same whole pages")
-        blocks, pages = device[::bs] // bs, host[::bs] // bs
-        offsets = torch.arange(bs)
-        if not (torch.equal((blocks[:, None] * bs + offsets).reshape(-1), device)
-                and torch.equal((pages[:, None] * bs + offsets).reshape(-1), host)):
-            raise TransferError(f"copy {plan.op_id}: slots are not whole, aligned pages")
-        if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) >= self.layout.num_blocks
-                            or int(pages.min()) < 0 or int(pages.max()) >= self.host_pages):
-            raise TransferError(f"copy {plan.op_id}: a page lies outside the engine's blocks or the host pool")
-        return blocks, pages
+        """(device blocks, host pages) of a plan, checked as every copy engine checks its plans
+        (`resolve`: one pool, equal lengths, whole aligned pages, no destination twice) and
+        against both pools (`check_bounds`); a `ValidationError` otherwise."""
+        (transfer,) = resolve(plan, self.block_size).transfers
+        if plan.direction is Direction.BACKUP:
+            check_bounds(transfer, self.layout.num_blocks, self.host_pages)
+            device, host = transfer.src_pages, transfer.dst_pages
+        else:
+            check_bounds(transfer, self.host_pages, self.layout.num_blocks)
+            host, device = transfer.src_pages, transfer.dst_pages
+        return torch.tensor(device), torch.tensor(host)
 
     def copy_layer(self, plan: TransferPlan, layer: int, blocks: torch.Tensor, pages: torch.Tensor) -> None:
         """One layer of one plan (the caller checked its pages with `pages`)."""

@@ -25,18 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from runtime.errors import ArgumentError, LengthError, StateError, UnknownRequestError
 from runtime.memory.owners import Owner
-from runtime.messages import Direction, PoolTransfer, TransferPlan
+from runtime.messages import Direction, TransferPlan
 from runtime.trace import SlotTracer, get_logger
 from runtime.tree.radix import Node
-from runtime.tree.records import aligned
+from runtime.tree.records import aligned, make_plan
 from runtime.tree.residency import Residency
+from runtime.validation import tokens as checked_tokens
 
-log = get_logger("tiers_only")
-_POOL = "kv"
+log = get_logger("hicache.tiers_only")
 
 
 @dataclass(slots=True)
@@ -121,7 +120,7 @@ class TiersOnlyCore:
         host = np.concatenate([n.host for n in m.nodes])[computed:computed + got]
         op = self._issue(rid, Direction.LOAD, host, _lockable(m.last_node))
         self.stats["tokens_loaded"] += got
-        return _plan(op.op_id, Direction.LOAD, host, device[:got]), got
+        return make_plan(op.op_id, Direction.LOAD, host, device[:got]), got
 
     def backup(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
                block_ids: Sequence[int]) -> TransferPlan | None:
@@ -152,10 +151,10 @@ class TiersOnlyCore:
                 res.tree.unlock(prefix)
             self.stats["tokens_backup_skipped"] += n - start
             return None
-        op = self._issue(rid, Direction.BACKUP, host, prefix, locked=True)
-        op.tokens, op.start, op.extra_key, op.owner = tokens[:n].copy(), start, extra_key, owner
+        op = self._issue(rid, Direction.BACKUP, host, prefix, locked=True, tokens=tokens[:n], start=start,
+                         extra_key=extra_key, owner=owner)
         self.stats["tokens_backed_up"] += n - start
-        return _plan(op.op_id, Direction.BACKUP, device[start:], host)
+        return make_plan(op.op_id, Direction.BACKUP, device[start:], host)
 
     def finish(self, rid: Hashable) -> bool:
         """The engine is done with `rid`: returns whether a backup still reads its blocks (the
@@ -164,10 +163,9 @@ class TiersOnlyCore:
         if rec is None:
             return False
         rec.finished = True
-        busy = any(self.copies[op].direction is Direction.BACKUP for op in rec.copies)
         if not rec.copies:
             del self.requests[rid]
-        return busy
+        return self.backing_up(rid)
 
     def backing_up(self, rid: Hashable) -> bool:
         rec = self.requests.get(rid)
@@ -209,14 +207,14 @@ class TiersOnlyCore:
 
     # -- helpers -------------------------------------------------------------------
     def _issue(self, rid: Hashable, direction: Direction, host: np.ndarray, node: Node | None, *,
-               locked: bool = False) -> TierCopy:
+               locked: bool = False, **backup: Any) -> TierCopy:
         res = self.residency
         assert res.host is not None
         op_id = next(self._op_ids)
         if not locked and node is not None:
             res.tree.lock(node)
         res.host.pin(host, op_id)
-        op = self.copies[op_id] = TierCopy(op_id, rid, direction, host, node)
+        op = self.copies[op_id] = TierCopy(op_id, rid, direction, host, node, **backup)
         rec = self.requests.get(rid)
         if rec is None:
             rec = self.requests[rid] = TierRequest(rid)
@@ -253,14 +251,8 @@ def _lockable(node: Node) -> Node | None:
     return None if node.parent is None else node
 
 
+
 def _tokens(tokens: Any) -> np.ndarray:
-    arr = np.asarray(tokens)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ArgumentError(f"tokens must be a 1-D sequence of ints, got {arr.dtype} {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() >= 1 << 31):
-        raise ArgumentError("token ids must lie in [0, 2**31)")
-    return arr.astype(np.int32)
-
-
-def _plan(op_id: int, direction: Direction, src: np.ndarray, dst: np.ndarray) -> TransferPlan:
-    return TransferPlan(op_id, direction, (PoolTransfer(_POOL, torch.from_numpy(src.copy()), torch.from_numpy(dst.copy())),))
+    """The façade's token check (`runtime.validation.tokens`) over any sequence of ints (vLLM
+    hands a read-only list view)."""
+    return checked_tokens(tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens))

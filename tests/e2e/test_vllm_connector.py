@@ -14,7 +14,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by
 
 from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
 from runtime.messages import Direction  # noqa: E402
-from tests.e2e.vllm_engine import FakeEngine, save_tiny_model, vllm_config  # noqa: E402
+from tests.e2e.vllm_engine import BLOCK, FakeEngine, save_tiny_model, vllm_config  # noqa: E402
 
 SYSTEM = list(range(100, 148))  # a 48-token system prompt (3 blocks)
 
@@ -87,6 +87,41 @@ def test_a_failed_load_is_recomputed_by_vllm_and_outputs_do_not_change(model_dir
     for e in (plain, tiered):
         conversation(e, sessions=6, turns=3)
     assert len(failed) == 2 and tiered.connector.core.stats["load_errors"] == 2
+    assert tiered.outputs == plain.outputs
+    tiered.assert_drained()
+
+
+def test_blocks_promised_but_no_longer_held_are_recomputed_and_outputs_do_not_change(model_dir, monkeypatch):
+    """The connector's guard for a hit that shrank between the lookup and the load (vLLM calls
+    them back to back, so here the lookup over-promises one block): the blocks the tier cannot
+    supply are reported as load errors and vLLM recomputes them. The test poisons those blocks;
+    checked failing with the worker not reporting them."""
+    plain, tiered = engine(model_dir, 12, connector=None), engine(model_dir, 12)
+    connector = tiered.connector
+    ask, after_alloc = connector.get_num_new_matched_tokens, connector.update_state_after_alloc
+    promised: dict[str, int] = {}  # the one request promised a block too many (until vLLM takes it)
+
+    def over_promise(request, num_computed_tokens):
+        hit, is_async = ask(request, num_computed_tokens)
+        room = num_computed_tokens + hit + BLOCK <= (request.num_tokens - 1) // BLOCK * BLOCK
+        if hit and room and (not promised or request.request_id in promised):
+            promised[request.request_id] = hit + BLOCK
+            return hit + BLOCK, is_async
+        return hit, is_async
+
+    def poison_unloadable(request, blocks, num_external_tokens):  # what such a block holds: anything
+        before = len(connector._unloadable)
+        after_alloc(request, blocks, num_external_tokens)
+        for b in connector._unloadable[before:]:
+            for kv in tiered.kv.values():
+                kv[b] = -1.0
+
+    monkeypatch.setattr(connector, "get_num_new_matched_tokens", over_promise)
+    monkeypatch.setattr(connector, "update_state_after_alloc", poison_unloadable)
+    for e in (plain, tiered):
+        conversation(e, sessions=6, turns=3)
+    assert promised, "no hit left room for an over-promise"
+    assert tiered.connector.core.stats["tokens_loaded"] > 0
     assert tiered.outputs == plain.outputs
     tiered.assert_drained()
 

@@ -36,9 +36,9 @@ class ModelEngine:
         self.rng = random.Random(seed)
         self.core = TiersOnlyCore(PS, host_pages * PS, BLOCKS)
         self.host: dict[int, int] = {}  # host slot -> fingerprint it holds (acked backups only)
-        self.pending: dict[int, tuple[str, np.ndarray, np.ndarray]] = {}  # op -> (rid, tokens, host slots [start:])
+        self.pending: dict[int, tuple[str, np.ndarray, np.ndarray, int]] = {}  # op -> (rid, tokens, host slots, start)
         self.loads: set[int] = set()
-        self.live: dict[str, np.ndarray] = {}
+        self.live: dict[str, tuple[np.ndarray, list[int]]] = {}  # rid -> (tokens, blocks)
         self.next_rid = 0
         self.stems = [np.asarray([self.rng.randrange(50) for _ in range(12)], np.int32) for _ in range(3)]
 

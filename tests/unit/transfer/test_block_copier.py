@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.errors import ConfigError, TransferError
+from runtime.errors import ConfigError, ValidationError
 from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.transfer.block_copier import PagedKVCopier
 
@@ -57,12 +57,13 @@ def test_pages_backed_up_from_one_engine_load_byte_identical_into_other_blocks_o
     lambda: TransferPlan(1, Direction.LOAD, (PoolTransfer("kv", slots([0])[1:], slots([0])[1:]),)),  # not whole pages
     lambda: TransferPlan(1, Direction.LOAD, (PoolTransfer("kv", slots([0]) + 1, slots([1]) + 1),)),  # misaligned
     lambda: TransferPlan(1, Direction.LOAD, (PoolTransfer("kv", slots([0]), slots([1, 2])),)),
+    lambda: plan(1, Direction.LOAD, [2, 2], [0, 1]),  # a destination block twice
 ])
 def test_a_bad_plan_is_refused_before_anything_is_copied(bad):
     kv = paged(True, False)
     copier = PagedKVCopier(kv, BS, 6)
     copier.host.fill_(1.0)
-    with pytest.raises(TransferError):
+    with pytest.raises(ValidationError):
         copier.run(bad())
     assert all(not t.any() for t in kv.values())
 
