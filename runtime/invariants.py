@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from runtime.memory.ledger import LedgerSnapshot, SlotLedger
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node, RadixTree
+    from runtime.tree.storage_tier import StorageTier
     from runtime.tree.tiers_only import TiersOnlyCore
 
 
@@ -176,22 +177,8 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             pins["device"][page] += 1
         for page in _pages(op.host, ps):
             pins["host"][page] += 1
-    # storage tier: every storage op pins its host pages; a read's pages belong to its prefetch
-    for sop in storage_ops.values():
-        for page in _pages(sop.host, ps):
-            pins["host"][page] += 1
-        pf = sop.prefetch
-        if pf is not None:
-            if pf.op_id != sop.op_id or not np.array_equal(pf.host, sop.host):
-                _fail(f"storage read {sop.op_id} does not match its prefetch of {pf.rid!r}")
-            claim("host", pf.host, pf.owner, f"prefetch {pf.rid!r}")
-            if not pf.cancelled and not pf.detached and prefetch_table.get(pf.rid) is not pf:
-                _fail(f"prefetch of {pf.rid!r} is in flight but not registered")
-        elif sop.node is not None and sop.node.host_protect <= 0:
-            _fail(f"storage write {sop.op_id}: node {sop.node.id} host copy not protected")
-    for rid, pf in prefetch_table.items():
-        if pf.rid != rid or storage_ops.get(pf.op_id) is None or pf.cancelled:
-            _fail(f"prefetch of {rid!r} has no storage read in flight")
+    if core.storage is not None:
+        _check_storage_ops(core.storage, lambda slots, owner, what: claim("host", slots, owner, what), pins["host"])
 
     for tier, ledger in (("device", core.residency.device), ("host", core.residency.host)):
         if ledger is not None:
@@ -207,20 +194,9 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
 
     # host protection counts from who holds them: storage writes (the chain they write) and
     # prefetch anchors (their host-only part), each over the length recorded when taken
-    protects: Counter[int] = Counter()
     spans = [(sop.node, sop.length) for sop in storage_ops.values() if sop.write]
     spans += [(pf.anchor_host, pf.anchor_host_len) for pf in prefetches if pf.anchor_host is not None]
-    for node, length in spans:
-        covered = 0
-        while covered < length and node is not None and node not in roots:
-            protects[node.id] += 1
-            covered += len(node.key) // 4
-            node = node.parent
-        if covered != length:
-            _fail(f"a host protection over {length} tokens covers {covered}")
-    for node in nodes:
-        if node.host_protect != protects.get(node.id, 0):
-            _fail(f"node {node.id} host_protect {node.host_protect} != holders {protects.get(node.id, 0)}")
+    _check_host_protects(nodes, roots, spans)
 
     # 5: derived eviction sets equal their definitions
     device_leaves = {
@@ -315,6 +291,42 @@ def _check_host_leaves(tree: "RadixTree", nodes: list["Node"]) -> None:
 # -- tiers-only mode ----------------------------------------------------------------------------
 
 
+def _check_storage_ops(storage: "StorageTier", claim, host_pins: Counter[int]) -> None:
+    """Every storage op pins its host pages; a read's pages belong to its prefetch; a write's
+    chain is host-protected; a registered prefetch has its read in flight."""
+    for sop in storage.ops.values():
+        for page in _pages(sop.host, storage.residency.page_size):
+            host_pins[page] += 1
+        pf = sop.prefetch
+        if pf is not None:
+            if pf.op_id != sop.op_id or not np.array_equal(pf.host, sop.host):
+                _fail(f"storage read {sop.op_id} does not match its prefetch of {pf.rid!r}")
+            claim(pf.host, pf.owner, f"prefetch {pf.rid!r}")
+            if not pf.cancelled and not pf.detached and storage.prefetches.get(pf.rid) is not pf:
+                _fail(f"prefetch of {pf.rid!r} is in flight but not registered")
+        elif sop.node is not None and sop.node.host_protect <= 0:
+            _fail(f"storage write {sop.op_id}: node {sop.node.id} host copy not protected")
+    for rid, pf in storage.prefetches.items():
+        if pf.rid != rid or storage.ops.get(pf.op_id) is None or pf.cancelled:
+            _fail(f"prefetch of {rid!r} has no storage read in flight")
+
+
+def _check_host_protects(nodes: list[Node], roots: set, spans: list[tuple[Node, int]]) -> None:
+    """Each node's host protection count equals the (node, length) spans that cover it."""
+    protects: Counter[int] = Counter()
+    for node, length in spans:
+        covered = 0
+        while covered < length and node is not None and node not in roots:
+            protects[node.id] += 1
+            covered += len(node.key) // 4
+            node = node.parent
+        if covered != length:
+            _fail(f"a host protection over {length} tokens covers {covered}")
+    for node in nodes:
+        if node.host_protect != protects.get(node.id, 0):
+            _fail(f"node {node.id} host_protect {node.host_protect} != holders {protects.get(node.id, 0)}")
+
+
 def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
     """Invariants 1-5 (and 7 when `quiescent`) of the tiers-only core: every tree node holds a
     host copy (no device copy: the engine's blocks are not the tree's) owned by the node, a
@@ -348,12 +360,20 @@ def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
             _fail(f"finished request {rec.rid!r} is kept with no copy in flight")
         if rec.copies - set(core.copies):
             _fail(f"request {rec.rid!r} names copies that are not in flight")
+    storage_ops = core.storage.ops if core.storage is not None else {}
+    if core.storage is not None:
+        _check_storage_ops(core.storage, claim, pins)
+        for op in core.copies.values():
+            if op.read and (op.read not in storage_ops or op.direction is not Direction.LOAD):
+                _fail(f"copy {op.op_id} waits on storage read {op.read}, which is not in flight")
     assert core.residency.host is not None
     _check_ledger("host", core.residency.host, table, pins)
     _check_locks(nodes, [op.node for op in core.copies.values()], roots)
+    _check_host_protects(nodes, roots, [(sop.node, sop.length) for sop in storage_ops.values() if sop.write])
     _check_host_leaves(tree, nodes)
-    if quiescent and (core.copies or core.requests):
-        _fail(f"{len(core.copies)} copies and {len(core.requests)} requests left at quiescence")
+    if quiescent and (core.copies or core.requests or storage_ops):
+        _fail(f"{len(core.copies)} copies, {len(storage_ops)} storage ops and {len(core.requests)} requests "
+              f"left at quiescence")
 
 
 # -- decode offload ---------------------------------------------------------------------------

@@ -1,42 +1,47 @@
-"""The runtime's host tier as a vLLM v1 KV connector (tiers-only mode; vLLM 0.33).
+"""The runtime's host and storage tiers as a vLLM v1 KV connector (tiers-only mode; vLLM 0.33).
 
-vLLM owns the device KV blocks and the request lifecycle; the runtime owns the host tier. Load
-it with::
+vLLM owns the device KV blocks and the request lifecycle; the runtime owns the host tier and,
+optionally, a storage tier behind it. Load it with::
 
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
                            "kv_connector_module_path": "runtime.integrations.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"host_blocks": 4096}}'
+                           "kv_connector_extra_config": {"host_blocks": 4096,
+                                                         "storage_dir": "/mnt/kv"}}'
 
 (``kv_load_failure_policy: recompute``: a load that fails makes vLLM recompute the blocks from
 the first failed one on; with vLLM's default ``fail`` the request ends with an error.)
+docs/VLLM.md has every option and how they map to vLLM's and LMCache's.
 
 Split as vLLM splits a connector:
 
 - scheduler side (vLLM's synchronous scheduler calls it directly): a `TiersOnlyCore` decides.
   `get_num_new_matched_tokens` answers, without side effects, how many tokens past vLLM's own
-  prefix-cache hit the host tier holds (a synchronous hit: loaded before the step's forward);
-  `update_state_after_alloc` turns it into a load plan into the blocks vLLM allocated;
+  prefix-cache hit the host tier, then storage, hold: a hit from the host tier alone is loaded
+  before the step's forward (synchronous); one that needs storage is asynchronous (the request
+  waits in ``WAITING_FOR_REMOTE_KVS`` until the worker read and copied it).
+  `update_state_after_alloc` turns it into a load into the blocks vLLM allocated;
   `request_finished` backs up the request's computed blocks the tier lacks and returns
   ``delay_free_blocks=True`` while that backup reads them, so vLLM never frees a block a copy
-  still reads (seed 000, enforced by vLLM's own free); `build_connector_meta` carries the step's
-  plans (`TieredMeta`: immutable, picklable) to the workers; `update_connector_output` applies
-  the workers' acks (`CopyAcks`, through vLLM's worker-metadata channel).
-- worker side: the host pool and the copies (`PagedKVCopier` over the registered KV tensors).
-  Loads run in `start_load_kv`, before the forward; backups in `wait_for_save`, after it (a
-  backup reads blocks of finished requests only, which vLLM keeps until `get_finished`
-  reports them). A failed load's blocks go to `get_block_ids_with_load_errors`.
+  still reads (seed 000, enforced by vLLM's own free); a landed backup is written through to
+  storage; `build_connector_meta` carries the step's work (`TieredMeta`: immutable, picklable)
+  to the workers; `update_connector_output` applies the workers' acks (`CopyAcks`, through vLLM's
+  worker-metadata channel).
+- worker side: the host pool, the copies (`PagedKVCopier` over the registered KV tensors) and the
+  storage calls. Synchronous loads run in `start_load_kv`, before the forward; asynchronous
+  loads (storage read, then copy), backups and storage writes run on one worker thread, in order,
+  and are reported when done: loads through `get_finished`'s receiving set, backups through its
+  sending set (vLLM then frees the blocks), outcomes through `CopyAcks`. Blocks a load could not
+  fill go to `get_block_ids_with_load_errors` (vLLM recomputes them).
 
-On CPU the copies are synchronous, so `wait_for_layer_load` and `save_kv_layer` have nothing to
-do; a CUDA worker would start the loads on a side stream and wait per layer there.
-
-`kv_connector_extra_config`: ``host_blocks`` (int > 0, default: as many as vLLM's device
-blocks): the host tier's size in blocks, the same on every worker.
+On CPU, copies are plain tensor copies, so `wait_for_layer_load` and `save_kv_layer` have
+nothing to do; a CUDA worker would start the loads on a side stream and wait per layer there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +57,12 @@ from vllm.v1.request import RequestStatus
 
 from runtime.errors import ConfigError
 from runtime.messages import TransferPlan
+from runtime.storage.backend import checked_flags, read_prefix
+from runtime.storage.file_backend import FileBackend
+from runtime.storage.hashing import KVIdentity
 from runtime.trace import get_logger
 from runtime.transfer.block_copier import PagedKVCopier
+from runtime.tree.storage_tier import StorageRequest
 from runtime.tree.tiers_only import TiersOnlyCore
 
 if TYPE_CHECKING:
@@ -67,32 +76,67 @@ if TYPE_CHECKING:
 
 log = get_logger("hicache.vllm")
 
-__all__ = ["HiCacheConnector", "TieredMeta", "CopyAcks"]
+__all__ = ["HiCacheConnector", "TieredMeta", "LoadJob", "CopyAcks"]
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """A load into one request's blocks: the storage read it needs first (if any: pages of the
+    read from `read_skip` on fill the plan's pages from `read_at` on; a read cut short leaves
+    the plan's later pages unfilled), the host -> device plan, and the blocks promised to vLLM
+    that nothing will fill (load errors)."""
+
+    rid: str
+    plan: TransferPlan | None
+    read: StorageRequest | None = None
+    read_at: int = 0
+    read_skip: int = 0
+    unloadable: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class TieredMeta(KVConnectorMetadata):
-    """One step's copies for the workers: loads (run before the forward) with the blocks the
-    tier could not supply after all (reported as load errors), and backups of finished requests."""
+    """One step's work for the workers: loads before the forward (synchronous), loads reported
+    through `get_finished` (asynchronous), backups of finished requests, storage writes."""
 
-    loads: tuple[TransferPlan, ...] = ()
+    loads: tuple[LoadJob, ...] = ()
+    async_loads: tuple[LoadJob, ...] = ()
     backups: tuple[tuple[str, TransferPlan], ...] = ()  # (request id, plan)
-    unloadable: tuple[int, ...] = ()  # block ids promised to a load that the tier no longer held
+    storage_writes: tuple[StorageRequest, ...] = ()
+
+
+StorageOutcome = tuple[int, str | None, tuple[bool, ...]]  # pages read, error, pages written
 
 
 @dataclass
 class CopyAcks(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: each copy's outcome (None: done; else what failed). A copy failed
-    on any worker failed (each worker holds its own shard of every host page)."""
+    """Workers -> scheduler: each copy's outcome (None: done; else what failed) and each storage
+    op's. An op failed on any worker failed (each worker holds its own shard of every page)."""
 
     outcomes: dict[int, str | None] = field(default_factory=dict)
+    storage: dict[int, StorageOutcome] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, CopyAcks)
         merged = dict(self.outcomes)
         for op, err in other.outcomes.items():
             merged[op] = merged.get(op) or err
-        return CopyAcks(merged)
+        stored = dict(self.storage)
+        for op, (pages, err, ok) in other.storage.items():
+            if op in stored:
+                p0, e0, ok0 = stored[op]
+                pages, err, ok = min(p0, pages), e0 or err, tuple(a and b for a, b in zip(ok0, ok))
+            stored[op] = (pages, err, ok)
+        return CopyAcks(merged, stored)
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What `get_num_new_matched_tokens` answered last for a waiting request."""
+
+    local: int  # vLLM's own hit it was asked past
+    keys: list[bytes]  # the prompt's page keys (storage), kept while the request waits
+    is_async: bool
 
 
 def _namespace(request: Request) -> Hashable:
@@ -114,25 +158,36 @@ class HiCacheConnector(KVConnectorBase_V1):
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError("HiCacheConnector supports one KV cache group (full attention) for now")
         self.block_size = vllm_config.cache_config.block_size
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        unknown = set(extra) - {"host_blocks", "storage_dir", "storage_cap_bytes", "model_id", "weight_version"}
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown options {sorted(unknown)}")
         host_blocks = extra.get("host_blocks", kv_cache_config.num_blocks)
         if type(host_blocks) is not int or host_blocks <= 0:
             raise ConfigError(f"kv_connector_extra_config.host_blocks must be a positive int, got {host_blocks!r}")
         self.host_blocks = host_blocks
+        self.identity = _identity(vllm_config, kv_cache_config, extra)
+        self.storage = _open_storage(vllm_config, extra, self.identity, self.block_size)
         # scheduler side
         self.core: TiersOnlyCore | None = None
-        self._local_hit: dict[str, int] = {}  # rid -> vLLM's own hit when last asked (update_state_after_alloc needs it)
-        self._loads: list[TransferPlan] = []
+        self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
+        self._loads: list[LoadJob] = []
+        self._async_loads: list[LoadJob] = []
         self._backups: list[tuple[str, TransferPlan]] = []
-        self._unloadable: list[int] = []
         # worker side
         self.copier: PagedKVCopier | None = None
+        self._jobs: list[tuple[Future, str, str]] = []  # (result, kind, request id), in submission order
+        self._executor: ThreadPoolExecutor | None = None  # one thread: async loads, backups, storage writes
         self._outcomes: dict[int, str | None] = {}
+        self._storage_outcomes: dict[int, StorageOutcome] = {}
         self._load_errors: set[int] = set()
         self._sent: set[str] = set()  # requests whose backups ran, not yet reported
         self._finished: set[str] = set()  # requests vLLM said finished, not yet reported
+        self._received: set[str] = set()  # requests whose async loads ran, not yet reported
         if role is KVConnectorRole.SCHEDULER:
             self.core = TiersOnlyCore(self.block_size, host_blocks * self.block_size, kv_cache_config.num_blocks)
+            if self.storage is not None:
+                self.core.enable_storage(self.identity, self.storage.exists_prefix)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -141,28 +196,35 @@ class HiCacheConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.core is not None
-        hit = self.core.lookup(request.all_token_ids, _namespace(request), num_computed_tokens)
-        self._local_hit[request.request_id] = num_computed_tokens
-        return hit, False
+        rid, tokens = request.request_id, request.all_token_ids
+        asked = self._asked.get(rid)
+        keys = asked.keys if asked is not None else self.core.page_keys(tokens, _namespace(request))
+        hit = self.core.lookup(tokens, _namespace(request), num_computed_tokens, keys)
+        self._asked[rid] = _Asked(num_computed_tokens, keys, hit.storage > 0)
+        return hit.total, hit.storage > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.core is not None
+        rid = request.request_id
+        asked = self._asked.pop(rid, None)
         if num_external_tokens == 0:
             return
-        rid = request.request_id
+        assert asked is not None, "vLLM allocates an external hit only after asking for it"
         (block_ids,) = blocks.get_block_ids()
-        local = self._local_hit[rid]
-        plan, got = self.core.load(rid, request.all_token_ids, _namespace(request), local, num_external_tokens,
-                                   block_ids)
-        if plan is not None:
-            self._loads.append(plan)
-        if got < num_external_tokens:  # the tier lost pages since the lookup: vLLM recomputes them
-            first, end = (local + got) // self.block_size, (local + num_external_tokens) // self.block_size
-            self._unloadable.extend(block_ids[first:end])
+        local = asked.local
+        ld = self.core.load(rid, request.all_token_ids, _namespace(request), local, num_external_tokens,
+                            block_ids, asked.keys)
+        # blocks promised but not to be filled: the tiers lost pages since the lookup (vLLM recomputes them)
+        first, end = (local + ld.tokens) // self.block_size, (local + num_external_tokens) // self.block_size
+        job = LoadJob(rid, ld.plan, ld.read, ld.read_at, ld.read_skip, tuple(block_ids[first:end]))
+        # an async answer is reported through get_finished whatever happens (vLLM waits for it)
+        (self._async_loads if asked.is_async else self._loads).append(job)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = TieredMeta(tuple(self._loads), tuple(self._backups), tuple(self._unloadable))
-        self._loads, self._backups, self._unloadable = [], [], []
+        assert self.core is not None
+        meta = TieredMeta(tuple(self._loads), tuple(self._async_loads), tuple(self._backups),
+                          tuple(self.core.take_storage_writes()))
+        self._loads, self._async_loads, self._backups = [], [], []
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -174,13 +236,19 @@ class HiCacheConnector(KVConnectorBase_V1):
             raise ConfigError(f"unexpected worker metadata {type(acks).__name__}")
         for op_id, error in sorted(acks.outcomes.items()):
             self.core.apply_ack(op_id, error)
+        for op_id, (pages, error, ok) in sorted(acks.storage.items()):  # (after the loads that pin their pages)
+            self.core.apply_storage_ack(op_id, pages, error, ok)
+
+    def has_pending_push_work(self) -> bool:
+        """Copies or storage writes in flight keep vLLM stepping until their acks."""
+        return self.core is not None and self.core.busy()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Back up the request's computed blocks the tier lacks; vLLM keeps them until the
         backup ran (`get_finished` reports the request)."""
         assert self.core is not None
         rid = request.request_id
-        self._local_hit.pop(rid, None)
+        self._asked.pop(rid, None)
         if request.status is RequestStatus.FINISHED_ERROR:  # (e.g. a failed load under vLLM's `fail` policy)
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
         plan = self.core.backup(rid, request.all_token_ids, _namespace(request), request.num_computed_tokens,
@@ -192,57 +260,165 @@ class HiCacheConnector(KVConnectorBase_V1):
     # -- worker side -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.copier = PagedKVCopier(kv_caches, self.block_size, self.host_blocks)
+        if self.storage is not None:
+            spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            want = (spec.num_kv_heads, self.block_size, 2 * spec.head_size)
+            if self.copier.layout.kv_first or self.copier.layout.block != want:
+                raise ConfigError(f"storage pages are vLLM 0.33 blocks {want}; the engine registered "
+                                  f"{self.copier.layout}")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TieredMeta)
-        self._load_errors.update(meta.unloadable)
-        for plan in meta.loads:
-            if not self._run(plan):
-                dst = plan.transfers[0].dst
-                self._load_errors.update((dst[:: self.block_size] // self.block_size).tolist())
+        meta = self._meta()
+        for job in meta.loads:
+            self._record(self._load(job))
+        for job in meta.async_loads:
+            self._submit("load", job.rid, self._load, job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads ran whole in `start_load_kv` (CPU copies are synchronous)."""
+        """Synchronous loads ran whole in `start_load_kv` (CPU copies)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Backups copy whole blocks after the forward (`wait_for_save`)."""
+        """Backups copy whole blocks of finished requests after the forward (`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TieredMeta)
+        meta = self._meta()
         for rid, plan in meta.backups:
-            self._run(plan)
-            self._sent.add(rid)
+            self._submit("backup", rid, self._backup, plan)
+        for request in meta.storage_writes:
+            self._submit("write", "", self._write, request)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._collect()
         # vLLM takes a request back only after it named it finished (its blocks are ours till then)
         self._finished.update(finished_req_ids)
-        done = self._sent & self._finished
-        self._sent -= done
-        self._finished -= done
-        return (done or None), None
+        sent = self._sent & self._finished
+        self._sent -= sent
+        self._finished -= sent
+        received, self._received = self._received, set()
+        return (sent or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._outcomes:
+        self._collect()
+        if not self._outcomes and not self._storage_outcomes:
             return None
-        acks, self._outcomes = CopyAcks(self._outcomes), {}
+        acks = CopyAcks(self._outcomes, self._storage_outcomes)
+        self._outcomes, self._storage_outcomes = {}, {}
         return acks
 
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        if self.storage is not None:
+            self.storage.close()
+
     # -- helpers -----------------------------------------------------------------------
-    def _run(self, plan: TransferPlan) -> bool:
+    def _meta(self) -> TieredMeta:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredMeta)
+        return meta
+
+    def _submit(self, kind: str, rid: str, fn: Any, arg: Any) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-vllm")
+        self._jobs.append((self._executor.submit(fn, arg), kind, rid))
+
+    def _collect(self) -> None:
+        """Record the jobs that ended, in order (a job's outcome is reported once)."""
+        while self._jobs and self._jobs[0][0].done():
+            fut, kind, rid = self._jobs.pop(0)
+            self._record(fut.result())
+            if kind == "load":
+                self._received.add(rid)
+            elif kind == "backup":
+                self._sent.add(rid)
+
+    def _record(self, result: tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]) -> None:
+        outcomes, storage, errors = result
+        self._outcomes.update(outcomes)
+        self._storage_outcomes.update(storage)
+        self._load_errors |= errors
+
+    def _load(self, job: LoadJob) -> tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]:
+        """A storage read (if any), then the copy of what the tiers hold into the blocks.
+        Never raises: a failure is an outcome, its blocks load errors."""
+        copier = self._copier()
+        outcomes: dict[int, str | None] = {}
+        storage: dict[int, StorageOutcome] = {}
+        errors = set(job.unloadable)
+        usable = None
+        if job.read is not None:
+            op_id, _, keys, pages = job.read
+            try:
+                got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages]), None
+            except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
+                got, err = 0, repr(exc)
+                log.warning("vllm_storage_read_failed", op=op_id, rid=job.rid, error=err)
+            storage[op_id] = (got, err, ())
+            usable = job.read_at + max(0, got - job.read_skip)
+        if job.plan is not None:
+            blocks = (job.plan.transfers[0].dst[:: self.block_size] // self.block_size).tolist()
+            if usable is not None and usable < len(blocks):
+                errors.update(blocks[usable:])
+            try:
+                copier.run(job.plan, usable)
+                outcomes[job.plan.op_id] = None
+            except Exception as exc:  # noqa: BLE001
+                log.warning("vllm_copy_failed", op=job.plan.op_id, direction="load", error=repr(exc))
+                outcomes[job.plan.op_id] = repr(exc)
+                errors.update(blocks)
+        return outcomes, storage, errors
+
+    def _backup(self, plan: TransferPlan) -> tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]:
+        try:
+            self._copier().run(plan)
+            return {plan.op_id: None}, {}, set()
+        except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
+            log.warning("vllm_copy_failed", op=plan.op_id, direction="backup", error=repr(exc))
+            return {plan.op_id: repr(exc)}, {}, set()
+
+    def _write(self, request: StorageRequest) -> tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]:
+        op_id, _, keys, pages = request
+        copier = self._copier()
+        try:
+            ok = checked_flags("set_batch", self.storage.set_batch(list(keys), [copier.page_buffer(p) for p in pages]),
+                               len(keys))
+            return {}, {op_id: (0, None, ok)}, set()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("vllm_storage_write_failed", op=op_id, error=repr(exc))
+            return {}, {op_id: (0, repr(exc), ())}, set()
+
+    def _copier(self) -> PagedKVCopier:
         if self.copier is None:
             raise ConfigError("HiCacheConnector: no KV caches registered")
-        try:
-            self.copier.run(plan)
-        except Exception as exc:  # noqa: BLE001 - a failed copy is reported, never a crashed worker
-            log.warning("vllm_copy_failed", op=plan.op_id, direction=plan.direction.value, error=repr(exc))
-            self._outcomes[plan.op_id] = repr(exc)
-            return False
-        self._outcomes[plan.op_id] = None
-        return True
+        return self.copier
 
+
+def _identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> KVIdentity:
+    """What makes a stored page reusable by another instance: the model and its weights, the KV
+    dtype and shape, and the page layout (a vLLM 0.33 block: heads x block x K|V, every layer)."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    model = vllm_config.model_config
+    layout = f"vllm-block:{spec.num_kv_heads}x{spec.block_size}x{2 * spec.head_size}"
+    return KVIdentity(str(extra.get("model_id", model.model)), str(extra.get("weight_version", model.revision or "")),
+                      str(spec.dtype).removeprefix("torch."), len(group.layer_names), spec.num_kv_heads,
+                      spec.head_size, layout)
+
+
+def _open_storage(vllm_config: VllmConfig, extra: dict[str, Any], identity: KVIdentity,
+                  block_size: int) -> FileBackend | None:
+    path = extra.get("storage_dir")
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"kv_connector_extra_config.storage_dir must be a directory path, got {path!r}")
+    if vllm_config.parallel_config.tensor_parallel_size > 1:  # each rank holds its own heads: not in the identity yet
+        raise ConfigError("HiCacheConnector's storage tier supports tensor_parallel_size 1 for now")
+    itemsize = torch.empty((), dtype=getattr(torch, identity.kv_dtype)).element_size()
+    page_bytes = identity.num_layers * identity.num_kv_heads * block_size * 2 * identity.head_dim * itemsize
+    cap = extra.get("storage_cap_bytes")
+    return FileBackend(path, page_bytes, cap_bytes=cap)

@@ -48,9 +48,12 @@ class KVIdentity:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # how a page's bytes are laid out, when not the runtime's own host pool layout ("": that one;
+    # e.g. a vLLM connector's pages are vLLM blocks): pages of different layouts never share a hash
+    page_layout: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "weight_version", "kv_dtype"):
+        for name in ("model_id", "weight_version", "kv_dtype", "page_layout"):
             if not isinstance(getattr(self, name), str):
                 raise ValidationError(f"KVIdentity.{name} must be a str, got {getattr(self, name)!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -71,12 +74,15 @@ class KVIdentity:
         )
 
     def encode(self) -> bytes:
-        """Fixed byte encoding: length-prefixed UTF-8 strings, then three little-endian u64."""
+        """Fixed byte encoding: length-prefixed UTF-8 strings, then three little-endian u64, then
+        the page layout as a length-prefixed string when it is set (the runtime's own layout
+        encodes as before it existed, so its hashes did not change)."""
         return (
             _enc_str(self.model_id)
             + _enc_str(self.weight_version)
             + _enc_str(self.kv_dtype)
             + struct.pack("<QQQ", self.num_layers, self.num_kv_heads, self.head_dim)
+            + (_enc_str(self.page_layout) if self.page_layout else b"")
         )
 
 

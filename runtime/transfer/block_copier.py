@@ -100,7 +100,14 @@ class PagedKVCopier:
             else:
                 kv[blocks] = part
 
-    def run(self, plan: TransferPlan) -> None:
+    def run(self, plan: TransferPlan, limit: int | None = None) -> None:
+        """Copy the plan's pages (its first `limit` pages only, when given)."""
         blocks, pages = self.pages(plan)
+        if limit is not None:
+            blocks, pages = blocks[:limit], pages[:limit]
         for layer in range(len(self.layers)):
             self.copy_layer(plan, layer, blocks, pages)
+
+    def page_buffer(self, page: int) -> torch.Tensor:
+        """One host page's bytes (a storage read's destination or a write's source)."""
+        return self.host[page]

@@ -44,6 +44,7 @@ from runtime.errors import (
 )
 from runtime.memory.owners import Owner
 from runtime.messages import AdmitResult, OffloadStarted, TransferPlan
+from runtime.storage.hashing import KVIdentity
 from runtime.trace import SlotTracer
 from runtime.tree.copies import CopyTracker
 from runtime.tree.decode_offload import COUNTERS as OFFLOAD_COUNTERS
@@ -92,7 +93,7 @@ class CacheCore:
     def enable_storage(self) -> None:
         if self.residency.host is None:
             raise StateError("a storage tier needs the host tier")
-        self.storage = StorageTier(self.config, self.residency, self._op_ids)
+        self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config))
 
     # -- request lifecycle -------------------------------------------------------
     def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,

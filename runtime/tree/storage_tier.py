@@ -51,11 +51,12 @@ def storage_key_ok(extra_key: Hashable) -> bool:
 
 class StorageTier:
     # -- state -------------------------------------------------------------------
-    def __init__(self, config: RuntimeConfig, residency: Residency, op_ids: Iterator[int]) -> None:
-        self.config = config
+    def __init__(self, config: RuntimeConfig, residency: Residency, op_ids: Iterator[int],
+                 identity: KVIdentity) -> None:
+        self.config = config  # (its prefetch policy; tiers-only mode issues its own reads: `read`)
         self.residency = residency
         self._op_ids = op_ids
-        self.identity = KVIdentity.from_config(config)
+        self.identity = identity
         self.ops: dict[int, StorageOp] = {}
         self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
         self.prefetches: dict[Hashable, Prefetch] = {}
@@ -123,6 +124,16 @@ class StorageTier:
         self._requests.append((op_id, False, tuple(keys), ()))
         self.stats["storage_lookups_issued"] += 1
         return len(keys) * ps
+
+    def read(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, start: int,
+             keys: list[bytes]) -> Prefetch | None:
+        """Tiers-only mode: read `keys`, the pages of `tokens` from `start` on, into fresh host
+        pages now; the engine's scheduler asked storage itself and waits on its own terms, so there
+        is no lookup first and no waiting policy. The caller keeps the prefix [0, start) in the
+        tree until the read's ack (its pages hang under it). None when no host room can be had."""
+        pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens, start, 0, EMPTY,
+                      detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
+        return pf if self._issue_read(pf, keys) else None
 
     def wait_for(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, waiter: Any) -> PrefetchWait | None:
         """The prefetch an admit of `rid` (not live) waits for, by the policy, with `waiter`
@@ -286,7 +297,12 @@ class StorageTier:
         ps = res.page_size
         # a cap on host memory held by prefetches: half the host pool
         held = sum(len(p.host) for p in self.prefetches.values()) // ps
-        keys = keys[:max(0, res.host.num_pages // 2 - held)]
+        return self._issue_read(pf, keys[:max(0, res.host.num_pages // 2 - held)])
+
+    def _issue_read(self, pf: Prefetch, keys: list[bytes]) -> bool:
+        """Read `keys` (pages of tokens from `pf.start` on) into host pages taken for `pf`."""
+        res = self.residency
+        assert res.host is not None
         host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys else None
         if host is None:
             self.stats["prefetch_skipped"] += 1
@@ -294,7 +310,7 @@ class StorageTier:
         op_id = next(self._op_ids)
         res.host.pin(host, op_id)
         pf.op_id, pf.host = op_id, host
-        pf.tokens = pf.tokens[:pf.start + len(keys) * ps]
+        pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf)
         self._requests.append((op_id, False, tuple(keys), self._host_pages(host)))
         self.stats["storage_reads_issued"] += 1

@@ -9,6 +9,12 @@ backup of the pages the tier lacks (`backup`). Plans are full mode's immutable `
 whose device slots are ``block_id * page_size + offset`` in the engine's KV tensors; acks come
 back through `apply_ack`. Synchronous and loop-free: the engine's scheduler drives it directly.
 
+With storage (`enable_storage`), full mode's `StorageTier` sits behind the host tier: a landed
+backup is written through to storage by page hash, `lookup` also asks storage (through the
+backend's `exists_prefix`) for the pages after the host hit, and `load` reads those into fresh
+host pages (a storage read) that the same load then copies to the engine's blocks; the read's
+pages join the tree at its ack, after the load's.
+
 Ownership, as in full mode:
 - a host page has one owner: a tree node, or the backup that fills it until its ack;
 - a copy pins the host pages it touches until its ack; a load locks the tree path it reads, a
@@ -20,19 +26,23 @@ Ownership, as in full mode:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from runtime.config import RuntimeConfig
 from runtime.errors import ArgumentError, LengthError, StateError, UnknownRequestError
 from runtime.memory.owners import Owner
 from runtime.messages import Direction, TransferPlan
+from runtime.storage.backend import checked_count
+from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.trace import SlotTracer, get_logger
 from runtime.tree.radix import Node
 from runtime.tree.records import aligned, make_plan
 from runtime.tree.residency import Residency
+from runtime.tree.storage_tier import StorageRequest, StorageTier, storage_key_ok
 from runtime.validation import tokens as checked_tokens
 
 log = get_logger("hicache.tiers_only")
@@ -51,6 +61,37 @@ class TierCopy:
     start: int = 0
     extra_key: Hashable = None
     owner: Owner | None = None  # backup: the owner of its host pages until its ack
+    read: int = 0  # load: the storage read it copies from first (an asynchronous load), else 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierHit:
+    """Tokens past the engine's own hit that the tiers hold: the host tier's, then storage's
+    (those need a storage read first: an asynchronous load)."""
+
+    host: int = 0
+    storage: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.host + self.storage
+
+
+@dataclass(frozen=True, slots=True)
+class TierLoad:
+    """What `load` started: the host -> device plan (None: nothing), the tokens it covers, and the
+    storage read it depends on. A read of ``k`` pages fills plan pages ``[read_at, read_at + k -
+    read_skip)`` from its page ``read_skip`` on; a read cut short leaves the plan's later pages
+    unfilled (the engine recomputes them)."""
+
+    plan: TransferPlan | None = None
+    tokens: int = 0
+    read: StorageRequest | None = None
+    read_at: int = 0
+    read_skip: int = 0
+
+
+NO_HIT, NO_LOAD = TierHit(), TierLoad()
 
 
 @dataclass(slots=True)
@@ -80,31 +121,63 @@ class TiersOnlyCore:
         self._op_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._offsets = np.arange(page_size, dtype=np.int64)
+        self.storage: StorageTier | None = None  # enable_storage()
+        self._exists: Callable[[list[bytes]], int] | None = None
         self.stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "tokens_host_hit", "tokens_loaded", "tokens_backed_up", "tokens_backup_skipped",
-             "load_errors", "backup_errors"), 0)
+            ("lookups", "tokens_host_hit", "tokens_storage_hit", "tokens_loaded", "tokens_storage_loaded",
+             "tokens_backed_up", "tokens_backup_skipped", "load_errors", "backup_errors", "storage_lookup_errors"), 0)
+
+    def enable_storage(self, identity: KVIdentity, exists_prefix: Callable[[list[bytes]], int]) -> None:
+        """A storage tier behind the host tier: pages addressed by `identity`'s page hashes;
+        `exists_prefix` (the backend's) answers lookups on the scheduler's thread."""
+        if self.storage is not None:
+            raise StateError("storage is enabled already")
+        self.storage = StorageTier(RuntimeConfig(page_size=self.page_size), self.residency, self._op_ids, identity)
+        self._exists = exists_prefix
+
+    def page_keys(self, tokens: Any, extra_key: Hashable) -> list[bytes]:
+        """Storage addresses of the whole pages of `tokens` but the last token's (what a lookup
+        and a load of them ask storage for); the engine's scheduler may keep them per request."""
+        if self.storage is None or not storage_key_ok(extra_key):
+            return []
+        tokens = _tokens(tokens)
+        return page_hashes(tokens[:aligned(len(tokens) - 1, self.page_size)], self.page_size, extra_key,
+                           self.storage.identity)
 
     # -- the engine's scheduler ----------------------------------------------------
-    def lookup(self, tokens: Any, extra_key: Hashable, computed: int) -> int:
-        """Tokens after `computed` (the engine's own device hit, whole pages) that the host tier
-        holds: whole pages, leaving the last token to compute. Read-only."""
+    def lookup(self, tokens: Any, extra_key: Hashable, computed: int, keys: list[bytes] | None = None) -> TierHit:
+        """Tokens after `computed` (the engine's own device hit, whole pages) that the host tier,
+        then storage, hold: whole pages, leaving the last token to compute. Changes nothing
+        (`keys`: `page_keys` of the same tokens, if the caller kept them)."""
         tokens = _tokens(tokens)
         self._check_aligned(computed, "computed", len(tokens))
         self.stats["lookups"] += 1
-        n = aligned(len(tokens) - 1, self.page_size)
+        ps = self.page_size
+        n = aligned(len(tokens) - 1, ps)
         if n <= computed:
-            return 0
+            return NO_HIT
         look = self.residency.tree.match(tokens[:n], extra_key, split=False, touch=False)
-        hit = max(0, look.host_len - computed)
-        self.stats["tokens_host_hit"] += hit
+        host_end = look.host_len
+        stored_end = host_end
+        if self._exists is not None and host_end < n and max(host_end, computed) < n:
+            wanted = (keys if keys is not None else self.page_keys(tokens, extra_key))[host_end // ps: n // ps]
+            if wanted:
+                try:
+                    stored_end += checked_count("exists_prefix", self._exists(wanted), len(wanted)) * ps
+                except Exception as exc:  # noqa: BLE001 - a failing backend is a miss, never a crashed scheduler
+                    self.stats["storage_lookup_errors"] += 1
+                    log.warning("tiers_storage_lookup_failed", error=repr(exc))
+        hit = TierHit(max(0, host_end - computed), max(0, stored_end - max(host_end, computed)))
+        self.stats["tokens_host_hit"] += hit.host
+        self.stats["tokens_storage_hit"] += hit.storage
         return hit
 
     def load(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int, count: int,
-             block_ids: Sequence[int]) -> tuple[TransferPlan | None, int]:
-        """Load `count` tokens after `computed` from the host tier into the request's blocks
-        (`block_ids`: all of them, in order). Returns the plan and the tokens it covers: fewer
-        than `count` only when the tier lost pages since `lookup` (the engine recomputes the
-        rest). Validates everything before it changes anything."""
+             block_ids: Sequence[int], keys: list[bytes] | None = None) -> TierLoad:
+        """Load `count` tokens after `computed` into the request's blocks (`block_ids`: all of
+        them, in order): from the host tier, and what it lacks read from storage first (into host
+        pages taken now). Covers fewer than `count` tokens only when the tiers lost pages since
+        `lookup` (the engine recomputes the rest). Validates everything before it changes anything."""
         tokens = _tokens(tokens)
         self._check_aligned(computed, "computed", len(tokens))
         self._check_aligned(count, "count", len(tokens) - 1 - computed)
@@ -112,15 +185,34 @@ class TiersOnlyCore:
         device = self._device_slots(block_ids, computed, end)
         self._check_open(rid)
         if count == 0:
-            return None, 0
-        m = self.residency.tree.match(tokens[:end], extra_key, split=True, touch=True)
-        got = m.host_len - computed
-        if got <= 0:
-            return None, 0
-        host = np.concatenate([n.host for n in m.nodes])[computed:computed + got]
-        op = self._issue(rid, Direction.LOAD, host, _lockable(m.last_node))
-        self.stats["tokens_loaded"] += got
-        return make_plan(op.op_id, Direction.LOAD, host, device[:got]), got
+            return NO_LOAD
+        ps = self.page_size
+        res = self.residency
+        m = res.tree.match(tokens[:end], extra_key, split=True, touch=True)
+        host_end = top = m.host_len
+        node = _lockable(m.last_node)
+        if node is not None:
+            res.tree.lock(node)  # the path it reads stays while host room is made for a read
+        parts = [n.host for n in m.nodes]
+        read = None
+        if self.storage is not None and max(host_end, computed) < end:
+            wanted = (keys if keys is not None else self.page_keys(tokens, extra_key))[host_end // ps: end // ps]
+            pf = self.storage.read(rid, tokens[:end], extra_key, host_end, wanted) if wanted else None
+            if pf is not None:
+                parts.append(pf.host)
+                top = end
+                read = (pf.op_id, False, tuple(wanted), tuple(int(x) // ps for x in pf.host[::ps]))
+                self.stats["tokens_storage_loaded"] += end - max(host_end, computed)
+        if top <= computed:
+            if node is not None:
+                res.tree.unlock(node)
+            return NO_LOAD
+        host = np.concatenate(parts)[computed:top]
+        op = self._issue(rid, Direction.LOAD, host, node, read=read[0] if read else 0)
+        self.stats["tokens_loaded"] += top - computed
+        plan = make_plan(op.op_id, Direction.LOAD, host, device[:top - computed])
+        return TierLoad(plan, top - computed, read, (max(host_end, computed) - computed) // ps,
+                        (max(host_end, computed) - host_end) // ps)
 
     def backup(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
                block_ids: Sequence[int]) -> TransferPlan | None:
@@ -133,7 +225,7 @@ class TiersOnlyCore:
         n = aligned(computed, self.page_size)
         device = self._device_slots(block_ids, 0, n)
         self._check_open(rid)
-        if n == 0:
+        if n == 0 or self._reading(rid):  # (its blocks do not hold their KV yet: an abort mid-load)
             return None
         res = self.residency
         res.tree.root(extra_key)  # (a namespace's root made here: its copies hang under it)
@@ -151,7 +243,7 @@ class TiersOnlyCore:
                 res.tree.unlock(prefix)
             self.stats["tokens_backup_skipped"] += n - start
             return None
-        op = self._issue(rid, Direction.BACKUP, host, prefix, locked=True, tokens=tokens[:n], start=start,
+        op = self._issue(rid, Direction.BACKUP, host, prefix, tokens=tokens[:n], start=start,
                          extra_key=extra_key, owner=owner)
         self.stats["tokens_backed_up"] += n - start
         return make_plan(op.op_id, Direction.BACKUP, device[start:], host)
@@ -183,7 +275,9 @@ class TiersOnlyCore:
         if op.direction is Direction.BACKUP:
             assert op.tokens is not None and op.owner is not None
             if error is None:  # (under its lock: the prefix it extends is still there)
-                res.adopt_host_run(op.tokens, op.extra_key, op.start, op.host, op.owner, op.rid, ())
+                _, node = res.adopt_host_run(op.tokens, op.extra_key, op.start, op.host, op.owner, op.rid, ())
+                if self.storage is not None and node is not None:  # write-through
+                    self.storage.write_chain(node, len(op.tokens) - op.start)
             else:
                 self.stats["backup_errors"] += 1
                 res.host.free(op.host, op.owner, rid=op.rid, reason="backup_failed")
@@ -199,20 +293,44 @@ class TiersOnlyCore:
             del self.requests[op.rid]
         return op
 
+    def apply_storage_ack(self, op_id: int, pages: int, error: str | None, ok: tuple[bool, ...]) -> None:
+        """A storage op ended: a write's stored pages are known; a read's leading `pages` join the
+        tree as host copies (the rest is freed). A read's load is acked first (it pins the read's
+        pages)."""
+        if self.storage is None or op_id not in self.storage.ops:
+            raise UnknownRequestError(f"ack of unknown storage op {op_id}")
+        sop = self.storage.ops[op_id]
+        if sop.write:
+            if error is None and len(ok) != len(sop.keys):
+                raise ArgumentError(f"storage write {op_id} of {len(sop.keys)} pages acked with {len(ok)} flags")
+        else:
+            pages = checked_count("storage read", pages, len(sop.keys))
+        self.storage.apply_ack(op_id, pages, error, ok, ())
+
+    def take_storage_writes(self) -> list[StorageRequest]:
+        """The storage writes issued since the last call (a read travels with its load)."""
+        if self.storage is None:
+            return []
+        return [r for r in self.storage.take_requests() if r[1]]
+
+    def busy(self) -> bool:
+        """Copies or storage ops are in flight."""
+        return bool(self.copies) or (self.storage is not None and bool(self.storage.ops))
+
     def counts(self) -> dict[str, int]:
         host = self.residency.host
         assert host is not None
         return {"host_free_pages": host.num_free_pages(), "host_cached_tokens": self.residency.tree.total_host_tokens,
-                "copies_in_flight": len(self.copies), "requests_tracked": len(self.requests)}
+                "copies_in_flight": len(self.copies), "requests_tracked": len(self.requests),
+                "storage_ops_in_flight": len(self.storage.ops) if self.storage is not None else 0}
 
     # -- helpers -------------------------------------------------------------------
-    def _issue(self, rid: Hashable, direction: Direction, host: np.ndarray, node: Node | None, *,
-               locked: bool = False, **backup: Any) -> TierCopy:
+    def _issue(self, rid: Hashable, direction: Direction, host: np.ndarray, node: Node | None,
+               **backup: Any) -> TierCopy:
+        """File a copy that pins `host` and holds `node`'s lock (taken by the caller)."""
         res = self.residency
         assert res.host is not None
         op_id = next(self._op_ids)
-        if not locked and node is not None:
-            res.tree.lock(node)
         res.host.pin(host, op_id)
         op = self.copies[op_id] = TierCopy(op_id, rid, direction, host, node, **backup)
         rec = self.requests.get(rid)
@@ -220,6 +338,11 @@ class TiersOnlyCore:
             rec = self.requests[rid] = TierRequest(rid)
         rec.copies.add(op_id)
         return op
+
+    def _reading(self, rid: Hashable) -> bool:
+        """An asynchronous load of `rid` is in flight (a synchronous one ran before the forward)."""
+        rec = self.requests.get(rid)
+        return rec is not None and any(self.copies[op].read for op in rec.copies)
 
     def _check_open(self, rid: Hashable) -> None:
         rec = self.requests.get(rid)

@@ -14,7 +14,19 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by
 
 from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
 from runtime.messages import Direction  # noqa: E402
-from tests.e2e.vllm_engine import BLOCK, FakeEngine, save_tiny_model, vllm_config  # noqa: E402
+import torch  # noqa: E402
+
+from tests.e2e.vllm_engine import (  # noqa: E402
+    BLOCK,
+    HEAD,
+    KV_HEADS,
+    FakeEngine,
+    _extend_hash,
+    _prefix_hash,
+    fingerprint,
+    save_tiny_model,
+    vllm_config,
+)
 
 SYSTEM = list(range(100, 148))  # a 48-token system prompt (3 blocks)
 
@@ -40,19 +52,23 @@ def model_dir(tmp_path_factory):
 
 
 def engine(model_dir: str, blocks: int, *, connector: str | None = "HiCacheConnector", host_blocks: int = 128,
-           module: str = "runtime.integrations.vllm") -> FakeEngine:
-    return FakeEngine(vllm_config(model_dir, connector=connector, module=module, extra={"host_blocks": host_blocks}),
-                      blocks)
+           module: str = "runtime.integrations.vllm", storage_dir: str | None = None,
+           max_batched: int = 256) -> FakeEngine:
+    extra: dict = {"host_blocks": host_blocks}
+    if storage_dir is not None:
+        extra["storage_dir"] = storage_dir
+    return FakeEngine(vllm_config(model_dir, connector=connector, module=module, extra=extra,
+                                  max_batched=max_batched), blocks)
 
 
-def conversation(e: FakeEngine, sessions: int, turns: int) -> None:
+def conversation(e: FakeEngine, sessions: int, turns: int, max_tokens: int = 4) -> None:
     """Multi-turn sessions, one turn of every session at a time: each prompt is the system
     prompt, the session's earlier turns and a new message; each turn waits for the last."""
     history = {s: list(SYSTEM) for s in range(sessions)}
     for turn in range(turns):
         for s in range(sessions):
             history[s] += [200 + 37 * s + turn] * 20
-            e.add(f"s{s}t{turn}", history[s] + [7], 4)
+            e.add(f"s{s}t{turn}", history[s] + [7], max_tokens)
         e.run()
         for s in range(sessions):
             history[s] += [7] + e.outputs[f"s{s}t{turn}"]
@@ -67,7 +83,9 @@ def test_the_host_tier_serves_what_vllms_prefix_cache_evicted_and_outputs_do_not
     assert tiered.outputs == plain.outputs
     stats = tiered.connector.core.stats
     assert stats["tokens_loaded"] > 0 and stats["tokens_backed_up"] > 0
-    assert sum(tiered.computed.values()) <= sum(plain.computed.values()) - stats["tokens_loaded"]
+    # (not `plain - loaded` exactly: a backup runs on the worker's thread, so a finished request's
+    # blocks go back to vLLM a step or two later, and vLLM's own hits differ a little from plain's)
+    assert sum(tiered.computed.values()) < sum(plain.computed.values()) - stats["tokens_loaded"] // 2
     tiered.assert_drained()
     plain.assert_drained()
 
@@ -77,11 +95,11 @@ def test_a_failed_load_is_recomputed_by_vllm_and_outputs_do_not_change(model_dir
     copier = tiered.worker.copier
     run, failed = copier.run, []
 
-    def flaky(plan):  # the first two loads fail on the worker
+    def flaky(plan, limit=None):  # the first two loads fail on the worker
         if plan.direction is Direction.LOAD and len(failed) < 2:
             failed.append(plan.op_id)
             raise RuntimeError("injected copy fault")
-        run(plan)
+        run(plan, limit)
 
     monkeypatch.setattr(copier, "run", flaky)
     for e in (plain, tiered):
@@ -110,11 +128,12 @@ def test_blocks_promised_but_no_longer_held_are_recomputed_and_outputs_do_not_ch
         return hit, is_async
 
     def poison_unloadable(request, blocks, num_external_tokens):  # what such a block holds: anything
-        before = len(connector._unloadable)
+        before = len(connector._loads)
         after_alloc(request, blocks, num_external_tokens)
-        for b in connector._unloadable[before:]:
-            for kv in tiered.kv.values():
-                kv[b] = -1.0
+        for job in connector._loads[before:]:
+            for b in job.unloadable:
+                for kv in tiered.kv.values():
+                    kv[b] = -1.0
 
     monkeypatch.setattr(connector, "get_num_new_matched_tokens", over_promise)
     monkeypatch.setattr(connector, "update_state_after_alloc", poison_unloadable)
@@ -149,3 +168,97 @@ def test_vllm_keeps_a_finished_requests_blocks_until_their_backup_read_them(mode
     assert broken.connector.core.stats["tokens_loaded"] > 0
     assert broken.outputs["c"] != plain.outputs["c"]  # the broken variant is caught
     tiered.assert_drained()
+
+
+def test_kv_saved_by_one_instance_is_loaded_by_a_fresh_one_from_storage_byte_identical(model_dir, tmp_path):
+    """A serves three sessions and writes every backed-up page through to a shared directory;
+    B, a fresh instance (empty GPU cache, empty host tier) on the same directory, serves the same
+    prompts: their prefixes arrive by asynchronous loads from storage (vLLM waits in
+    WAITING_FOR_REMOTE_KVS), every loaded block holds exactly the bytes A computed for those
+    tokens, B computes only the tokens past what A stored, and outputs equal a plain vLLM's."""
+    shared = str(tmp_path / "kv")
+    a = engine(model_dir, 32, storage_dir=shared)
+    conversation(a, sessions=3, turns=1)
+    a.assert_drained()
+    assert a.connector.core.storage.stats["storage_pages_written"] > 0
+
+    plain = engine(model_dir, 32, connector=None)
+    b = engine(model_dir, 32, storage_dir=shared)
+    loaded_blocks: list[tuple[list[int], list[int]]] = []  # (tokens, block ids) of each storage load
+    load = b.worker._load
+
+    def checked_load(job):
+        result = load(job)
+        if job.read is not None:
+            req = b.scheduler.requests[job.rid]
+            loaded_blocks.append((list(req.all_token_ids), b.scheduler.kv_cache_manager.get_block_ids(job.rid)[0]))
+            for tokens, blocks in loaded_blocks[-1:]:
+                end = job.plan.transfers[0].dst[-1] // BLOCK  # (the last block the load filled)
+                for i, block in enumerate(blocks[: blocks.index(end) + 1]):
+                    for layer, name in enumerate(b.kv):
+                        want = expected_block(tokens, i, layer)
+                        assert torch.equal(b.kv[name][block, :, :, :], want), f"block {i} of {job.rid} differs"
+        return result
+
+    b.worker._load = checked_load
+    for e in (plain, b):
+        conversation(e, sessions=3, turns=1)
+    assert loaded_blocks, "B loaded nothing from storage"
+    stats = b.connector.core.stats
+    assert stats["tokens_storage_loaded"] > 0 and stats["load_errors"] == 0
+    assert b.outputs == plain.outputs
+    # never recomputed on B: each 69-token prompt (48 + 20 + 1) computed only what A had not
+    # stored, its last 5 tokens, then 3 decode steps; plain computed s0 whole (69 + 3)
+    assert plain.computed["s0t0"] == 72
+    assert b.computed == {rid: 72 - 64 for rid in plain.computed}
+    assert stats["tokens_loaded"] == 3 * 64
+    b.assert_drained()
+
+
+def test_a_storage_read_cut_short_makes_vllm_recompute_the_rest_and_outputs_do_not_change(model_dir, tmp_path):
+    """B's reads find only the first page of what the lookup promised (pages evicted meanwhile):
+    the blocks past it are load errors of an asynchronous load, and vLLM recomputes them."""
+    shared = str(tmp_path / "kv")
+    a = engine(model_dir, 32, storage_dir=shared)
+    conversation(a, sessions=2, turns=1)
+    plain = engine(model_dir, 32, connector=None)
+    b = engine(model_dir, 32, storage_dir=shared)
+    backend = b.worker.storage
+    real = backend.get_prefix
+
+    def first_page_only(keys, dests):
+        return min(1, real(keys[:1], dests[:1]))
+
+    backend.get_prefix = first_page_only
+    for e in (plain, b):
+        conversation(e, sessions=2, turns=1)
+    stats = b.connector.core.stats
+    assert stats["tokens_storage_loaded"] > 0
+    assert b.connector.core.storage.stats["storage_read_misses"] > 0
+    assert b.outputs == plain.outputs
+    b.assert_drained()
+
+
+def test_chunked_prefill_and_preemption_with_the_tiers(model_dir, tmp_path):
+    """A 32-token step budget splits every prefill into chunks; a 16-block pool under six sessions
+    preempts running requests (vLLM frees their blocks and recomputes or reloads them later).
+    Outputs equal a plain vLLM's under the same pressure; nothing leaks."""
+    plain = engine(model_dir, 16, connector=None, max_batched=32)
+    tiered = engine(model_dir, 16, max_batched=32, storage_dir=str(tmp_path / "kv"))
+    for e in (plain, tiered):
+        conversation(e, sessions=6, turns=3, max_tokens=24)
+    assert tiered.preemptions > 0 and plain.preemptions > 0
+    assert tiered.connector.core.stats["tokens_loaded"] > 0
+    assert tiered.outputs == plain.outputs
+    tiered.assert_drained()
+    plain.assert_drained()
+
+
+def expected_block(tokens: list[int], index: int, layer: int) -> torch.Tensor:
+    """What the fake forward writes into block `index` of `tokens` in `layer`."""
+    h = _prefix_hash(tokens[: index * BLOCK])
+    values = []
+    for pos in range(index * BLOCK, (index + 1) * BLOCK):
+        h = _extend_hash(h, tokens[pos])
+        values.append(fingerprint(h, layer))
+    return torch.tensor(values, dtype=torch.float32)[None, :, None].expand(KV_HEADS, BLOCK, 2 * HEAD)

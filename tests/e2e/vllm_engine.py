@@ -11,6 +11,7 @@ to a temp dir is the model (no hub); vLLM's block size 16, KV float32, one group
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +85,7 @@ class FakeEngine:
     outputs: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
     finished: set[str] = field(default_factory=set)
     steps: int = 0
+    preemptions: int = 0
 
     def __post_init__(self) -> None:
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
@@ -122,6 +124,9 @@ class FakeEngine:
     def step(self) -> None:
         so = self.scheduler.schedule()
         self.steps += 1
+        self.preemptions += len(so.preempted_req_ids or ())
+        if not so.num_scheduled_tokens:
+            time.sleep(0.0005)  # waiting on the worker's thread: do not spin
         out = None
         if self.worker is not None:
             w = self.worker
@@ -183,7 +188,7 @@ class FakeEngine:
             from runtime.invariants import check_tiers_only
 
             check_tiers_only(self.connector.core, quiescent=True)
-            assert not self.connector._local_hit
+            assert not self.connector._asked and not self.worker._jobs
 
 
 def _prefix_hash(tokens: Iterable[int]) -> int:

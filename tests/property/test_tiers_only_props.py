@@ -22,7 +22,12 @@ import pytest
 
 from runtime.invariants import check_tiers_only
 from runtime.messages import Direction
-from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.tree.tiers_only import TierLoad, TiersOnlyCore
+
+
+def loaded(ld: TierLoad):
+    """(plan, tokens) of a load."""
+    return ld.plan, ld.tokens
 
 PS, BLOCKS = 4, 64
 
@@ -61,10 +66,10 @@ class ModelEngine:
         rid, tokens = f"r{self.next_rid}", self.prompt()
         self.next_rid += 1
         local = PS * self.rng.randrange(0, (len(tokens) - 1) // PS + 1)  # what "vLLM's own cache" had
-        hit = self.core.lookup(tokens, None, local)
+        hit = self.core.lookup(tokens, None, local).host
         check_tiers_only(self.core)
         blocks = self.rng.sample(range(BLOCKS), -(-len(tokens) // PS))
-        plan, got = self.core.load(rid, tokens, None, local, hit, blocks)
+        plan, got = loaded(self.core.load(rid, tokens, None, local, hit, blocks))
         assert got == hit, "nothing changed between the lookup and the load"
         if plan is not None:
             for slot, pos in zip(plan.transfers[0].src.tolist(), range(local, local + got)):

@@ -79,6 +79,7 @@ def test_shape_and_partial_pages():
     dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 29, 3, 64)),
     dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 2, 64)),
     dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 128)),
+    dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, "vllm-block")),
 ])
 def test_namespace_and_identity_isolation(other):
     base = page_hashes(TOKENS, 16, "tenant-a", IDENT)

@@ -14,6 +14,7 @@ import pytest
 
 from runtime.config import RuntimeConfig
 from runtime.memory.owners import Owner
+from runtime.storage.hashing import KVIdentity
 from runtime.messages import Direction, OffloadAck, OffloadFinish
 from runtime.tree.copies import CopyTracker
 from runtime.tree.decode_offload import DecodeOffload
@@ -137,7 +138,7 @@ def test_decode_offload_keeps_device_slots_until_release_after_the_last_ack():
 def test_storage_tier_lookup_that_finds_nothing_ends_the_prefetch():
     cfg = config()
     res = Residency.from_config(cfg)
-    storage = StorageTier(cfg, res, itertools.count(1))
+    storage = StorageTier(cfg, res, itertools.count(1), KVIdentity.from_config(cfg))
     assert storage.prepare("p", toks(33, 0), None) == 32
     (op_id, write, keys, pages), = storage.take_requests()
     assert not write and len(keys) == 8 and pages == ()

@@ -10,7 +10,12 @@ import pytest
 from runtime.errors import ArgumentError, InvariantViolation, LengthError, StateError, UnknownRequestError
 from runtime.invariants import check_tiers_only
 from runtime.messages import Direction
-from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.tree.tiers_only import TierLoad, TiersOnlyCore
+
+
+def loaded(ld: TierLoad):
+    """(plan, tokens) of a load."""
+    return ld.plan, ld.tokens
 
 PS = 4
 
@@ -47,7 +52,7 @@ def backed_up(c: TiersOnlyCore, rid, tokens, blocks, computed=None) -> np.ndarra
 def test_a_backed_up_prefix_is_a_host_hit_loaded_into_the_new_blocks():
     c = core()
     prompt = toks(13)
-    assert step(c, c.lookup(prompt, None, 0)) == 0
+    assert step(c, c.lookup(prompt, None, 0).host) == 0
     plan = c.backup("a", prompt, None, 13, [5, 6, 7, 8])
     step(c)
     # whole pages of the computed tokens only: 3 pages from blocks 5, 6, 7
@@ -60,8 +65,8 @@ def test_a_backed_up_prefix_is_a_host_hit_loaded_into_the_new_blocks():
     # another request with the same prefix, nothing of it on device: 12 tokens (len - 1 = 13,
     # whole pages: 12); with one device page already: 8 more
     again = toks(14)
-    assert c.lookup(again, None, 0) == 12 and c.lookup(again, None, 4) == 8
-    load, got = c.load("b", again, None, 4, 8, [9, 10, 11, 12])
+    assert c.lookup(again, None, 0).host == 12 and c.lookup(again, None, 4).host == 8
+    load, got = loaded(c.load("b", again, None, 4, 8, [9, 10, 11, 12]))
     step(c)
     assert got == 8 and load.direction is Direction.LOAD
     assert load.transfers[0].src.tolist() == host[4:12].tolist()
@@ -78,8 +83,8 @@ def test_a_backup_copies_only_the_pages_the_tier_lacks_and_namespaces_stay_apart
     step(c)
     assert plan.transfers[0].src.tolist() == list(range(16, 24))  # blocks 4 and 5: pages 3 and 4
     step(c, c.apply_ack(plan.op_id, None))
-    assert c.lookup(toks(17), None, 0) == 16
-    assert c.lookup(toks(17), ("tenant", 2), 0) == 0
+    assert c.lookup(toks(17), None, 0).host == 16
+    assert c.lookup(toks(17), ("tenant", 2), 0).host == 0
     assert c.backup("c", toks(16), None, 16, [6, 7, 8, 9]) is None  # all there already
     step(c, c.finish("b"))
     check_tiers_only(c, quiescent=True)
@@ -91,7 +96,7 @@ def test_a_prefix_that_diverges_inside_a_cached_node_splits_it_and_each_half_own
     c = core()
     backed_up(c, "a", toks(16), [0, 1, 2, 3])
     other = np.concatenate((toks(8), toks(8, base=900)))
-    load, got = c.load("b", np.concatenate((other, [1])), None, 0, 8, [4, 5, 6])
+    load, got = loaded(c.load("b", np.concatenate((other, [1])), None, 0, 8, [4, 5, 6]))
     step(c)
     assert got == 8
     plan = c.backup("b", other, None, 16, [4, 5, 6, 7])
@@ -99,7 +104,7 @@ def test_a_prefix_that_diverges_inside_a_cached_node_splits_it_and_each_half_own
     assert plan.transfers[0].src.tolist() == list(range(24, 32))  # only the diverging half
     for op in (load.op_id, plan.op_id):
         step(c, c.apply_ack(op, None))
-    assert c.lookup(np.concatenate((other, [1])), None, 0) == 16 and c.lookup(toks(17), None, 0) == 16
+    assert c.lookup(np.concatenate((other, [1])), None, 0).host == 16 and c.lookup(toks(17), None, 0).host == 16
     step(c, c.finish("b"))
     check_tiers_only(c, quiescent=True)
 
@@ -110,7 +115,7 @@ def test_a_failed_backup_frees_its_host_pages_and_caches_nothing():
     free = c.residency.host.num_free_pages()
     step(c, c.apply_ack(plan.op_id, "copy fault"))
     assert c.residency.host.num_free_pages() == free + 2
-    assert c.lookup(toks(9), None, 0) == 0 and c.stats["backup_errors"] == 1
+    assert c.lookup(toks(9), None, 0).host == 0 and c.stats["backup_errors"] == 1
     step(c, c.finish("a"))
     check_tiers_only(c, quiescent=True)
 
@@ -119,14 +124,14 @@ def test_host_room_evicts_unlocked_copies_least_recent_first_never_a_path_being_
     c = core(host_pages=4)
     backed_up(c, "a", toks(8, base=100), [0, 1])
     backed_up(c, "b", toks(8, base=200), [2, 3])
-    load, got = c.load("r", toks(9, base=100), None, 0, 8, [4, 5, 6])  # a's pages are being read
+    load, got = loaded(c.load("r", toks(9, base=100), None, 0, 8, [4, 5, 6]))  # a's pages are being read
     step(c)
     assert got == 8
     # the tier is full: c's backup may only evict b's pages (a's are locked by the load)
     plan = c.backup("c", toks(8, base=300), None, 8, [7, 8])
     step(c)
     assert plan is not None
-    assert c.lookup(toks(9, base=200), None, 0) == 0 and c.lookup(toks(9, base=100), None, 0) == 8
+    assert c.lookup(toks(9, base=200), None, 0).host == 0 and c.lookup(toks(9, base=100), None, 0).host == 8
     # nothing else can go: the next backup is skipped, changing nothing
     before = state(c)
     assert c.backup("d", toks(8, base=400), None, 8, [9, 10]) is None
@@ -141,20 +146,20 @@ def test_host_room_evicts_unlocked_copies_least_recent_first_never_a_path_being_
 def test_a_load_covers_only_what_the_tier_still_holds():
     c = core()
     backed_up(c, "a", toks(8), [0, 1])
-    load, got = c.load("b", toks(17), None, 0, 16, [2, 3, 4, 5, 6])
+    load, got = loaded(c.load("b", toks(17), None, 0, 16, [2, 3, 4, 5, 6]))
     step(c)
     assert got == 8 and load.transfers[0].dst.tolist() == list(range(8, 16))
     step(c, c.apply_ack(load.op_id, "copy fault"))
     assert c.stats["load_errors"] == 1
-    assert c.lookup(toks(9), None, 0) == 8  # a failed load leaves the host copy as it was
+    assert c.lookup(toks(9), None, 0).host == 8  # a failed load leaves the host copy as it was
     step(c, c.finish("b"))
     check_tiers_only(c, quiescent=True)
 
 
 @pytest.mark.parametrize("call, error", [
-    (lambda c: c.lookup(toks(9), None, 3), LengthError),  # not whole pages
-    (lambda c: c.lookup(np.zeros((2, 2), np.int32), None, 0), LengthError),  # (the façade's token check)
-    (lambda c: c.lookup([-1, 2], None, 0), ArgumentError),
+    (lambda c: c.lookup(toks(9), None, 3).host, LengthError),  # not whole pages
+    (lambda c: c.lookup(np.zeros((2, 2), np.int32), None, 0).host, LengthError),  # (the façade's token check)
+    (lambda c: c.lookup([-1, 2], None, 0).host, ArgumentError),
     (lambda c: c.load("x", toks(9), None, 0, 12, [0, 1, 2]), LengthError),  # past len - 1
     (lambda c: c.load("x", toks(9), None, 0, 8, [0]), ArgumentError),  # too few blocks
     (lambda c: c.load("x", toks(9), None, 0, 8, [0, 99]), ArgumentError),  # block past the engine's
