@@ -45,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -64,6 +65,7 @@ from runtime.trace import get_logger
 from runtime.transfer.block_copier import PagedKVCopier
 from runtime.tree.storage_tier import StorageRequest
 from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.validation import tokens as checked_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -135,7 +137,8 @@ class _Asked:
     """What `get_num_new_matched_tokens` answered last for a waiting request."""
 
     local: int  # vLLM's own hit it was asked past
-    keys: list[bytes]  # the prompt's page keys (storage), kept while the request waits
+    tokens: np.ndarray  # the request's tokens, checked (vLLM asks again every step it waits)
+    keys: list[bytes]  # their page keys (storage)
     is_async: bool
 
 
@@ -196,11 +199,15 @@ class HiCacheConnector(KVConnectorBase_V1):
     # -- scheduler side ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.core is not None
-        rid, tokens = request.request_id, request.all_token_ids
+        rid = request.request_id
         asked = self._asked.get(rid)
-        keys = asked.keys if asked is not None else self.core.page_keys(tokens, _namespace(request))
+        if asked is not None and len(asked.tokens) == request.num_tokens:  # asked again while it waits
+            tokens, keys = asked.tokens, asked.keys
+        else:
+            tokens = checked_tokens(np.asarray(request.all_token_ids))
+            keys = self.core.page_keys(tokens, _namespace(request))
         hit = self.core.lookup(tokens, _namespace(request), num_computed_tokens, keys)
-        self._asked[rid] = _Asked(num_computed_tokens, keys, hit.storage > 0)
+        self._asked[rid] = _Asked(num_computed_tokens, tokens, keys, hit.storage > 0)
         return hit.total, hit.storage > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -212,8 +219,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert asked is not None, "vLLM allocates an external hit only after asking for it"
         (block_ids,) = blocks.get_block_ids()
         local = asked.local
-        ld = self.core.load(rid, request.all_token_ids, _namespace(request), local, num_external_tokens,
-                            block_ids, asked.keys)
+        ld = self.core.load(rid, asked.tokens, _namespace(request), local, num_external_tokens, block_ids, asked.keys)
         # blocks promised but not to be filled: the tiers lost pages since the lookup (vLLM recomputes them)
         first, end = (local + ld.tokens) // self.block_size, (local + num_external_tokens) // self.block_size
         job = LoadJob(rid, ld.plan, ld.read, ld.read_at, ld.read_skip, tuple(block_ids[first:end]))

@@ -271,7 +271,7 @@ class TiersOnlyCore:
             raise UnknownRequestError(f"ack of unknown copy {op_id}")
         res = self.residency
         assert res.host is not None
-        res.host.unpin(op.host, op_id)
+        res.host.unpin(op.host, op_id, trusted=True)
         if op.direction is Direction.BACKUP:
             assert op.tokens is not None and op.owner is not None
             if error is None:  # (under its lock: the prefix it extends is still there)
@@ -331,7 +331,7 @@ class TiersOnlyCore:
         res = self.residency
         assert res.host is not None
         op_id = next(self._op_ids)
-        res.host.pin(host, op_id)
+        res.host.pin(host, op_id, trusted=True)  # (tree nodes' and the ledger's own page arrays)
         op = self.copies[op_id] = TierCopy(op_id, rid, direction, host, node, **backup)
         rec = self.requests.get(rid)
         if rec is None:

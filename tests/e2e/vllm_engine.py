@@ -53,7 +53,7 @@ def save_tiny_model(path: str) -> None:
 
 
 def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime.integrations.vllm",
-                extra: dict[str, Any] | None = None, max_batched: int = 256) -> VllmConfig:
+                extra: dict[str, Any] | None = None, max_batched: int = 256, max_seqs: int = 16) -> VllmConfig:
     kvt = None
     if connector is not None:
         kvt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
@@ -62,7 +62,7 @@ def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime
     cache.kv_cache_layout = "LBNHC"  # what the engine core resolves for vLLM's default backend
     return VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32", seed=0),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
+        scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched, max_model_len=4096,
                                          enable_chunked_prefill=True, is_encoder_decoder=False,
                                          async_scheduling=False, disable_hybrid_kv_cache_manager=True),
         cache_config=cache, kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
@@ -122,7 +122,7 @@ class FakeEngine:
                 raise AssertionError("the engine did not drain")
 
     def step(self) -> None:
-        so = self.scheduler.schedule()
+        so = self._schedule()
         self.steps += 1
         self.preemptions += len(so.preempted_req_ids or ())
         if not so.num_scheduled_tokens:
@@ -152,6 +152,9 @@ class FakeEngine:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
+
+    def _schedule(self) -> Any:
+        return self.scheduler.schedule()
 
     def _forward(self, so: Any) -> dict[str, list[int]]:
         """Write each scheduled token's fingerprint into its KV slot; sample from all KV read."""
