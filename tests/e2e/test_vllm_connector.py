@@ -175,7 +175,9 @@ def test_kv_saved_by_one_instance_is_loaded_by_a_fresh_one_from_storage_byte_ide
     B, a fresh instance (empty GPU cache, empty host tier) on the same directory, serves the same
     prompts: their prefixes arrive by asynchronous loads from storage (vLLM waits in
     WAITING_FOR_REMOTE_KVS), every loaded block holds exactly the bytes A computed for those
-    tokens, B computes only the tokens past what A stored, and outputs equal a plain vLLM's."""
+    tokens, B computes only the tokens past what A stored, and outputs equal a plain vLLM's.
+    Checked failing with the load's read pages placed one page off (`np.roll` in
+    `TiersOnlyCore.load`): block 0 differs."""
     shared = str(tmp_path / "kv")
     a = engine(model_dir, 32, storage_dir=shared)
     conversation(a, sessions=3, turns=1)
@@ -217,7 +219,8 @@ def test_kv_saved_by_one_instance_is_loaded_by_a_fresh_one_from_storage_byte_ide
 
 def test_a_storage_read_cut_short_makes_vllm_recompute_the_rest_and_outputs_do_not_change(model_dir, tmp_path):
     """B's reads find only the first page of what the lookup promised (pages evicted meanwhile):
-    the blocks past it are load errors of an asynchronous load, and vLLM recomputes them."""
+    the blocks past it are load errors of an asynchronous load, and vLLM recomputes them.
+    Checked failing with the worker not reporting the blocks the short read left unfilled."""
     shared = str(tmp_path / "kv")
     a = engine(model_dir, 32, storage_dir=shared)
     conversation(a, sessions=2, turns=1)
