@@ -305,6 +305,8 @@ class TiersOnlyCore:
                 raise ArgumentError(f"storage write {op_id} of {len(sop.keys)} pages acked with {len(ok)} flags")
         else:
             pages = checked_count("storage read", pages, len(sop.keys))
+            if any(op.read == op_id for op in self.copies.values()):  # (its load pins its pages)
+                raise StateError(f"storage read {op_id} acked before the load that copies from it")
         self.storage.apply_ack(op_id, pages, error, ok, ())
 
     def take_storage_writes(self) -> list[StorageRequest]:
