@@ -170,7 +170,7 @@ def main() -> None:
           f"connector / schedule() | same, all steps | wall s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        ratio = r["conn"] / r["sched"] if r["loaded"] or r["name"] in ("host", "storage") else float("nan")
+        ratio = r["conn"] / r["sched"] if r["name"] in ("host", "storage") else float("nan")
         print(f"| {r['name']} | {r['blocks']} | {r['computed']:,} | {r['computed'] / ideal:.3f}x | "
               f"{r['loaded']:,} ({r['from_storage']:,}) | {r['steps']} | {r['busy']} | {r['sched']:.2f} | "
               f"{r['conn']:.3f} | {ratio:.1%} | {r['total']:.1%} | {r['wall']:.1f} |")

@@ -40,6 +40,7 @@ nothing to do; a CUDA worker would start the loads on a side stream and wait per
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ from runtime.storage.hashing import KVIdentity
 from runtime.trace import get_logger
 from runtime.transfer.block_copier import PagedKVCopier
 from runtime.tree.storage_tier import StorageRequest
-from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.tree.tiers_only import TierLoad, TiersOnlyCore
 from runtime.validation import tokens as checked_tokens
 
 if TYPE_CHECKING:
@@ -83,16 +84,12 @@ __all__ = ["HiCacheConnector", "TieredMeta", "LoadJob", "CopyAcks"]
 
 @dataclass(frozen=True)
 class LoadJob:
-    """A load into one request's blocks: the storage read it needs first (if any: pages of the
-    read from `read_skip` on fill the plan's pages from `read_at` on; a read cut short leaves
-    the plan's later pages unfilled), the host -> device plan, and the blocks promised to vLLM
-    that nothing will fill (load errors)."""
+    """A load into one request's blocks: what the core started (`TierLoad`: the plan and the
+    storage read it needs first, if any) and the blocks promised to vLLM that nothing will fill
+    (load errors)."""
 
     rid: str
-    plan: TransferPlan | None
-    read: StorageRequest | None = None
-    read_at: int = 0
-    read_skip: int = 0
+    load: TierLoad
     unloadable: tuple[int, ...] = ()
 
 
@@ -108,6 +105,8 @@ class TieredMeta(KVConnectorMetadata):
 
 
 StorageOutcome = tuple[int, str | None, tuple[bool, ...]]  # pages read, error, pages written
+# a worker job's outcome: copies' outcomes, storage ops' outcomes, blocks a load left unfilled
+JobResult = tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]
 
 
 @dataclass
@@ -170,7 +169,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             raise ConfigError(f"kv_connector_extra_config.host_blocks must be a positive int, got {host_blocks!r}")
         self.host_blocks = host_blocks
         self.identity = _identity(vllm_config, kv_cache_config, extra)
-        self.storage = _open_storage(vllm_config, extra, self.identity, self.block_size)
+        self.storage = _open_storage(vllm_config, kv_cache_config, extra)
         # scheduler side
         self.core: TiersOnlyCore | None = None
         self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
@@ -179,7 +178,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._backups: list[tuple[str, TransferPlan]] = []
         # worker side
         self.copier: PagedKVCopier | None = None
-        self._jobs: list[tuple[Future, str, str]] = []  # (result, kind, request id), in submission order
+        self._jobs: deque[tuple[Future[JobResult], str, str]] = deque()  # (result, kind, request id), in order
         self._executor: ThreadPoolExecutor | None = None  # one thread: async loads, backups, storage writes
         self._outcomes: dict[int, str | None] = {}
         self._storage_outcomes: dict[int, StorageOutcome] = {}
@@ -222,7 +221,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         ld = self.core.load(rid, asked.tokens, _namespace(request), local, num_external_tokens, block_ids, asked.keys)
         # blocks promised but not to be filled: the tiers lost pages since the lookup (vLLM recomputes them)
         first, end = (local + ld.tokens) // self.block_size, (local + num_external_tokens) // self.block_size
-        job = LoadJob(rid, ld.plan, ld.read, ld.read_at, ld.read_skip, tuple(block_ids[first:end]))
+        job = LoadJob(rid, ld, tuple(block_ids[first:end]))
         # an async answer is reported through get_finished whatever happens (vLLM waits for it)
         (self._async_loads if asked.is_async else self._loads).append(job)
 
@@ -335,50 +334,51 @@ class HiCacheConnector(KVConnectorBase_V1):
     def _collect(self) -> None:
         """Record the jobs that ended, in order (a job's outcome is reported once)."""
         while self._jobs and self._jobs[0][0].done():
-            fut, kind, rid = self._jobs.pop(0)
+            fut, kind, rid = self._jobs.popleft()
             self._record(fut.result())
             if kind == "load":
                 self._received.add(rid)
             elif kind == "backup":
                 self._sent.add(rid)
 
-    def _record(self, result: tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]) -> None:
+    def _record(self, result: JobResult) -> None:
         outcomes, storage, errors = result
         self._outcomes.update(outcomes)
         self._storage_outcomes.update(storage)
         self._load_errors |= errors
 
-    def _load(self, job: LoadJob) -> tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]:
+    def _load(self, job: LoadJob) -> JobResult:
         """A storage read (if any), then the copy of what the tiers hold into the blocks.
         Never raises: a failure is an outcome, its blocks load errors."""
         copier = self._copier()
         outcomes: dict[int, str | None] = {}
         storage: dict[int, StorageOutcome] = {}
         errors = set(job.unloadable)
+        load = job.load
         usable = None
-        if job.read is not None:
-            op_id, _, keys, pages = job.read
+        if load.read is not None:
+            op_id, _, keys, pages = load.read
             try:
                 got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages]), None
             except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
                 got, err = 0, repr(exc)
                 log.warning("vllm_storage_read_failed", op=op_id, rid=job.rid, error=err)
             storage[op_id] = (got, err, ())
-            usable = job.read_at + max(0, got - job.read_skip)
-        if job.plan is not None:
-            blocks = (job.plan.transfers[0].dst[:: self.block_size] // self.block_size).tolist()
+            usable = load.read_at + max(0, got - load.read_skip)
+        if load.plan is not None:
+            blocks = (load.plan.transfers[0].dst[:: self.block_size] // self.block_size).tolist()
             if usable is not None and usable < len(blocks):
                 errors.update(blocks[usable:])
             try:
-                copier.run(job.plan, usable)
-                outcomes[job.plan.op_id] = None
+                copier.run(load.plan, usable)
+                outcomes[load.plan.op_id] = None
             except Exception as exc:  # noqa: BLE001
-                log.warning("vllm_copy_failed", op=job.plan.op_id, direction="load", error=repr(exc))
-                outcomes[job.plan.op_id] = repr(exc)
+                log.warning("vllm_copy_failed", op=load.plan.op_id, direction="load", error=repr(exc))
+                outcomes[load.plan.op_id] = repr(exc)
                 errors.update(blocks)
         return outcomes, storage, errors
 
-    def _backup(self, plan: TransferPlan) -> tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]:
+    def _backup(self, plan: TransferPlan) -> JobResult:
         try:
             self._copier().run(plan)
             return {plan.op_id: None}, {}, set()
@@ -386,7 +386,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             log.warning("vllm_copy_failed", op=plan.op_id, direction="backup", error=repr(exc))
             return {plan.op_id: repr(exc)}, {}, set()
 
-    def _write(self, request: StorageRequest) -> tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]:
+    def _write(self, request: StorageRequest) -> JobResult:
         op_id, _, keys, pages = request
         copier = self._copier()
         try:
@@ -415,8 +415,7 @@ def _identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: di
                       spec.head_size, layout)
 
 
-def _open_storage(vllm_config: VllmConfig, extra: dict[str, Any], identity: KVIdentity,
-                  block_size: int) -> FileBackend | None:
+def _open_storage(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> FileBackend | None:
     path = extra.get("storage_dir")
     if path is None:
         return None
@@ -424,7 +423,6 @@ def _open_storage(vllm_config: VllmConfig, extra: dict[str, Any], identity: KVId
         raise ConfigError(f"kv_connector_extra_config.storage_dir must be a directory path, got {path!r}")
     if vllm_config.parallel_config.tensor_parallel_size > 1:  # each rank holds its own heads: not in the identity yet
         raise ConfigError("HiCacheConnector's storage tier supports tensor_parallel_size 1 for now")
-    itemsize = torch.empty((), dtype=getattr(torch, identity.kv_dtype)).element_size()
-    page_bytes = identity.num_layers * identity.num_kv_heads * block_size * 2 * identity.head_dim * itemsize
-    cap = extra.get("storage_cap_bytes")
-    return FileBackend(path, page_bytes, cap_bytes=cap)
+    group = kv_cache_config.kv_cache_groups[0]  # a page: one block of every layer
+    return FileBackend(path, len(group.layer_names) * group.kv_cache_spec.page_size_bytes,
+                       cap_bytes=extra.get("storage_cap_bytes"))

@@ -126,14 +126,16 @@ class StorageTier:
         return len(keys) * ps
 
     def read(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, start: int,
-             keys: list[bytes]) -> Prefetch | None:
+             keys: list[bytes]) -> tuple[Prefetch, StorageRequest] | None:
         """Tiers-only mode: read `keys`, the pages of `tokens` from `start` on, into fresh host
         pages now; the engine's scheduler asked storage itself and waits on its own terms, so there
         is no lookup first and no waiting policy. The caller keeps the prefix [0, start) in the
-        tree until the read's ack (its pages hang under it). None when no host room can be had."""
+        tree until the read's ack (its pages hang under it). Returns the prefetch and its storage
+        request (not queued in `take_requests`); None when no host room can be had."""
         pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens, start, 0, EMPTY,
                       detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
-        return pf if self._issue_read(pf, keys) else None
+        request = self._issue_read(pf, keys)
+        return None if request is None else (pf, request)  # (the caller carries the request to its worker)
 
     def wait_for(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, waiter: Any) -> PrefetchWait | None:
         """The prefetch an admit of `rid` (not live) waits for, by the policy, with `waiter`
@@ -297,24 +299,28 @@ class StorageTier:
         ps = res.page_size
         # a cap on host memory held by prefetches: half the host pool
         held = sum(len(p.host) for p in self.prefetches.values()) // ps
-        return self._issue_read(pf, keys[:max(0, res.host.num_pages // 2 - held)])
+        request = self._issue_read(pf, keys[:max(0, res.host.num_pages // 2 - held)])
+        if request is None:
+            return False
+        self._requests.append(request)
+        return True
 
-    def _issue_read(self, pf: Prefetch, keys: list[bytes]) -> bool:
-        """Read `keys` (pages of tokens from `pf.start` on) into host pages taken for `pf`."""
+    def _issue_read(self, pf: Prefetch, keys: list[bytes]) -> StorageRequest | None:
+        """Read `keys` (pages of tokens from `pf.start` on) into host pages taken for `pf`;
+        returns the read's storage request (None: no host room)."""
         res = self.residency
         assert res.host is not None
         host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys else None
         if host is None:
             self.stats["prefetch_skipped"] += 1
-            return False
+            return None
         op_id = next(self._op_ids)
         res.host.pin(host, op_id)
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf)
-        self._requests.append((op_id, False, tuple(keys), self._host_pages(host)))
         self.stats["storage_reads_issued"] += 1
-        return True
+        return op_id, False, tuple(keys), self._host_pages(host)
 
     def _hold_anchor(self, pf: Prefetch, m: MatchResult) -> None:
         """Keep the prefetch's anchor (the matched prefix `m`, ending exactly at `pf.start`) in the

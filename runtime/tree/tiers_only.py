@@ -138,11 +138,7 @@ class TiersOnlyCore:
     def page_keys(self, tokens: Any, extra_key: Hashable) -> list[bytes]:
         """Storage addresses of the whole pages of `tokens` but the last token's (what a lookup
         and a load of them ask storage for); the engine's scheduler may keep them per request."""
-        if self.storage is None or not storage_key_ok(extra_key):
-            return []
-        tokens = _tokens(tokens)
-        return page_hashes(tokens[:aligned(len(tokens) - 1, self.page_size)], self.page_size, extra_key,
-                           self.storage.identity)
+        return self._page_keys(_tokens(tokens), extra_key)
 
     # -- the engine's scheduler ----------------------------------------------------
     def lookup(self, tokens: Any, extra_key: Hashable, computed: int, keys: list[bytes] | None = None) -> TierHit:
@@ -159,8 +155,8 @@ class TiersOnlyCore:
         look = self.residency.tree.match(tokens[:n], extra_key, split=False, touch=False)
         host_end = look.host_len
         stored_end = host_end
-        if self._exists is not None and host_end < n and max(host_end, computed) < n:
-            wanted = (keys if keys is not None else self.page_keys(tokens, extra_key))[host_end // ps: n // ps]
+        if self._exists is not None and max(host_end, computed) < n:
+            wanted = (keys if keys is not None else self._page_keys(tokens, extra_key))[host_end // ps: n // ps]
             if wanted:
                 try:
                     stored_end += checked_count("exists_prefix", self._exists(wanted), len(wanted)) * ps
@@ -190,19 +186,20 @@ class TiersOnlyCore:
         res = self.residency
         m = res.tree.match(tokens[:end], extra_key, split=True, touch=True)
         host_end = top = m.host_len
+        first = max(host_end, computed)  # the first token the host tier cannot supply
         node = _lockable(m.last_node)
         if node is not None:
             res.tree.lock(node)  # the path it reads stays while host room is made for a read
         parts = [n.host for n in m.nodes]
         read = None
-        if self.storage is not None and max(host_end, computed) < end:
-            wanted = (keys if keys is not None else self.page_keys(tokens, extra_key))[host_end // ps: end // ps]
-            pf = self.storage.read(rid, tokens[:end], extra_key, host_end, wanted) if wanted else None
-            if pf is not None:
+        if self.storage is not None and first < end:
+            wanted = (keys if keys is not None else self._page_keys(tokens, extra_key))[host_end // ps: end // ps]
+            issued = self.storage.read(rid, tokens[:end], extra_key, host_end, wanted) if wanted else None
+            if issued is not None:
+                pf, read = issued
                 parts.append(pf.host)
                 top = end
-                read = (pf.op_id, False, tuple(wanted), tuple(int(x) // ps for x in pf.host[::ps]))
-                self.stats["tokens_storage_loaded"] += end - max(host_end, computed)
+                self.stats["tokens_storage_loaded"] += end - first
         if top <= computed:
             if node is not None:
                 res.tree.unlock(node)
@@ -211,8 +208,7 @@ class TiersOnlyCore:
         op = self._issue(rid, Direction.LOAD, host, node, read=read[0] if read else 0)
         self.stats["tokens_loaded"] += top - computed
         plan = make_plan(op.op_id, Direction.LOAD, host, device[:top - computed])
-        return TierLoad(plan, top - computed, read, (max(host_end, computed) - computed) // ps,
-                        (max(host_end, computed) - host_end) // ps)
+        return TierLoad(plan, top - computed, read, (first - computed) // ps, (first - host_end) // ps)
 
     def backup(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
                block_ids: Sequence[int]) -> TransferPlan | None:
@@ -311,9 +307,7 @@ class TiersOnlyCore:
 
     def take_storage_writes(self) -> list[StorageRequest]:
         """The storage writes issued since the last call (a read travels with its load)."""
-        if self.storage is None:
-            return []
-        return [r for r in self.storage.take_requests() if r[1]]
+        return [] if self.storage is None else self.storage.take_requests()
 
     def busy(self) -> bool:
         """Copies or storage ops are in flight."""
@@ -340,6 +334,13 @@ class TiersOnlyCore:
             rec = self.requests[rid] = TierRequest(rid)
         rec.copies.add(op_id)
         return op
+
+    def _page_keys(self, tokens: np.ndarray, extra_key: Hashable) -> list[bytes]:
+        """`page_keys` of checked tokens."""
+        if self.storage is None or not storage_key_ok(extra_key):
+            return []
+        return page_hashes(tokens[:aligned(len(tokens) - 1, self.page_size)], self.page_size, extra_key,
+                           self.storage.identity)
 
     def _reading(self, rid: Hashable) -> bool:
         """An asynchronous load of `rid` is in flight (a synchronous one ran before the forward)."""

@@ -74,15 +74,37 @@ def conversation(e: FakeEngine, sessions: int, turns: int, max_tokens: int = 4) 
             history[s] += [7] + e.outputs[f"s{s}t{turn}"]
 
 
-def test_the_host_tier_serves_what_vllms_prefix_cache_evicted_and_outputs_do_not_change(model_dir):
+def test_the_host_tier_serves_what_vllms_prefix_cache_evicted_and_outputs_do_not_change(model_dir, monkeypatch):
     """Six sessions over a 12-block device pool: vLLM's own prefix cache keeps little, the host
-    tier the rest. Outputs equal a plain vLLM's; fewer tokens are computed; nothing leaks."""
+    tier the rest. Outputs equal a plain vLLM's; every request computes exactly the tokens that
+    neither vLLM's cache nor the host tier supplied (a loaded token is never computed again);
+    nothing leaks. The exact count checked failing with the worker reporting every loaded block
+    as a load error (outputs still equal: vLLM recomputed them)."""
     plain, tiered = engine(model_dir, 12, connector=None), engine(model_dir, 12)
+    connector = tiered.connector
+    ask, after_alloc = connector.get_num_new_matched_tokens, connector.update_state_after_alloc
+    local: dict[str, int] = {}  # rid -> vLLM's own hit when last asked
+    supplied: dict[str, tuple[int, int]] = {}  # rid -> (prompt tokens, tokens vLLM's cache and the tier supplied)
+
+    def asking(request, num_computed_tokens):
+        local[request.request_id] = num_computed_tokens
+        return ask(request, num_computed_tokens)
+
+    def allocated(request, blocks, num_external_tokens):
+        supplied.setdefault(request.request_id,
+                            (request.num_prompt_tokens, local[request.request_id] + num_external_tokens))
+        after_alloc(request, blocks, num_external_tokens)
+
+    monkeypatch.setattr(connector, "get_num_new_matched_tokens", asking)
+    monkeypatch.setattr(connector, "update_state_after_alloc", allocated)
     for e in (plain, tiered):
         conversation(e, sessions=6, turns=3)
     assert tiered.outputs == plain.outputs
     stats = tiered.connector.core.stats
     assert stats["tokens_loaded"] > 0 and stats["tokens_backed_up"] > 0
+    assert tiered.preemptions == 0 and supplied.keys() == tiered.computed.keys()
+    for rid, (prompt, skipped) in supplied.items():  # prefill past what was supplied, then 3 decode steps
+        assert tiered.computed[rid] == prompt - skipped + 3, rid
     # (not `plain - loaded` exactly: a backup runs on the worker's thread, so a finished request's
     # blocks go back to vLLM a step or two later, and vLLM's own hits differ a little from plain's)
     assert sum(tiered.computed.values()) < sum(plain.computed.values()) - stats["tokens_loaded"] // 2
@@ -186,26 +208,26 @@ def test_kv_saved_by_one_instance_is_loaded_by_a_fresh_one_from_storage_byte_ide
 
     plain = engine(model_dir, 32, connector=None)
     b = engine(model_dir, 32, storage_dir=shared)
-    loaded_blocks: list[tuple[list[int], list[int]]] = []  # (tokens, block ids) of each storage load
+    from_storage: list[str] = []  # requests whose KV a storage read brought
     load = b.worker._load
 
     def checked_load(job):
         result = load(job)
-        if job.read is not None:
-            req = b.scheduler.requests[job.rid]
-            loaded_blocks.append((list(req.all_token_ids), b.scheduler.kv_cache_manager.get_block_ids(job.rid)[0]))
-            for tokens, blocks in loaded_blocks[-1:]:
-                end = job.plan.transfers[0].dst[-1] // BLOCK  # (the last block the load filled)
-                for i, block in enumerate(blocks[: blocks.index(end) + 1]):
-                    for layer, name in enumerate(b.kv):
-                        want = expected_block(tokens, i, layer)
-                        assert torch.equal(b.kv[name][block, :, :, :], want), f"block {i} of {job.rid} differs"
+        if job.load.read is not None:
+            from_storage.append(job.rid)
+            tokens = list(b.scheduler.requests[job.rid].all_token_ids)
+            blocks = b.scheduler.kv_cache_manager.get_block_ids(job.rid)[0]
+            last = blocks.index(int(job.load.plan.transfers[0].dst[-1]) // BLOCK)  # the last block it filled
+            for i, block in enumerate(blocks[: last + 1]):
+                for layer, name in enumerate(b.kv):
+                    want = expected_block(tokens, i, layer)
+                    assert torch.equal(b.kv[name][block, :, :, :], want), f"block {i} of {job.rid} differs"
         return result
 
     b.worker._load = checked_load
     for e in (plain, b):
         conversation(e, sessions=3, turns=1)
-    assert loaded_blocks, "B loaded nothing from storage"
+    assert from_storage, "B loaded nothing from storage"
     stats = b.connector.core.stats
     assert stats["tokens_storage_loaded"] > 0 and stats["load_errors"] == 0
     assert b.outputs == plain.outputs

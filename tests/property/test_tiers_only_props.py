@@ -69,9 +69,11 @@ class ModelEngine:
         self.next_rid = 0
         self.stems = [np.asarray([self.rng.randrange(50) for _ in range(12)], np.int32) for _ in range(3)]
 
+    stem_cuts, tail_max = (0, 4, 8, 12), 14  # a prompt: a stem cut at one of these, a tail shorter than this
+
     def prompt(self) -> np.ndarray:
-        stem = self.rng.choice(self.stems)[: self.rng.choice([0, 4, 8, 12])]
-        tail = [self.rng.randrange(3) for _ in range(self.rng.randrange(1, 14))]
+        stem = self.rng.choice(self.stems)[: self.rng.choice(self.stem_cuts)]
+        tail = [self.rng.randrange(3) for _ in range(self.rng.randrange(1, self.tail_max))]
         return np.concatenate((stem, np.asarray(tail, np.int32)))
 
     def op(self) -> None:
@@ -171,10 +173,7 @@ class StorageModelEngine(ModelEngine):
             n += 1
         return n
 
-    def prompt(self) -> np.ndarray:
-        stem = self.rng.choice(self.stems)[: self.rng.choice([0, 4, 8, 12, 16])]
-        tail = [self.rng.randrange(3) for _ in range(self.rng.randrange(1, 10))]
-        return np.concatenate((stem, np.asarray(tail, np.int32)))
+    stem_cuts, tail_max = (0, 4, 8, 12, 16), 10
 
     def op(self) -> None:
         r = self.rng.random()
