@@ -31,9 +31,6 @@ class Owner:
     # Python-level call)
     _hash: int = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((int(self.kind), self.id, self.generation)))
-
     def __hash__(self) -> int:
         return self._hash
 
@@ -56,3 +53,16 @@ class Owner:
     def __str__(self) -> str:
         tail = f"#{self.generation}" if self.kind in (OwnerKind.REQUEST, OwnerKind.PREFETCH) else ""
         return f"{self.kind.name.lower()}:{self.id}{tail}"
+
+
+def _init_owner(self: Owner, kind: OwnerKind, id: Hashable, generation: int = 0) -> None:
+    # the dataclass's own frozen __init__ (object.__setattr__ per field, then __post_init__)
+    # costs twice this, and an admission builds one Owner per request
+    _set_kind(self, kind)
+    _set_id(self, id)
+    _set_generation(self, generation)
+    _set_hash(self, hash((int(kind), id, generation)))
+
+
+_set_kind, _set_id, _set_generation, _set_hash = (getattr(Owner, f).__set__ for f in ("kind", "id", "generation", "_hash"))
+Owner.__init__ = _init_owner  # type: ignore[method-assign]

@@ -123,10 +123,14 @@ class CacheCore:
         if lock_node is not None:
             tree.lock(lock_node)
         own_pages = -(-(len(tokens) - cached) // ps)
+        # held for as long as the request is filed: its pages move to the tree and new ones come
+        # (extend, decode steps) without the ledger dropping and re-issuing its code each time
+        code = res.device.hold(owner)
         try:
             fresh = self._alloc_device(host_len // ps + own_pages, owner, rid=rid)
         except CapacityError:
             # write-back evictions may still be copying: nothing of this request stays behind
+            res.device.unhold(owner)
             if lock_node is not None:
                 tree.unlock(lock_node)
             raise
@@ -146,7 +150,7 @@ class CacheCore:
         rec = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens,
             cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
-        self.table.add(rec, slots, len(tokens), cached)
+        self.table.add(rec, slots, len(tokens), cached, code)
         stats = self._stats
         stats["requests_admitted"] += 1
         stats["tokens_device_hit"] += m.device_len
@@ -228,7 +232,7 @@ class CacheCore:
                     raise CapacityError(f"decode step needs {k} device pages")
                 self.copies.write_back(res.evict_device(k - free))
             codes = table.codes[starting]
-            if not codes.all():  # first decode step of these rows: the ledger holds their owners' codes
+            if not codes.all():  # session turns: held from their first decode step
                 for row in starting[codes == 0].tolist():
                     table.codes[row] = res.device.hold(table.record_at[row].owner)
                 codes = table.codes[starting]
@@ -553,7 +557,7 @@ class CacheCore:
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
         # a request's own leaf (its lock the only one, no copy in flight) grows in place
         extend = start is not None and not copies.busy(start)
-        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_range(0, n), rec.owner, start, extend, True, rec.rid)
+        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid)
         duplicates = res.duplicate_slots
         if len(duplicates):
             # the slot contract: a live request's slots never change under its caller, so its

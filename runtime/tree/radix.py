@@ -453,7 +453,9 @@ class RadixTree:
     # ------------------------------------------------------------------ insert
     def insert(self, tokens, extra_key: Hashable, device_slots, *, priority: int = 0,
                start: Node | None = None, extend_leaf: bool = False) -> InsertResult:
-        """Insert ``tokens`` (whole pages) with the caller's device slots, one per token.
+        """Insert ``tokens`` (whole pages) with the caller's device slots, one per token
+        (int64 or int32; the tree keeps its own int64 copies, and the result's
+        ``prefix_slots`` reads the caller's array: read it before changing that).
 
         Pages already on device yield their caller slots as ``duplicate_slots``; nodes on
         the path without device slots adopt the caller's slots (so device residency stays
@@ -483,7 +485,9 @@ class RadixTree:
         if n % pb:
             raise TreeError(f"insert of {n >> 2} tokens is not a whole number of pages (page_size {self.page_size})")
         slots = device_slots
-        if type(slots) is not np.ndarray or slots.dtype != _I8 or slots.ndim != 1:
+        # int32 slots (a view of a request's row in the request table) are taken as they are:
+        # every slice the tree keeps is converted to its own int64 array below
+        if type(slots) is not np.ndarray or (slots.dtype is not _I8 and slots.dtype is not _I4) or slots.ndim != 1:
             slots = np.asarray(slots)
             if slots.ndim != 1 or (slots.size and slots.dtype.kind not in "iu"):
                 raise TreeError(f"device_slots must be a 1-D integer array, got {slots.dtype} {slots.shape}")
@@ -539,7 +543,7 @@ class RadixTree:
                 dup_tree.append(d)
                 prefix = base + end
             else:
-                s = slots[(base + pos) >> 2 : (base + end) >> 2].copy()
+                s = slots[(base + pos) >> 2 : (base + end) >> 2].astype(_I8)
                 self._set_device(child, s)
                 adopted.append((child, s))
             child.last_access = clock
@@ -559,13 +563,13 @@ class RadixTree:
                 self.locked_device_tokens += k
                 adopted.append((node, s))
             else:
-                s = slots[(base + pos) >> 2 :].copy()
+                s = slots[(base + pos) >> 2 :].astype(_I8)
                 node = self._new_child(node, key[pos:], s)
                 node.last_access = clock
                 node.priority = priority
                 adopted.append((node, s))
         if dup_tree:
-            c = slots[base >> 2 : prefix >> 2]
+            c = slots[base >> 2 : prefix >> 2].astype(_I8, copy=False)
             t = dup_tree[0] if len(dup_tree) == 1 else np.concatenate(dup_tree)
             # usually the caller passes the tree's own slots back (they came from a match)
             dup = _EMPTY_I8 if c.tobytes() == t.tobytes() else c[c != t]

@@ -95,6 +95,11 @@ class RequestRecord:
         """A fresh int64 copy of its slots [start, end), 0 <= start <= end <= num_slots."""
         return self.table.slot_map[self.row, start:end].astype(np.int64)
 
+    def slot_view(self, start: int, end: int) -> np.ndarray:
+        """Its slots [start, end) as an int32 view of its row: for a callee that copies what it
+        keeps (the tree's insert) before the row changes."""
+        return self.table.slot_map[self.row, start:end]
+
     @property
     def own_start(self) -> int:
         """Slots before this index belong to the tree (cached prefix) or to the session."""

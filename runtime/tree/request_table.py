@@ -2,8 +2,8 @@
 
 As SGLang's `req_to_token`, a row maps the request's token positions to device slots
 (`slot_map[row, position]`, int32: a device pool never nears 2**31 slots), beside its sequence
-and committed lengths, its mapped pages and the ledger code of its owner (held from its first
-decode step to the row's end, see `SlotLedger.hold`). A decode step over N requests is then a few numpy operations on
+and committed lengths, its mapped pages and the ledger code of its owner (held from its
+admission, a session turn's from its first decode step, to the row's end, see `SlotLedger.hold`). A decode step over N requests is then a few numpy operations on
 these arrays and one ledger call for the requests that start a page, whatever N is; the
 per-request calls read and write the same arrays through the record's properties.
 
@@ -43,7 +43,8 @@ class RequestTable:
         self.seq_len_at, self.seq_len = _lengths(rows)  # token positions in use
         self.committed_at, self.committed = _lengths(rows)  # positions whose KV the caller computed
         self.num_slots_at, self.num_slots = _lengths(rows)  # positions mapped: whole pages, >= seq_len
-        # device ledger code of the row's owner, held from its first decode step (0: not yet)
+        # device ledger code of the row's owner, held from its admission (a session turn's: from
+        # its first decode step; 0: not yet)
         self.codes = np.zeros(rows, dtype=_I64)
         self.record_at: list[RequestRecord | None] = [None] * rows
         self.slot_map = np.zeros((rows, max(width, page_size)), dtype=np.int32)
@@ -53,8 +54,9 @@ class RequestTable:
         self._last_batch: tuple[tuple[Hashable, ...], np.ndarray] | None = None
 
     # -- rows ------------------------------------------------------------------------
-    def add(self, rec: RequestRecord, slots: np.ndarray, seq_len: int, committed: int) -> None:
-        """File `rec` under a free row mapping `slots` (whole pages), with its lengths."""
+    def add(self, rec: RequestRecord, slots: np.ndarray, seq_len: int, committed: int, code: int = 0) -> None:
+        """File `rec` under a free row mapping `slots` (whole pages), with its lengths and the
+        ledger code its owner is held under (0: none yet)."""
         if not self._free_rows:
             self._grow_rows()
         row = self._free_rows.pop()
@@ -65,6 +67,8 @@ class RequestTable:
         self.num_slots_at[row] = n
         self.seq_len_at[row] = seq_len
         self.committed_at[row] = committed
+        if code:
+            self.codes[row] = code
         self.record_at[row] = rec
         rec.table, rec.row = self, row
         self.records[rec.rid] = rec
