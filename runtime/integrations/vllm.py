@@ -173,6 +173,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         # scheduler side
         self.core: TiersOnlyCore | None = None
         self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
+        # live requests' token ids as checked arrays, from their lookup to their finish: a
+        # request's list is converted once, and only the tokens vLLM appends after it later
+        self._token_ids: dict[str, np.ndarray] = {}
         self._loads: list[LoadJob] = []
         self._async_loads: list[LoadJob] = []
         self._backups: list[tuple[str, TransferPlan]] = []
@@ -203,7 +206,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         if asked is not None and len(asked.tokens) == request.num_tokens:  # asked again while it waits
             tokens, keys = asked.tokens, asked.keys
         else:
-            tokens = checked_tokens(np.asarray(request.all_token_ids))
+            tokens = self._tokens_of(request)
             keys = self.core.page_keys(tokens, _namespace(request))
         hit = self.core.lookup(tokens, _namespace(request), num_computed_tokens, keys)
         self._asked[rid] = _Asked(num_computed_tokens, tokens, keys, hit.storage > 0)
@@ -255,9 +258,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._asked.pop(rid, None)
         if request.status is RequestStatus.FINISHED_ERROR:  # (e.g. a failed load under vLLM's `fail` policy)
+            self._token_ids.pop(rid, None)
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
-        plan = self.core.backup(rid, request.all_token_ids, _namespace(request), request.num_computed_tokens,
-                                block_ids)
+        tokens = self._tokens_of(request)
+        del self._token_ids[rid]
+        plan = self.core.backup(rid, tokens, _namespace(request), request.num_computed_tokens, block_ids)
         if plan is not None:
             self._backups.append((rid, plan))
         return self.core.finish(rid), None
@@ -321,6 +326,23 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.storage.close()
 
     # -- helpers -----------------------------------------------------------------------
+    def _tokens_of(self, request: Request) -> np.ndarray:
+        """The request's token ids as a checked array, kept until it finishes. vLLM only appends
+        to a request's tokens, so a kept array is extended by the new tail; a kept array that is
+        longer than the list, or whose last token the list no longer has there, is not used."""
+        ids = request.all_token_ids
+        rid = request.request_id
+        known = self._token_ids.get(rid)
+        n = 0 if known is None else len(known)
+        if n == 0 or n > len(ids) or ids[n - 1] != known[-1]:  # (a cheap check of that contract)
+            tokens = checked_tokens(np.asarray(ids))
+        elif n == len(ids):
+            tokens = known
+        else:
+            tokens = np.concatenate((known, checked_tokens(np.asarray(ids[n:]))))
+        self._token_ids[rid] = tokens
+        return tokens
+
     def _meta(self) -> TieredMeta:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredMeta)

@@ -222,14 +222,16 @@ class Residency:
         without a host copy (and no backup in flight: `busy` node ids) adopt theirs, the rest
         becomes a host-only child; pages the tree cannot take are freed. Used by decode offload
         and by storage prefetch. Returns the tokens kept and the node the path ends at (it ends
-        exactly at `len(tokens)`; None if the prefix was gone)."""
+        exactly at `len(tokens)`; None if the prefix was gone). `host` is built from the host
+        ledger's own `alloc` results, cut at page boundaries (every caller's is): the ledger
+        calls take their trusted path."""
         assert self.host is not None
         host_ledger = self.host
         end = len(tokens)
 
         def drop(part: np.ndarray, reason: str) -> None:
             if len(part):
-                host_ledger.free(part, owner, rid=rid, reason=reason)
+                host_ledger.free(part, owner, trusted=True, rid=rid, reason=reason)
 
         if start:
             # a node boundary at `start` (the path to it is the caller's locked or matched prefix)
@@ -247,7 +249,7 @@ class Residency:
                 part = host[lo - start: offset - start]
                 if node.host is None and node.id not in busy:
                     self.tree.attach_host(node, part)
-                    host_ledger.assign(part, owner, node_owner(node), rid=rid, node=node.id)
+                    host_ledger.assign(part, owner, node_owner(node), trusted=True, rid=rid, node=node.id)
                     kept += len(part)
                 else:
                     drop(part, "duplicate")
@@ -255,7 +257,7 @@ class Residency:
         if m.matched_len < end:
             rest = host[m.matched_len - start:]
             parent = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
-            host_ledger.assign(rest, owner, node_owner(parent), rid=rid, node=parent.id)
+            host_ledger.assign(rest, owner, node_owner(parent), trusted=True, rid=rid, node=parent.id)
             kept += len(rest)
         return kept, parent
 

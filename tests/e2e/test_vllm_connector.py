@@ -287,3 +287,25 @@ def expected_block(tokens: list[int], index: int, layer: int) -> torch.Tensor:
         h = _extend_hash(h, tokens[pos])
         values.append(fingerprint(h, layer))
     return torch.tensor(values, dtype=torch.float32)[None, :, None].expand(KV_HEADS, BLOCK, 2 * HEAD)
+
+
+def test_a_requests_kept_token_array_is_extended_and_never_used_once_vllm_changed_its_prefix(model_dir):
+    """The scheduler side converts a request's token list once and extends the kept array by
+    what vLLM appends; a list that no longer ends the kept prefix with the same token (vLLM's
+    append-only contract broken) is converted whole again. Checked failing with the contract
+    check removed (the stale array came back as the request's tokens)."""
+    from types import SimpleNamespace
+
+    conn = engine(model_dir, 64).connector
+    ids = list(range(10, 42))
+    req = SimpleNamespace(request_id="r", all_token_ids=ids)
+    first = conn._tokens_of(req)
+    assert first.tolist() == ids
+    ids += [7, 8, 9]
+    grown = conn._tokens_of(req)
+    assert grown.tolist() == ids and grown[:32].tobytes() == first.tobytes()
+    assert conn._tokens_of(req) is grown  # nothing new: the kept array itself
+    ids[-1] = 99  # the prefix the kept array holds changed under it
+    assert conn._tokens_of(req).tolist() == ids
+    del ids[20:]  # shorter than the kept array
+    assert conn._tokens_of(req).tolist() == ids
