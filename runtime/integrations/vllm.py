@@ -95,11 +95,10 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class TieredMeta(KVConnectorMetadata):
-    """One step's work for the workers: loads before the forward (synchronous), loads reported
-    through `get_finished` (asynchronous), backups of finished requests, storage writes."""
+    """One step's work for the workers: loads (asynchronous, reported through `get_finished`),
+    backups of finished requests, storage writes."""
 
     loads: tuple[LoadJob, ...] = ()
-    async_loads: tuple[LoadJob, ...] = ()
     backups: tuple[tuple[str, TransferPlan], ...] = ()  # (request id, plan)
     storage_writes: tuple[StorageRequest, ...] = ()
 
@@ -138,7 +137,6 @@ class _Asked:
     local: int  # vLLM's own hit it was asked past
     tokens: np.ndarray  # the request's tokens, checked (vLLM asks again every step it waits)
     keys: list[bytes]  # their page keys (storage)
-    is_async: bool
 
 
 def _namespace(request: Request) -> Hashable:
@@ -177,7 +175,9 @@ class HiCacheConnector(KVConnectorBase_V1):
         # request's list is converted once, and only the tokens vLLM appends after it later
         self._token_ids: dict[str, np.ndarray] = {}
         self._loads: list[LoadJob] = []
-        self._async_loads: list[LoadJob] = []
+        # requests whose load the workers have not reported received yet: vLLM frees a finished
+        # request's blocks at the first report naming it, so such a request is never backed up too
+        self._awaiting: set[str] = set()
         self._backups: list[tuple[str, TransferPlan]] = []
         # worker side
         self.copier: PagedKVCopier | None = None
@@ -209,8 +209,12 @@ class HiCacheConnector(KVConnectorBase_V1):
             tokens = self._tokens_of(request)
             keys = self.core.page_keys(tokens, _namespace(request))
         hit = self.core.lookup(tokens, _namespace(request), num_computed_tokens, keys)
-        self._asked[rid] = _Asked(num_computed_tokens, tokens, keys, hit.storage > 0)
-        return hit.total, hit.storage > 0
+        self._asked[rid] = _Asked(num_computed_tokens, tokens, keys)
+        # every load is asynchronous: vLLM 0.33 caches a synchronous load's blocks as it allocates
+        # them, and under kv_load_failure_policy="recompute" a failed one's blocks stay in its
+        # prefix cache; a request preempted or aborted before recomputing them leaves them there
+        # for the next request with that prefix to read (found by the connector fuzzer)
+        return hit.total, hit.total > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.core is not None
@@ -224,19 +228,20 @@ class HiCacheConnector(KVConnectorBase_V1):
         ld = self.core.load(rid, asked.tokens, _namespace(request), local, num_external_tokens, block_ids, asked.keys)
         # blocks promised but not to be filled: the tiers lost pages since the lookup (vLLM recomputes them)
         first, end = (local + ld.tokens) // self.block_size, (local + num_external_tokens) // self.block_size
-        job = LoadJob(rid, ld, tuple(block_ids[first:end]))
-        # an async answer is reported through get_finished whatever happens (vLLM waits for it)
-        (self._async_loads if asked.is_async else self._loads).append(job)
+        # reported through get_finished whatever happens (vLLM waits for it)
+        self._loads.append(LoadJob(rid, ld, tuple(block_ids[first:end])))
+        self._awaiting.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.core is not None
-        meta = TieredMeta(tuple(self._loads), tuple(self._async_loads), tuple(self._backups),
+        meta = TieredMeta(tuple(self._loads), tuple(self._backups),
                           tuple(self.core.take_storage_writes()))
-        self._loads, self._async_loads, self._backups = [], [], []
+        self._loads, self._backups = [], []
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.core is not None
+        self._awaiting.difference_update(connector_output.finished_recving or ())
         acks = connector_output.kv_connector_worker_meta
         if acks is None:
             return
@@ -253,10 +258,15 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Back up the request's computed blocks the tier lacks; vLLM keeps them until the
-        backup ran (`get_finished` reports the request)."""
+        backup ran (`get_finished` reports the request). A request finished while its load runs
+        (aborted) is not backed up; vLLM keeps its blocks until the load is reported."""
         assert self.core is not None
         rid = request.request_id
         self._asked.pop(rid, None)
+        if rid in self._awaiting:  # (its blocks do not hold their KV yet; the load's report frees them)
+            self._token_ids.pop(rid, None)
+            self.core.finish(rid)
+            return True, None
         if request.status is RequestStatus.FINISHED_ERROR:  # (e.g. a failed load under vLLM's `fail` policy)
             self._token_ids.pop(rid, None)
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
@@ -278,14 +288,11 @@ class HiCacheConnector(KVConnectorBase_V1):
                                   f"{self.copier.layout}")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._meta()
-        for job in meta.loads:
-            self._record(self._load(job))
-        for job in meta.async_loads:
+        for job in self._meta().loads:
             self._submit("load", job.rid, self._load, job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Synchronous loads ran whole in `start_load_kv` (CPU copies)."""
+        """Loads are asynchronous: a request's forward runs once its load is reported done."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Backups copy whole blocks of finished requests after the forward (`wait_for_save`)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.errors import ConfigError
-from runtime.messages import Direction, TransferPlan
+from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.transfer.engine import check_bounds, resolve
 
 
@@ -101,10 +101,13 @@ class PagedKVCopier:
                 kv[blocks] = part
 
     def run(self, plan: TransferPlan, limit: int | None = None) -> None:
-        """Copy the plan's pages (its first `limit` pages only, when given)."""
+        """Copy the plan's pages (its first `limit` pages as the plan lists them, when given)."""
+        if limit is not None and limit * self.block_size < plan.num_slots:
+            # cut before `pages`: its checks put the pages into source order (connector fuzzer)
+            (t,) = plan.transfers
+            cut = max(0, limit) * self.block_size
+            plan = TransferPlan(plan.op_id, plan.direction, (PoolTransfer(t.pool, t.src[:cut], t.dst[:cut]),))
         blocks, pages = self.pages(plan)
-        if limit is not None:
-            blocks, pages = blocks[:limit], pages[:limit]
         for layer in range(len(self.layers)):
             self.copy_layer(plan, layer, blocks, pages)
 

@@ -19,8 +19,9 @@ Ownership, as in full mode:
 - a host page has one owner: a tree node, or the backup that fills it until its ack;
 - a copy pins the host pages it touches until its ack; a load locks the tree path it reads, a
   backup the cached prefix it extends, so neither is evicted under it;
-- the engine's blocks are the engine's: it must not free a block a backup still reads.
-  `backing_up(rid)` says whether one is in flight (vLLM's ``delay_free_blocks``).
+- the engine's blocks are the engine's: it must not free a block a backup still reads or a
+  load still writes (a request aborted mid-load). `finish(rid)` says whether one is in flight
+  (vLLM's ``delay_free_blocks``).
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ class TiersOnlyCore:
         n = aligned(computed, self.page_size)
         device = self._device_slots(block_ids, 0, n)
         self._check_open(rid)
-        if n == 0 or self._reading(rid):  # (its blocks do not hold their KV yet: an abort mid-load)
+        if n == 0 or self.loading(rid):  # (its blocks do not hold their KV yet: an abort mid-load)
             return None
         res = self.residency
         res.tree.root(extra_key)  # (a namespace's root made here: its copies hang under it)
@@ -245,19 +246,25 @@ class TiersOnlyCore:
         return make_plan(op.op_id, Direction.BACKUP, device[start:], host)
 
     def finish(self, rid: Hashable) -> bool:
-        """The engine is done with `rid`: returns whether a backup still reads its blocks (the
-        engine keeps them until that backup's ack)."""
+        """The engine is done with `rid`: returns whether a copy still reads or writes its blocks
+        (a backup, or a load when it was aborted mid-load): the engine keeps them until its ack."""
         rec = self.requests.get(rid)
         if rec is None:
             return False
         rec.finished = True
         if not rec.copies:
             del self.requests[rid]
-        return self.backing_up(rid)
+            return False
+        return True
 
     def backing_up(self, rid: Hashable) -> bool:
         rec = self.requests.get(rid)
         return rec is not None and any(self.copies[op].direction is Direction.BACKUP for op in rec.copies)
+
+    def loading(self, rid: Hashable) -> bool:
+        """A load into `rid`'s blocks is in flight (they do not hold the loaded KV yet)."""
+        rec = self.requests.get(rid)
+        return rec is not None and any(self.copies[op].direction is Direction.LOAD for op in rec.copies)
 
     def apply_ack(self, op_id: int, error: str | None) -> TierCopy:
         """A copy ended: unpin and unlock; a backup's pages join the tree (or are freed when it
@@ -341,11 +348,6 @@ class TiersOnlyCore:
             return []
         return page_hashes(tokens[:aligned(len(tokens) - 1, self.page_size)], self.page_size, extra_key,
                            self.storage.identity)
-
-    def _reading(self, rid: Hashable) -> bool:
-        """An asynchronous load of `rid` is in flight (a synchronous one ran before the forward)."""
-        rec = self.requests.get(rid)
-        return rec is not None and any(self.copies[op].read for op in rec.copies)
 
     def _check_open(self, rid: Hashable) -> None:
         rec = self.requests.get(rid)

@@ -12,7 +12,6 @@ import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by scripts/install_vllm.sh")
 
-from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
 from runtime.messages import Direction  # noqa: E402
 import torch  # noqa: E402
 
@@ -23,25 +22,13 @@ from tests.e2e.vllm_engine import (  # noqa: E402
     FakeEngine,
     _extend_hash,
     _prefix_hash,
+    expected_block,
     fingerprint,
     save_tiny_model,
     vllm_config,
 )
 
 SYSTEM = list(range(100, 148))  # a 48-token system prompt (3 blocks)
-
-
-class EagerFreeConnector(HiCacheConnector):
-    """A broken variant: lets vLLM free a finished request's blocks while their backup has not
-    read them yet (seed 000's class at the engine boundary)."""
-
-    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
-        super().request_finished(request, block_ids)
-        return False, None
-
-    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
-        super().get_finished(finished_req_ids)
-        return None, None  # (nothing was held for it: nothing to hand back)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +89,13 @@ def test_the_host_tier_serves_what_vllms_prefix_cache_evicted_and_outputs_do_not
     assert tiered.outputs == plain.outputs
     stats = tiered.connector.core.stats
     assert stats["tokens_loaded"] > 0 and stats["tokens_backed_up"] > 0
-    assert tiered.preemptions == 0 and supplied.keys() == tiered.computed.keys()
-    for rid, (prompt, skipped) in supplied.items():  # prefill past what was supplied, then 3 decode steps
+    assert supplied.keys() == tiered.computed.keys()
+    # prefill past what was supplied, then 3 decode steps (a preempted request computes again:
+    # async loads hold their blocks while they run, so the small pool preempts now and then)
+    exact = [rid for rid in supplied if rid not in tiered.preempted]
+    assert len(exact) >= len(supplied) - 2
+    for rid in exact:
+        prompt, skipped = supplied[rid]
         assert tiered.computed[rid] == prompt - skipped + 3, rid
     # (not `plain - loaded` exactly: a backup runs on the worker's thread, so a finished request's
     # blocks go back to vLLM a step or two later, and vLLM's own hits differ a little from plain's)
@@ -182,7 +174,7 @@ def test_vllm_keeps_a_finished_requests_blocks_until_their_backup_read_them(mode
         e.run()
 
     plain, tiered = engine(model_dir, 9, connector=None), engine(model_dir, 9)
-    broken = engine(model_dir, 9, connector="EagerFreeConnector", module=__name__)
+    broken = engine(model_dir, 9, connector="EagerFreeConnector", module="tests.e2e.vllm_engine")
     for e in (plain, tiered, broken):
         run(e)
     assert tiered.connector.core.stats["tokens_loaded"] > 0
@@ -277,16 +269,6 @@ def test_chunked_prefill_and_preemption_with_the_tiers(model_dir, tmp_path):
     assert tiered.outputs == plain.outputs
     tiered.assert_drained()
     plain.assert_drained()
-
-
-def expected_block(tokens: list[int], index: int, layer: int) -> torch.Tensor:
-    """What the fake forward writes into block `index` of `tokens` in `layer`."""
-    h = _prefix_hash(tokens[: index * BLOCK])
-    values = []
-    for pos in range(index * BLOCK, (index + 1) * BLOCK):
-        h = _extend_hash(h, tokens[pos])
-        values.append(fingerprint(h, layer))
-    return torch.tensor(values, dtype=torch.float32)[None, :, None].expand(KV_HEADS, BLOCK, 2 * HEAD)
 
 
 def test_a_requests_kept_token_array_is_extended_and_never_used_once_vllm_changed_its_prefix(model_dir):

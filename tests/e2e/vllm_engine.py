@@ -39,6 +39,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
+
 BLOCK, LAYERS, KV_HEADS, HEAD, VOCAB, EOS = 16, 2, 2, 8, 1000, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 init_none_hash(sha256)
@@ -86,6 +88,11 @@ class FakeEngine:
     finished: set[str] = field(default_factory=set)
     steps: int = 0
     preemptions: int = 0
+    preempted: set[str] = field(default_factory=set)  # requests preempted at least once
+    # every KV read checked against its token's fingerprint (the fuzzer): a token sampled from a
+    # wrong read fails the step (vLLM discards a step's token when a load it read failed)
+    check_reads: bool = False
+    _wrong_reads: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
@@ -125,6 +132,7 @@ class FakeEngine:
         so = self._schedule()
         self.steps += 1
         self.preemptions += len(so.preempted_req_ids or ())
+        self.preempted |= set(so.preempted_req_ids or ())
         if not so.num_scheduled_tokens:
             time.sleep(0.0005)  # waiting on the worker's thread: do not spin
         out = None
@@ -152,13 +160,21 @@ class FakeEngine:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
+                if o.new_token_ids and o.request_id in self._wrong_reads:
+                    raise AssertionError(self._wrong_reads[o.request_id])
+        self._wrong_reads.clear()
 
     def _schedule(self) -> Any:
         return self.scheduler.schedule()
 
     def _forward(self, so: Any) -> dict[str, list[int]]:
-        """Write each scheduled token's fingerprint into its KV slot; sample from all KV read."""
+        """Write each scheduled token's fingerprint into its KV slot, then sample from all KV read:
+        as a model's forward, every KV write of the step comes before any read (requests that
+        share a block vLLM recomputes for one of them both see it). With `check_reads`, a read
+        of a slot that does not hold its token's fingerprint is noted (`step` fails if vLLM
+        keeps the token sampled from it)."""
         sampled = {}
+        scheduled = []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             end = req.num_computed_tokens  # (the scheduler advanced it past this step's tokens)
@@ -172,13 +188,33 @@ class FakeEngine:
                 for layer, name in enumerate(NAMES):
                     self.kv[name][b, :, off, :] = fingerprint(h, layer)
             self.computed[rid] = self.computed.get(rid, 0) + n
+            scheduled.append((rid, req, blocks, end))
+        for rid, req, blocks, end in scheduled:
             if end >= req.num_tokens:  # prefill done (or a decode step): sample from every KV slot read
+                if self.check_reads:
+                    self._check_read(rid, req.all_token_ids, blocks, end)
                 total = 0.0
                 for pos in range(end):
                     b, off = blocks[pos // BLOCK], pos % BLOCK
                     total += sum(float(self.kv[name][b, 0, off, 0]) for name in NAMES)
                 sampled[rid] = [int(total) % (VOCAB - 10) + 10]
         return sampled
+
+    def _check_read(self, rid: str, tokens: Any, blocks: list[int], end: int) -> None:
+        hashes, h = [], 1469598103934665603
+        for t in tokens[:end]:
+            h = _extend_hash(h, t)
+            hashes.append(h)
+        pos = torch.arange(end)
+        where = torch.tensor(blocks)[pos // BLOCK]
+        for layer, name in enumerate(NAMES):
+            got = self.kv[name][where, 0, pos % BLOCK, 0]
+            bad = (got != torch.tensor([fingerprint(x, layer) for x in hashes], dtype=got.dtype)).nonzero()
+            if len(bad):
+                p = int(bad[0])
+                self._wrong_reads[rid] = (f"step {self.steps}: request {rid} sampled from wrong KV at position {p} "
+                                          f"(block {blocks[p // BLOCK]}, layer {layer}) of {end}")
+                return
 
     def assert_drained(self) -> None:
         """Nothing leaked: no request, every block back (but vLLM's null block), and the
@@ -191,7 +227,31 @@ class FakeEngine:
             from runtime.invariants import check_tiers_only
 
             check_tiers_only(self.connector.core, quiescent=True)
-            assert not self.connector._asked and not self.worker._jobs
+            conn = self.connector
+            assert not conn._asked and not conn._awaiting and not conn._token_ids and not self.worker._jobs
+
+
+class EagerFreeConnector(HiCacheConnector):
+    """A broken variant: lets vLLM free a finished request's blocks while their backup has not
+    read them yet (seed 000's class at the engine boundary)."""
+
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        super().request_finished(request, block_ids)
+        return False, None
+
+    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
+        _, received = super().get_finished(finished_req_ids)
+        return None, received  # (nothing was held for a finished request: nothing to hand back)
+
+
+def expected_block(tokens: list[int], index: int, layer: int) -> torch.Tensor:
+    """What the fake forward writes into block `index` of `tokens` in `layer`."""
+    h = _prefix_hash(tokens[: index * BLOCK])
+    values = []
+    for pos in range(index * BLOCK, (index + 1) * BLOCK):
+        h = _extend_hash(h, tokens[pos])
+        values.append(fingerprint(h, layer))
+    return torch.tensor(values, dtype=torch.float32)[None, :, None].expand(KV_HEADS, BLOCK, 2 * HEAD)
 
 
 def _prefix_hash(tokens: Iterable[int]) -> int:

@@ -105,11 +105,14 @@ class ModelEngine:
     def finish(self, rid: str) -> None:
         tokens, blocks = self.live.pop(rid)
         computed = max(0, len(tokens) - self.rng.choice([0, 0, 1, 3]))
+        loading = self.core.loading(rid)  # (finished mid-load: an abort; nothing is backed up)
         plan = self.core.backup(rid, tokens, None, computed, blocks)
+        assert plan is None or not loading
         if plan is not None:
             start = computed // PS * PS - plan.num_slots
             self.pending[plan.op_id] = (rid, tokens, plan.transfers[0].dst.numpy().copy(), start)
-        assert self.core.finish(rid) == (plan is not None or self.core.backing_up(rid))
+        # the engine keeps the blocks while a copy still reads or writes them
+        assert self.core.finish(rid) == (plan is not None or self.core.backing_up(rid) or loading)
 
     def ack(self, op_id: int) -> None:
         error = "copy fault" if self.rng.random() < 0.15 else None

@@ -78,3 +78,21 @@ def test_layers_must_share_one_layout_with_the_runtimes_page_size():
         PagedKVCopier({"x": torch.zeros(3, BLOCKS, BS, HEADS, DIM)}, BS, 4, kv_first=True)
     with pytest.raises(ConfigError):
         PagedKVCopier({"x": torch.zeros(BLOCKS)}, BS, 4)
+
+
+@pytest.mark.parametrize("kv_first", [True, False])
+def test_a_limited_load_copies_the_plans_first_pages_in_the_plans_order(kv_first):
+    """`run(plan, limit)` copies the first `limit` pages of the plan as written, whatever order its
+    host pages are in (a load whose storage read came back short fills only its leading blocks;
+    the rest are reported to vLLM as load errors). Found by the connector fuzzer: the limit was
+    applied after the plan was put into host-page order, so a load from host pages [5, 6, 4]
+    limited to 2 copied pages 4 and 5 and left the plan's second block unfilled."""
+    engine = paged(kv_first, False)
+    copier = PagedKVCopier(engine, BS, 6)
+    copier.host.copy_(torch.randn(copier.host.shape, generator=torch.Generator().manual_seed(1)))
+    copier.run(plan(1, Direction.LOAD, [7, 2, 5], [4, 5, 3]), limit=2)
+    for layer, name in enumerate(engine):
+        assert torch.equal(block(engine[name], 7, kv_first), copier.host[4, layer])
+        assert torch.equal(block(engine[name], 2, kv_first), copier.host[5, layer])
+        untouched = [i for i in range(BLOCKS) if i not in (7, 2)]
+        assert all(not block(engine[name], i, kv_first).any() for i in untouched)

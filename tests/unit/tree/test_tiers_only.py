@@ -71,7 +71,8 @@ def test_a_backed_up_prefix_is_a_host_hit_loaded_into_the_new_blocks():
     assert got == 8 and load.direction is Direction.LOAD
     assert load.transfers[0].src.tolist() == host[4:12].tolist()
     assert load.transfers[0].dst.tolist() == list(range(40, 48))
-    assert c.finish("b") is False  # a load does not hold the engine's blocks at finish
+    assert c.loading("b") and c.backup("b", again, None, 12, [9, 10, 11, 12]) is None  # (its blocks wait for KV)
+    assert c.finish("b") is True  # finished mid-load (an abort): the engine keeps the blocks it writes
     step(c, c.apply_ack(load.op_id, None))
     check_tiers_only(c, quiescent=True)
 
@@ -99,11 +100,11 @@ def test_a_prefix_that_diverges_inside_a_cached_node_splits_it_and_each_half_own
     load, got = loaded(c.load("b", np.concatenate((other, [1])), None, 0, 8, [4, 5, 6]))
     step(c)
     assert got == 8
+    step(c, c.apply_ack(load.op_id, None))
     plan = c.backup("b", other, None, 16, [4, 5, 6, 7])
     step(c)
     assert plan.transfers[0].src.tolist() == list(range(24, 32))  # only the diverging half
-    for op in (load.op_id, plan.op_id):
-        step(c, c.apply_ack(op, None))
+    step(c, c.apply_ack(plan.op_id, None))
     assert c.lookup(np.concatenate((other, [1])), None, 0).host == 16 and c.lookup(toks(17), None, 0).host == 16
     step(c, c.finish("b"))
     check_tiers_only(c, quiescent=True)
