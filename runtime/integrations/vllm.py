@@ -178,11 +178,19 @@ class HiCacheConnector(KVConnectorBase_V1):
         # requests whose load the workers have not reported received yet: vLLM frees a finished
         # request's blocks at the first report naming it, so such a request is never backed up too
         self._awaiting: set[str] = set()
+        # requests a load covered less of than the lookup promised (host room short, pages lost):
+        # the token position it reached, past which they are promised nothing again (vLLM asks
+        # again after recomputing the shortfall; the same promise would fail the same way)
+        self._reached: dict[str, int] = {}
         self._backups: list[tuple[str, TransferPlan]] = []
         # worker side
         self.copier: PagedKVCopier | None = None
         self._jobs: deque[tuple[Future[JobResult], str, str]] = deque()  # (result, kind, request id), in order
-        self._executor: ThreadPoolExecutor | None = None  # one thread: async loads, backups, storage writes
+        # one thread for loads (a request waits for its load) and one for backups and storage
+        # writes, so that loads never queue behind the writes of finished requests; each runs
+        # its jobs in order, and no load depends on a backup or write still in flight (a backup's
+        # pages join the tree, and a write is issued, only once the backup has landed)
+        self._executors: dict[str, ThreadPoolExecutor] = {}
         self._outcomes: dict[int, str | None] = {}
         self._storage_outcomes: dict[int, StorageOutcome] = {}
         self._load_errors: set[int] = set()
@@ -209,12 +217,16 @@ class HiCacheConnector(KVConnectorBase_V1):
             tokens = self._tokens_of(request)
             keys = self.core.page_keys(tokens, _namespace(request))
         hit = self.core.lookup(tokens, _namespace(request), num_computed_tokens, keys)
+        total = hit.total
+        reached = self._reached.get(rid)
+        if reached is not None:
+            total = min(total, max(0, reached - num_computed_tokens))
         self._asked[rid] = _Asked(num_computed_tokens, tokens, keys)
         # every load is asynchronous: vLLM 0.33 caches a synchronous load's blocks as it allocates
         # them, and under kv_load_failure_policy="recompute" a failed one's blocks stay in its
         # prefix cache; a request preempted or aborted before recomputing them leaves them there
         # for the next request with that prefix to read (found by the connector fuzzer)
-        return hit.total, hit.total > 0
+        return total, total > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.core is not None
@@ -228,6 +240,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         ld = self.core.load(rid, asked.tokens, _namespace(request), local, num_external_tokens, block_ids, asked.keys)
         # blocks promised but not to be filled: the tiers lost pages since the lookup (vLLM recomputes them)
         first, end = (local + ld.tokens) // self.block_size, (local + num_external_tokens) // self.block_size
+        if first < end:
+            self._reached[rid] = local + ld.tokens
         # reported through get_finished whatever happens (vLLM waits for it)
         self._loads.append(LoadJob(rid, ld, tuple(block_ids[first:end])))
         self._awaiting.add(rid)
@@ -263,6 +277,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self.core is not None
         rid = request.request_id
         self._asked.pop(rid, None)
+        self._reached.pop(rid, None)
         if rid in self._awaiting:  # (its blocks do not hold their KV yet; the load's report frees them)
             self._token_ids.pop(rid, None)
             self.core.finish(rid)
@@ -289,7 +304,13 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         for job in self._meta().loads:
-            self._submit("load", job.rid, self._load, job)
+            if job.load.read is None:
+                # host pages only: copied here and now (vLLM still sees an asynchronous load, done
+                # at this step's report); a worker thread would wait on the GIL for each copy
+                self._record(self._load(job))
+                self._received.add(job.rid)
+            else:  # a storage read first: on the load lane's thread
+                self._submit("load", job.rid, self._load, job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are asynchronous: a request's forward runs once its load is reported done."""
@@ -327,8 +348,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         return acks
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        for executor in self._executors.values():
+            executor.shutdown(wait=True)
         if self.storage is not None:
             self.storage.close()
 
@@ -356,19 +377,27 @@ class HiCacheConnector(KVConnectorBase_V1):
         return meta
 
     def _submit(self, kind: str, rid: str, fn: Any, arg: Any) -> None:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-vllm")
-        self._jobs.append((self._executor.submit(fn, arg), kind, rid))
+        lane = "load" if kind == "load" else "save"
+        executor = self._executors.get(lane)
+        if executor is None:
+            executor = self._executors[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hicache-{lane}")
+        self._jobs.append((executor.submit(fn, arg), kind, rid))
 
     def _collect(self) -> None:
-        """Record the jobs that ended, in order (a job's outcome is reported once)."""
-        while self._jobs and self._jobs[0][0].done():
-            fut, kind, rid = self._jobs.popleft()
+        """Record the jobs that ended (each lane's in its order; a job's outcome is reported once)."""
+        if not any(fut.done() for fut, _, _ in self._jobs):
+            return
+        left: deque[tuple[Future[JobResult], str, str]] = deque()
+        for fut, kind, rid in self._jobs:
+            if not fut.done():
+                left.append((fut, kind, rid))
+                continue
             self._record(fut.result())
             if kind == "load":
                 self._received.add(rid)
             elif kind == "backup":
                 self._sent.add(rid)
+        self._jobs = left
 
     def _record(self, result: JobResult) -> None:
         outcomes, storage, errors = result

@@ -8,6 +8,7 @@ installed by `scripts/install_vllm.sh` (the README's test command runs it).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by scripts/install_vllm.sh")
@@ -253,6 +254,53 @@ def test_a_storage_read_cut_short_makes_vllm_recompute_the_rest_and_outputs_do_n
     assert stats["tokens_storage_loaded"] > 0
     assert b.connector.core.storage.stats["storage_read_misses"] > 0
     assert b.outputs == plain.outputs
+    b.assert_drained()
+
+
+def test_a_request_aborted_while_its_storage_read_runs_is_not_backed_up_and_its_blocks_freed_once(model_dir,
+                                                                                                    tmp_path):
+    """Y's first 4 blocks are in vLLM's own cache (X computed them; Z's backup pushed them out of
+    B's 12-block host tier), its next 2 in storage (A wrote them): Y waits for a storage read and
+    is aborted while it runs. Its blocks stay held until the load is reported, then vLLM frees
+    them, once: Y is not backed up (its loading blocks hold no KV yet). Checked failing with such
+    a request backed up (the connector's `_awaiting` and the core's `loading` guard both
+    ignored): vLLM freed Y at one report and asserted at the other."""
+    import threading
+
+    from vllm.v1.request import RequestStatus
+
+    shared = str(tmp_path / "kv")
+    x = SYSTEM + [300] * 16  # 64 tokens: 4 blocks
+    y = x + [301] * 32 + [7]
+    a = engine(model_dir, 32, storage_dir=shared)
+    a.add("y", y, 1)
+    a.run()
+    a.assert_drained()
+    b = engine(model_dir, 32, storage_dir=shared, host_blocks=12)
+    b.add("x", x + [7], 1)
+    b.run()
+    b.add("z", list(range(500, 645)), 1)  # 9 blocks backed up: X's leave the host tier
+    b.run()
+    assert b.connector.core.lookup(np.asarray(y), None, 0).host == 0
+    gate, load = threading.Event(), b.worker._load
+
+    def held_load(job):
+        gate.wait(10)
+        return load(job)
+
+    b.worker._load = held_load
+    b.add("y", y, 1)
+    b.step()
+    y_request = b.scheduler.requests["y"]
+    assert y_request.status is RequestStatus.WAITING_FOR_REMOTE_KVS  # (vLLM counts the 32 it waits for)
+    assert y_request.num_computed_tokens == 96
+    assert b.connector.core.loading("y")  # the read, then its copy, are in flight
+    b.scheduler.finish_requests("y", RequestStatus.FINISHED_ABORTED)
+    assert "y" in b.scheduler.requests  # its blocks are held while the read writes them
+    backed_up = b.connector.core.stats["tokens_backed_up"]
+    gate.set()
+    b.run()
+    assert b.connector.core.stats["tokens_backed_up"] == backed_up and "y" not in b.outputs
     b.assert_drained()
 
 

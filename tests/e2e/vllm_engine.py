@@ -228,7 +228,7 @@ class FakeEngine:
 
             check_tiers_only(self.connector.core, quiescent=True)
             conn = self.connector
-            assert not conn._asked and not conn._awaiting and not conn._token_ids and not self.worker._jobs
+            assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or self.worker._jobs)
 
 
 class EagerFreeConnector(HiCacheConnector):

@@ -179,11 +179,14 @@ class LoadOnePageLate(HiCacheConnector):
 
 
 class BackedUpMidLoad(HiCacheConnector):
-    """A request aborted while its load runs is backed up as if it had finished: vLLM frees its
-    blocks at the load's report, then is told about the backup of a request it no longer has."""
+    """A request aborted while its load runs is backed up as if it had finished (both guards
+    off: the connector's `_awaiting`, the core's `loading`): vLLM frees its blocks at one
+    report, then is told about a request it no longer has."""
 
     def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
         self._awaiting.discard(request.request_id)
+        assert self.core is not None
+        self.core.loading = lambda rid: False  # type: ignore[method-assign]
         return super().request_finished(request, block_ids)
 
 
@@ -245,6 +248,7 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
     storage = rng.random() < 0.6
     faults = Faults(copy_fail=rng.choice([0.0, 0.0, 0.05, 0.2]), copy_slow=rng.choice([0.0, 0.3, 0.8]),
                     storage=FaultPlan(fail_rate=rng.choice([0.0, 0.1]), page_fail_rate=rng.choice([0.0, 0.1]),
+                                      stall_rate=rng.choice([0.0, 0.5]), stall_s=0.004,  # (slow reads wait steps)
                                       mode=rng.choice(["raise", "miss"]), seed=seed) if storage else None)
     systems = [[rng.randrange(10, VOCAB) for _ in range(rng.choice([16, 24, 40]))] for _ in range(2)]
     sessions = rng.randint(2, 8)

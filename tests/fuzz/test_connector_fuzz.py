@@ -7,7 +7,8 @@
   connector, put back: the first is the copier's (a load cut short by a short storage read
   copied its first pages in host-page order, leaving a hit block unfilled), the second the
   scheduler side's (a request aborted while its load ran was also backed up, so vLLM heard of
-  it twice and asserted on the second report).
+  it twice and asserted on the second report; the variant turns off both guards against it,
+  the connector's and the core's).
 - `test_connector_fuzz_long`: `--runslow`, `HICACHE_CONNECTOR_FUZZ_EPISODES` episodes (2,000 by
   default) from `HICACHE_CONNECTOR_FUZZ_SEED` (1).
 """
