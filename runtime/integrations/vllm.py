@@ -149,6 +149,7 @@ def _namespace(request: Request) -> Hashable:
 
 class HiCacheConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
+    _namespace = staticmethod(_namespace)  # (what keeps tenants' KV apart; a test variant breaks it)
 
     # -- state -------------------------------------------------------------------
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
@@ -215,8 +216,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             tokens, keys = asked.tokens, asked.keys
         else:
             tokens = self._tokens_of(request)
-            keys = self.core.page_keys(tokens, _namespace(request))
-        hit = self.core.lookup(tokens, _namespace(request), num_computed_tokens, keys)
+            keys = self.core.page_keys(tokens, self._namespace(request))
+        hit = self.core.lookup(tokens, self._namespace(request), num_computed_tokens, keys)
         total = hit.total
         reached = self._reached.get(rid)
         if reached is not None:
@@ -237,7 +238,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert asked is not None, "vLLM allocates an external hit only after asking for it"
         (block_ids,) = blocks.get_block_ids()
         local = asked.local
-        ld = self.core.load(rid, asked.tokens, _namespace(request), local, num_external_tokens, block_ids, asked.keys)
+        ld = self.core.load(rid, asked.tokens, self._namespace(request), local, num_external_tokens, block_ids, asked.keys)
         # blocks promised but not to be filled: the tiers lost pages since the lookup (vLLM recomputes them)
         first, end = (local + ld.tokens) // self.block_size, (local + num_external_tokens) // self.block_size
         if first < end:
@@ -287,7 +288,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
         tokens = self._tokens_of(request)
         del self._token_ids[rid]
-        plan = self.core.backup(rid, tokens, _namespace(request), request.num_computed_tokens, block_ids)
+        plan = self.core.backup(rid, tokens, self._namespace(request), request.num_computed_tokens, block_ids)
         if plan is not None:
             self._backups.append((rid, plan))
         return self.core.finish(rid), None

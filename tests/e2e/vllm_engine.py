@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,11 +117,12 @@ class FakeEngine:
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, cache_salt: str | None = None) -> None:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
         self.scheduler.add_request(Request(request_id=rid, prompt_token_ids=list(prompt), sampling_params=sp,
-                                           pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256)))
+                                           pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
+                                           cache_salt=cache_salt))
 
     def run(self, max_steps: int = 10_000) -> None:
         while self.scheduler.has_requests():
@@ -181,7 +183,7 @@ class FakeEngine:
             start = end - n
             blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
             tokens = req.all_token_ids
-            h = _prefix_hash(tokens[:start])
+            h = _prefix_hash(tokens[:start], req.cache_salt)
             for pos in range(start, end):
                 h = _extend_hash(h, tokens[pos])
                 b, off = blocks[pos // BLOCK], pos % BLOCK
@@ -192,7 +194,7 @@ class FakeEngine:
         for rid, req, blocks, end in scheduled:
             if end >= req.num_tokens:  # prefill done (or a decode step): sample from every KV slot read
                 if self.check_reads:
-                    self._check_read(rid, req.all_token_ids, blocks, end)
+                    self._check_read(rid, req.all_token_ids, blocks, end, req.cache_salt)
                 total = 0.0
                 for pos in range(end):
                     b, off = blocks[pos // BLOCK], pos % BLOCK
@@ -200,8 +202,8 @@ class FakeEngine:
                 sampled[rid] = [int(total) % (VOCAB - 10) + 10]
         return sampled
 
-    def _check_read(self, rid: str, tokens: Any, blocks: list[int], end: int) -> None:
-        hashes, h = [], 1469598103934665603
+    def _check_read(self, rid: str, tokens: Any, blocks: list[int], end: int, salt: str | None) -> None:
+        hashes, h = [], _seed(salt)
         for t in tokens[:end]:
             h = _extend_hash(h, t)
             hashes.append(h)
@@ -244,9 +246,9 @@ class EagerFreeConnector(HiCacheConnector):
         return None, received  # (nothing was held for a finished request: nothing to hand back)
 
 
-def expected_block(tokens: list[int], index: int, layer: int) -> torch.Tensor:
+def expected_block(tokens: list[int], index: int, layer: int, salt: str | None = None) -> torch.Tensor:
     """What the fake forward writes into block `index` of `tokens` in `layer`."""
-    h = _prefix_hash(tokens[: index * BLOCK])
+    h = _prefix_hash(tokens[: index * BLOCK], salt)
     values = []
     for pos in range(index * BLOCK, (index + 1) * BLOCK):
         h = _extend_hash(h, tokens[pos])
@@ -254,8 +256,14 @@ def expected_block(tokens: list[int], index: int, layer: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)[None, :, None].expand(KV_HEADS, BLOCK, 2 * HEAD)
 
 
-def _prefix_hash(tokens: Iterable[int]) -> int:
-    h = 1469598103934665603
+def _seed(salt: str | None) -> int:
+    """Where a request's fingerprints start: its cache salt's own (a tenant's KV of the same
+    tokens differs from another's, so KV served across tenants changes an output)."""
+    return 1469598103934665603 if salt is None else (1469598103934665603 ^ zlib.crc32(salt.encode()) << 16)
+
+
+def _prefix_hash(tokens: Iterable[int], salt: str | None = None) -> int:
+    h = _seed(salt)
     for t in tokens:
         h = _extend_hash(h, t)
     return h

@@ -5,7 +5,8 @@ Each episode draws an engine (device pool 10-48 blocks, so vLLM preempts; a step
 lookup and its load; storage on or off, shared by the instances of the episode), faults (device
 copies that fail or run slowly on the worker's thread, storage calls that fail or read short),
 and a workload: multi-turn sessions over a few shared system prompts whose turns start at random
-steps, random aborts of running requests, and, with storage, the instance shut down halfway and a
+steps, under a few tenants (vLLM cache salts, which the fake forward's fingerprints start from),
+random aborts of running requests, and, with storage, the instance shut down halfway and a
 fresh one started on the same directory.
 
 The oracle is the fake forward's own arithmetic (`tests/e2e/vllm_engine.py`): a request's output
@@ -57,6 +58,7 @@ from tests.e2e.vllm_engine import (  # noqa: E402
     VOCAB,
     FakeEngine,
     _extend_hash,
+    _seed,
     expected_block,
     fingerprint,
     save_tiny_model,
@@ -70,10 +72,10 @@ class Violation(AssertionError):
     """The fuzzer's finding: what was wrong, where."""
 
 
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+def expected_output(prompt: list[int], max_tokens: int, salt: str | None = None) -> list[int]:
     """What the fake forward samples for `prompt` when every KV value it reads is right: the
     sum over every position's fingerprint in every layer, modulo the vocabulary, token by token."""
-    h = 1469598103934665603
+    h = _seed(salt)
     total = 0.0
     for t in prompt:
         h = _extend_hash(h, t)
@@ -140,14 +142,15 @@ class CheckedBackend:
                 self.wrong.append(f"storage page {bytes(key).hex()[:12]} {what} with KV of other tokens")
 
 
-def expect_pages(expected: dict[bytes, torch.Tensor], tokens: list[int], identity: Any) -> None:
-    """Record the KV of each whole page of `tokens` under its storage key."""
+def expect_pages(expected: dict[bytes, torch.Tensor], tokens: list[int], identity: Any, salt: str | None) -> None:
+    """Record the KV of each whole page of `tokens` (a tenant's: `salt`) under its storage key."""
     n = len(tokens) // BLOCK * BLOCK
     if n == 0:
         return
-    for i, key in enumerate(page_hashes(np.asarray(tokens[:n], dtype=np.int32), BLOCK, None, identity)):
+    namespace = None if salt is None else ("vllm", None, salt)  # (the connector's `_namespace`)
+    for i, key in enumerate(page_hashes(np.asarray(tokens[:n], dtype=np.int32), BLOCK, namespace, identity)):
         if key not in expected:
-            expected[key] = torch.stack([expected_block(tokens, i, layer) for layer in range(LAYERS)])
+            expected[key] = torch.stack([expected_block(tokens, i, layer, salt) for layer in range(LAYERS)])
 
 
 # -- planted bugs: connector variants the fuzzer must find ----------------------------------------
@@ -208,7 +211,15 @@ class LimitInSourceOrder(HiCacheConnector):
         copier.run = run
 
 
+class SaltBlind(HiCacheConnector):
+    """Every request in one namespace: a tenant's cached prefix is served to another tenant with
+    the same tokens under a different cache salt."""
+
+    _namespace = staticmethod(lambda request: None)
+
+
 PLANTS: dict[str, type[HiCacheConnector]] = {
+    "salt_blind": SaltBlind,
     "limit_in_source_order": LimitInSourceOrder,
     "backed_up_mid_load": BackedUpMidLoad,
     "eager_free": EagerFreeConnector,
@@ -254,8 +265,10 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
     sessions = rng.randint(2, 8)
     turns = rng.randint(2, 6)
     history = {s: list(rng.choice(systems)) for s in range(sessions)}
+    # tenants: the same system prompts under different cache salts must never share KV
+    salt = {s: rng.choice([None, None, "tenant-a", "tenant-b"]) for s in range(sessions)}
     turn_of = {s: 0 for s in range(sessions)}
-    live: dict[str, tuple[int, list[int], int]] = {}  # rid -> (session, prompt, max_tokens)
+    live: dict[str, tuple[int, list[int], int, str | None]] = {}  # rid -> (session, prompt, max_tokens, salt)
     storage_dir = tempfile.mkdtemp(prefix="hicache-connector-fuzz-") if storage else None
     restart_at = sessions * turns // 2 if storage and rng.random() < 0.5 else -1
     started = 0
@@ -280,10 +293,10 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
                 history[s] += [rng.randrange(10, VOCAB) for _ in range(rng.choice([1, 5, 16, 21]))]
                 rid = f"s{s}t{turn_of[s]}i{ep.instances}"
                 max_tokens = rng.choice([1, 3, 8, 17])
-                e.add(rid, history[s], max_tokens)
+                e.add(rid, history[s], max_tokens, salt[s])
                 if storage_dir is not None:
-                    expect_pages(checks.expected, history[s], e.connector.identity)
-                live[rid] = (s, list(history[s]), max_tokens)
+                    expect_pages(checks.expected, history[s], e.connector.identity, salt[s])
+                live[rid] = (s, list(history[s]), max_tokens, salt[s])
                 turn_of[s] += 1
                 started += 1
             elif live and rng.random() < 0.01:
@@ -309,11 +322,11 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
                 if wrong is not None:
                     raise Violation(f"{ep.where(f'step {ep.steps}')}: {wrong}")
             for rid in [r for r in live if r in e.finished]:
-                s, prompt, max_tokens = live.pop(rid)
-                _check_output(ep, e, rid, (s, prompt, max_tokens), aborted=False)
+                s, prompt, max_tokens, _ = entry = live.pop(rid)
+                _check_output(ep, e, rid, entry, aborted=False)
                 history[s] += e.outputs[rid]
                 if storage_dir is not None:
-                    expect_pages(checks.expected, history[s], e.connector.identity)
+                    expect_pages(checks.expected, history[s], e.connector.identity, salt[s])
                 ep.finished += 1
             if ep.steps > 20_000:
                 raise Violation(f"{ep.where(f'step {ep.steps}')}: the engine did not drain")
@@ -365,7 +378,9 @@ def check_host_content(e: FakeEngine, cache: dict[tuple[int, bytes, int], torch.
         if want is None:
             tokens = np.frombuffer(key, dtype=np.int32).tolist()
             first = (len(tokens) - len(node.key) // 4) // BLOCK
-            want = torch.stack([torch.stack([expected_block(tokens, i, layer) for layer in range(LAYERS)])
+            ns = node.extra_key
+            salt = ns[2] if isinstance(ns, tuple) else None
+            want = torch.stack([torch.stack([expected_block(tokens, i, layer, salt) for layer in range(LAYERS)])
                                 for i in range(first, len(tokens) // BLOCK)])
             cache[node.id, key, len(node.key)] = want
         pages = torch.from_numpy(node.host[::BLOCK] // BLOCK)
@@ -387,9 +402,10 @@ def _tree_nodes(tree: Any) -> list[Any]:
     return out
 
 
-def _check_output(ep: Episode, e: FakeEngine, rid: str, live: tuple[int, list[int], int], *, aborted: bool) -> None:
-    _, prompt, max_tokens = live
-    want = expected_output(prompt, max_tokens)
+def _check_output(ep: Episode, e: FakeEngine, rid: str, live: tuple[int, list[int], int, str | None], *,
+                  aborted: bool) -> None:
+    _, prompt, max_tokens, salt = live
+    want = expected_output(prompt, max_tokens, salt)
     got = e.outputs.get(rid, [])
     if (got != want[: len(got)]) if aborted else (got != want):
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
