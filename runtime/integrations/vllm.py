@@ -17,9 +17,9 @@ Split as vLLM splits a connector:
 
 - scheduler side (vLLM's synchronous scheduler calls it directly): a `TiersOnlyCore` decides.
   `get_num_new_matched_tokens` answers, without side effects, how many tokens past vLLM's own
-  prefix-cache hit the host tier, then storage, hold: a hit from the host tier alone is loaded
-  before the step's forward (synchronous); one that needs storage is asynchronous (the request
-  waits in ``WAITING_FOR_REMOTE_KVS`` until the worker read and copied it).
+  prefix-cache hit the host tier, then storage, hold; every hit is an asynchronous load (the
+  request waits in ``WAITING_FOR_REMOTE_KVS`` until the worker reports it: docs/VLLM.md says why
+  no load is synchronous).
   `update_state_after_alloc` turns it into a load into the blocks vLLM allocated;
   `request_finished` backs up the request's computed blocks the tier lacks and returns
   ``delay_free_blocks=True`` while that backup reads them, so vLLM never frees a block a copy
@@ -28,10 +28,10 @@ Split as vLLM splits a connector:
   to the workers; `update_connector_output` applies the workers' acks (`CopyAcks`, through vLLM's
   worker-metadata channel).
 - worker side: the host pool, the copies (`PagedKVCopier` over the registered KV tensors) and the
-  storage calls. Synchronous loads run in `start_load_kv`, before the forward; asynchronous
-  loads (storage read, then copy), backups and storage writes run on one worker thread, in order,
-  and are reported when done: loads through `get_finished`'s receiving set, backups through its
-  sending set (vLLM then frees the blocks), outcomes through `CopyAcks`. Blocks a load could not
+  storage calls. Host-only loads are copied in `start_load_kv`; loads that read storage first run
+  on a load thread, backups and storage writes on a save thread, each in order. All are reported
+  when done: loads through `get_finished`'s receiving set, backups through its sending set (vLLM
+  then frees the blocks), outcomes through `CopyAcks`. Blocks a load could not
   fill go to `get_block_ids_with_load_errors` (vLLM recomputes them).
 
 On CPU, copies are plain tensor copies, so `wait_for_layer_load` and `save_kv_layer` have
@@ -212,12 +212,13 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self.core is not None
         rid = request.request_id
         asked = self._asked.get(rid)
+        namespace = self._namespace(request)
         if asked is not None and len(asked.tokens) == request.num_tokens:  # asked again while it waits
             tokens, keys = asked.tokens, asked.keys
         else:
             tokens = self._tokens_of(request)
-            keys = self.core.page_keys(tokens, self._namespace(request))
-        hit = self.core.lookup(tokens, self._namespace(request), num_computed_tokens, keys)
+            keys = self.core.page_keys(tokens, namespace)
+        hit = self.core.lookup(tokens, namespace, num_computed_tokens, keys)
         total = hit.total
         reached = self._reached.get(rid)
         if reached is not None:
@@ -308,8 +309,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             if job.load.read is None:
                 # host pages only: copied here and now (vLLM still sees an asynchronous load, done
                 # at this step's report); a worker thread would wait on the GIL for each copy
-                self._record(self._load(job))
-                self._received.add(job.rid)
+                self._record("load", job.rid, self._load(job))
             else:  # a storage read first: on the load lane's thread
                 self._submit("load", job.rid, self._load, job)
 
@@ -390,21 +390,22 @@ class HiCacheConnector(KVConnectorBase_V1):
             return
         left: deque[tuple[Future[JobResult], str, str]] = deque()
         for fut, kind, rid in self._jobs:
-            if not fut.done():
+            if fut.done():
+                self._record(kind, rid, fut.result())
+            else:
                 left.append((fut, kind, rid))
-                continue
-            self._record(fut.result())
-            if kind == "load":
-                self._received.add(rid)
-            elif kind == "backup":
-                self._sent.add(rid)
         self._jobs = left
 
-    def _record(self, result: JobResult) -> None:
+    def _record(self, kind: str, rid: str, result: JobResult) -> None:
+        """A job ended: its outcomes go to the next `CopyAcks`, its request to the next report."""
         outcomes, storage, errors = result
         self._outcomes.update(outcomes)
         self._storage_outcomes.update(storage)
         self._load_errors |= errors
+        if kind == "load":
+            self._received.add(rid)
+        elif kind == "backup":
+            self._sent.add(rid)
 
     def _load(self, job: LoadJob) -> JobResult:
         """A storage read (if any), then the copy of what the tiers hold into the blocks.

@@ -82,9 +82,9 @@ class StorageTier:
         if not pick:
             return
         keys = [hashes[i] for i in pick]
-        host = np.concatenate([host[i * ps:(i + 1) * ps] for i in pick])
+        host = host.reshape(-1, ps)[pick].reshape(-1)
         op_id = next(self._op_ids)
-        res.host.pin(host, op_id)
+        res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
         res.tree.protect_host(node, length)
         self.ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length)
         self._requests.append((op_id, True, tuple(keys), self._host_pages(host)))
@@ -212,7 +212,7 @@ class StorageTier:
         self.overdue.discard(op_id)
         assert res.host is not None
         if len(sop.host):  # a lookup pinned nothing
-            res.host.unpin(sop.host, op_id)
+            res.host.unpin(sop.host, op_id, trusted=True)
         if sop.write:
             self._write_landed(sop, error, ok)
             return None
@@ -237,7 +237,7 @@ class StorageTier:
             self.stats["storage_pages_read"] += pages
         rest = pf.host[pages * ps:]
         if len(rest):
-            res.host.free(rest, pf.owner, rid=pf.rid, reason="prefetch_unused")
+            res.host.free(rest, pf.owner, trusted=True, rid=pf.rid, reason="prefetch_unused")
         if pages:
             # the read pages become host copies in the tree (the same hand-over as decode offload's)
             taken, _ = res.adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
@@ -315,7 +315,7 @@ class StorageTier:
             self.stats["prefetch_skipped"] += 1
             return None
         op_id = next(self._op_ids)
-        res.host.pin(host, op_id)
+        res.host.pin(host, op_id, trusted=True)  # (the ledger's own alloc)
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf)
@@ -347,4 +347,4 @@ class StorageTier:
 
     def _host_pages(self, host: np.ndarray) -> tuple[int, ...]:
         ps = self.residency.page_size
-        return tuple(int(x) // ps for x in host[::ps])
+        return tuple((host[::ps] // ps).tolist())

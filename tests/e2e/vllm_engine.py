@@ -193,29 +193,28 @@ class FakeEngine:
             scheduled.append((rid, req, blocks, end))
         for rid, req, blocks, end in scheduled:
             if end >= req.num_tokens:  # prefill done (or a decode step): sample from every KV slot read
+                pos = torch.arange(end)
+                where = torch.tensor(blocks)[pos // BLOCK]
+                reads = [self.kv[name][where, 0, pos % BLOCK, 0] for name in NAMES]
                 if self.check_reads:
-                    self._check_read(rid, req.all_token_ids, blocks, end, req.cache_salt)
-                total = 0.0
-                for pos in range(end):
-                    b, off = blocks[pos // BLOCK], pos % BLOCK
-                    total += sum(float(self.kv[name][b, 0, off, 0]) for name in NAMES)
+                    self._check_read(rid, req.all_token_ids, blocks, reads, req.cache_salt)
+                # (float64 sums of integer-valued float32 fingerprints: exact, in any order)
+                total = sum(float(r.double().sum()) for r in reads)
                 sampled[rid] = [int(total) % (VOCAB - 10) + 10]
         return sampled
 
-    def _check_read(self, rid: str, tokens: Any, blocks: list[int], end: int, salt: str | None) -> None:
+    def _check_read(self, rid: str, tokens: Any, blocks: list[int], reads: list[torch.Tensor],
+                    salt: str | None) -> None:
         hashes, h = [], _seed(salt)
-        for t in tokens[:end]:
+        for t in tokens[:len(reads[0])]:
             h = _extend_hash(h, t)
             hashes.append(h)
-        pos = torch.arange(end)
-        where = torch.tensor(blocks)[pos // BLOCK]
-        for layer, name in enumerate(NAMES):
-            got = self.kv[name][where, 0, pos % BLOCK, 0]
+        for layer, got in enumerate(reads):
             bad = (got != torch.tensor([fingerprint(x, layer) for x in hashes], dtype=got.dtype)).nonzero()
             if len(bad):
                 p = int(bad[0])
                 self._wrong_reads[rid] = (f"step {self.steps}: request {rid} sampled from wrong KV at position {p} "
-                                          f"(block {blocks[p // BLOCK]}, layer {layer}) of {end}")
+                                          f"(block {blocks[p // BLOCK]}, layer {layer}) of {len(got)}")
                 return
 
     def assert_drained(self) -> None:

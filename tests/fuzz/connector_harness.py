@@ -367,39 +367,25 @@ def check_host_content(e: FakeEngine, cache: dict[tuple[int, bytes, int], torch.
     if host is None:
         return None
     tree = e.connector.core.residency.tree
-    for node in _tree_nodes(tree):
-        path = []
-        n = node
-        while n.parent is not None:
-            path.append(n.key)
-            n = n.parent
-        key = b"".join(reversed(path))
-        want = cache.get((node.id, key, len(node.key)))  # (a split keeps the lower half's id and path)
+    for node in tree.nodes():
+        path = tree.path_tokens(node)
+        key = (node.id, path.tobytes(), len(node.key))  # (a split keeps the lower half's id and path)
+        want = cache.get(key)
         if want is None:
-            tokens = np.frombuffer(key, dtype=np.int32).tolist()
+            tokens = path.tolist()
             first = (len(tokens) - len(node.key) // 4) // BLOCK
             ns = node.extra_key
             salt = ns[2] if isinstance(ns, tuple) else None
-            want = torch.stack([torch.stack([expected_block(tokens, i, layer, salt) for layer in range(LAYERS)])
-                                for i in range(first, len(tokens) // BLOCK)])
-            cache[node.id, key, len(node.key)] = want
+            want = cache[key] = torch.stack([
+                torch.stack([expected_block(tokens, i, layer, salt) for layer in range(LAYERS)])
+                for i in range(first, len(tokens) // BLOCK)])
         pages = torch.from_numpy(node.host[::BLOCK] // BLOCK)
         got = host[pages]
         if not torch.equal(got, want):
             bad = next(i for i in range(len(pages)) if not torch.equal(got[i], want[i]))
-            return (f"tree node {node.id} ({len(key) // 4} path tokens) holds wrong KV in host page "
+            return (f"tree node {node.id} ({len(path)} path tokens) holds wrong KV in host page "
                     f"{int(pages[bad])} (its page {bad} of {len(pages)})")
     return None
-
-
-def _tree_nodes(tree: Any) -> list[Any]:
-    out, todo = [], [r for r in tree.roots()]
-    while todo:
-        n = todo.pop()
-        for c in n.children.values():
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _check_output(ep: Episode, e: FakeEngine, rid: str, live: tuple[int, list[int], int, str | None], *,
