@@ -115,6 +115,7 @@ class Admit:
     tokens: np.ndarray
     extra_key: Hashable = None
     session: Hashable = None
+    priority: int = 0  # raised onto the tree nodes the request inserts (eviction_policy="priority")
     reply: "Reply[AdmitResult] | None" = field(default=None, compare=False)
 
 
@@ -243,6 +244,42 @@ class Prepare:
     tokens: np.ndarray
     extra_key: Hashable = None
     reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@message
+class AttachStorage:
+    """Storage controls (`attach_storage`): put a storage tier behind the host tier, on `backend`
+    (checked by the façade); `removable`: it offers `remove(keys)` (`clear_storage`)."""
+
+    backend: Any
+    removable: bool
+    reply: "Reply[Any] | None" = field(default=None, compare=False)
+
+
+@message
+class DetachStorage:
+    """Storage controls (`detach_storage`): drain the storage ops, then turn the tier off. Replies
+    with the detached backend."""
+
+    reply: "Reply[Any] | None" = field(default=None, compare=False)
+
+
+@message
+class ClearStorage:
+    """Storage controls (`clear_storage`): drain the storage ops, forget the known-stored hints and
+    remove those pages from the backend. Replies with the pages removed."""
+
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@message
+class StorageCleared:
+    """The transfer actor removed a clear's pages (`removed`; `error`: the backend call failed)."""
+
+    removed: int
+    error: BaseException | None
+    caller: "Reply[int]"
+    reply: None = None
 
 
 @message
@@ -408,8 +445,28 @@ class StorageCallbackFailed:
     reply: None = None
 
 
+@message
+class SetStorageBackend:
+    """Storage controls: from now on storage ops go to `backend` (None: no storage tier). Sent by the
+    tree actor with no storage op in flight; the reply (the caller's) gets the previous backend."""
+
+    backend: Any
+    reply: "Reply[Any] | None" = field(default=None, compare=False)
+
+
+@message
+class RemoveStoragePages:
+    """`clear_storage`: remove `keys` from the backend (in a worker thread); `StorageCleared` to
+    `ack_to`, carrying the caller's reply."""
+
+    keys: tuple[bytes, ...]
+    ack_to: "Mailbox[Any]"
+    caller: "Reply[int]"
+    reply: None = None
+
+
 TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage
-                   | StorageCallbackFailed)
+                   | StorageCallbackFailed | SetStorageBackend | RemoveStoragePages)
 
 
 # -- tree actor: a batch of requests (one scheduling step), the prefetch deadline ----------------
@@ -433,4 +490,5 @@ class PrefetchDeadline:
 
 TreeMessage = (Admit | Extend | DecodeStep | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned
                | MatchPrefix | CanAdmit | Available | Flush | TreeStats | DrainTree | Inspect | TransferAck | Prepare
-               | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline)
+               | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline
+               | AttachStorage | DetachStorage | ClearStorage | StorageCleared)

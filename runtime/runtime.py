@@ -35,13 +35,16 @@ from runtime.messages import (
     Abort,
     Admit,
     AdmitResult,
+    AttachStorage,
     Available,
     Batch,
     Cache,
     CanAdmit,
+    ClearStorage,
     CloseSession,
     Commit,
     DecodeStep,
+    DetachStorage,
     DrainTransfer,
     DrainTree,
     Extend,
@@ -70,6 +73,7 @@ from runtime.validation import (
     check_namespace,
     check_optional_count,
     check_optional_id,
+    check_priority,
     step_item,
     step_tokens,
 )
@@ -114,13 +118,28 @@ def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostP
     return CpuCopyEngine(pools, workers_per_direction=config.copy_workers)
 
 
+def check_backend(config: RuntimeConfig, storage: Any) -> None:
+    """A storage backend given by the caller (`open(storage=)`, `attach_storage`): it has the
+    protocol's methods and pages of this config's size (`ConfigError` otherwise)."""
+    missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")
+               if not callable(getattr(storage, name, None))]
+    if missing:
+        raise ConfigError(f"storage backend {type(storage).__name__} lacks {', '.join(missing)} (see StorageBackend)")
+    want = config.page_size * config.bytes_per_token
+    if getattr(storage, "page_bytes", None) != want:
+        raise ConfigError(f"storage backend pages are {getattr(storage, 'page_bytes', None)} bytes; "
+                          f"this config's pages are {want}")
+
+
+def can_remove(storage: Any) -> bool:
+    """The backend offers `remove(keys) -> int` (what `clear_storage` needs)."""
+    return storage is not None and callable(getattr(storage, "remove", None))
+
+
 def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]:
     """The storage backend (given, or built from the config) and whether the runtime owns it."""
     if storage is not None:
-        want = config.page_size * config.bytes_per_token
-        if getattr(storage, "page_bytes", None) != want:
-            raise ConfigError(f"storage backend pages are {getattr(storage, 'page_bytes', None)} bytes; "
-                              f"this config's pages are {want}")
+        check_backend(config, storage)
         return storage, False
     if config.storage_backend == "none":
         return None, False
@@ -149,17 +168,18 @@ class CacheRuntime:
                           if config.host_slots > 0 else None)
         sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
         self.tracer = SlotTracer(config.page_size, sinks)
-        self.storage, self._own_storage = make_storage(config, storage)
-        if self.storage is not None and self.host_pool is None:
+        storage, own = make_storage(config, storage)
+        if storage is not None and self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier")
+        self._owned_storage = storage if own else None  # closed by the runtime (built from the config)
         self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory)
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
-            bytes_per_slot=config.bytes_per_token, storage=self.storage, host_pool=self.host_pool,
+            bytes_per_slot=config.bytes_per_token, storage=storage, host_pool=self.host_pool,
             storage_timeout_s=config.storage_timeout_s)
         self._core = CacheCore(config, self.tracer, readiness_factory=LayerReadiness.pending)
-        if self.storage is not None:
+        if storage is not None:
             self._core.enable_storage()
         # decode offload: the offload actor and the tree actor know each other's mailbox
         tree_mailbox: Mailbox[TreeMessage] = Mailbox(config.mailbox_capacity)
@@ -167,7 +187,7 @@ class CacheRuntime:
                                      mailbox_capacity=config.mailbox_capacity)
         self._tree = TreeActor(self._core, self._transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
                                debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox,
-                               mailbox=tree_mailbox)
+                               mailbox=tree_mailbox, storage=storage)
         self._sup = Supervisor([self._tree, self._transfer, self._offload])
         self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
         self._closer: asyncio.Task[None] | None = None
@@ -228,12 +248,13 @@ class CacheRuntime:
                     pass
         await sup.stop()
         self.tracer.close()
-        if self._own_storage and self.storage is not None and not self._abandoned_copies:
+        owned = self._owned_storage
+        if owned is not None and owned is self.storage and not self._abandoned_copies:
             if self._transfer.storage_inflight:
                 # overdue calls still run in worker threads and use the backend: leave it open
                 log.warning("storage_left_open", ops=sorted(self._transfer.storage_inflight))
             else:
-                self.storage.close()
+                owned.close()
 
     async def _close_cancelled(self, closer: asyncio.Task[None]) -> None:
         """The caller of `close` was cancelled: finish the close anyway, bounded by `close_grace_s`."""
@@ -251,6 +272,11 @@ class CacheRuntime:
             log.error("close_failed", error=repr(closer.exception()))
 
     @property
+    def storage(self) -> Any:
+        """The storage backend in use (None: no storage tier). The transfer actor holds it."""
+        return self._transfer.storage
+
+    @property
     def failed(self) -> bool:
         return self._sup.state is State.FAILED
 
@@ -260,11 +286,14 @@ class CacheRuntime:
 
     # -- request lifecycle ------------------------------------------------------------
     async def admit(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
-                    extra_key: Hashable = None, *, session: Hashable = None) -> AdmitResult:
+                    extra_key: Hashable = None, *, session: Hashable = None, priority: int = 0) -> AdmitResult:
         """Match the longest cached prefix, lock it, load its host part, allocate the rest.
-        With `session`, the turn appends to that session's KV instead (no tree match)."""
+        With `session`, the turn appends to that session's KV instead (no tree match).
+        `priority` (an int >= 0) is raised onto every tree node the request inserts (`cache`,
+        `finish`): with `eviction_policy="priority"` lower priorities are evicted first."""
         msg = Admit(check_id(rid), self._tokens(tokens), check_namespace(extra_key),
-                    check_optional_id(session, "session"), Reply(on_abandon=self._release_abandoned))
+                    check_optional_id(session, "session"), check_priority(priority),
+                    reply=Reply(on_abandon=self._release_abandoned))
         return await self._sup.ask(self._tree.mailbox, msg)
 
     async def prepare(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
@@ -397,6 +426,39 @@ class CacheRuntime:
         return {**tree, **transfer, "hit_rate": served / total if total else 0.0,
                 "device_hit_rate": tree["tokens_device_hit"] / total if total else 0.0,
                 "host_hit_rate": tree["tokens_host_hit"] / total if total else 0.0}
+
+    # -- storage controls -----------------------------------------------------------------
+    # One at a time, in call order (the tree actor queues them). Cancelling the await of one does
+    # not cancel it: it was accepted and completes in the actors.
+    async def attach_storage(self, backend: Any) -> None:
+        """Put a storage tier behind the host tier, on `backend` (checked as `open(storage=)`
+        checks it; the caller keeps it and closes it after `detach_storage`). From now on landed
+        backups are written through and `prepare`/`admit` read from it. `ConfigError` (nothing
+        changed): not a backend of this config's page size, or no host tier; `StateError`: one is
+        attached already."""
+        if self.host_pool is None:
+            raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
+        check_backend(self.config, backend)
+        await self._sup.ask(self._tree.mailbox, AttachStorage(backend, can_remove(backend), Reply()))
+
+    async def detach_storage(self) -> None:
+        """Turn the storage tier off: no storage op starts from now on; those in flight (writes,
+        prefetch lookups and reads, overdue ones too) land or fail as usual, releasing their pins
+        and host pages; then the backend is forgotten (closed if the runtime built it from the
+        config). Device and host tiers keep working. `StateError`: no storage tier attached."""
+        old = await self._sup.ask(self._tree.mailbox, DetachStorage(Reply()))
+        if old is not None and old is self._owned_storage:
+            self._owned_storage = None
+            old.close()
+
+    async def clear_storage(self) -> int:
+        """Remove from storage every page this runtime knows stored (wrote, or found by a lookup or
+        read: pages of its own KV identity, since the page hash encodes it) and forget them, so that
+        no later admit gets a storage hit on one. Storage ops in flight drain first (no new one
+        starts meanwhile). Returns the pages removed (pages the backend had already evicted are not
+        counted). `StateError`: no storage tier, or a backend without `remove(keys)`;
+        `StorageError`: the backend's removal failed (the hints are forgotten either way)."""
+        return await self._sup.ask(self._tree.mailbox, ClearStorage(Reply()))
 
     async def inspect(self, fn: Any) -> Any:
         """Debug/test hook: run `fn(core)` inside the tree actor (between two messages)."""

@@ -90,6 +90,13 @@ def check_optional_count(value: Any, what: str) -> int | None:
     return None if value is None else check_count(value, what)
 
 
+def check_priority(value: Any) -> int:
+    """An admit's eviction priority: an int (not a bool) in [0, 2**63)."""
+    if type(value) is int and 0 <= value < 1 << 63:
+        return value
+    raise ArgumentError(f"priority must be an int in [0, 2**63), got {_describe(value)}")
+
+
 def check_flag(value: Any, what: str) -> bool:
     if type(value) is bool:
         return value
@@ -199,10 +206,11 @@ def _with_reply(item: Any) -> ArgumentError:
 def _admit(m: Admit, toks: Callable[[Any], np.ndarray]) -> Admit:
     if m.reply is not None:
         raise _with_reply(m)
-    rid, ns, sid = m.rid, m.extra_key, m.session
+    rid, ns, sid, prio = m.rid, m.extra_key, m.session, m.priority
     return Admit(rid if type(rid) in _ID_ATOMS else check_id(rid), toks(m.tokens),
                  ns if type(ns) in _NAMESPACE_ATOMS else check_namespace(ns),
-                 None if sid is None else sid if type(sid) in _ID_ATOMS else check_id(sid, "session"))
+                 None if sid is None else sid if type(sid) in _ID_ATOMS else check_id(sid, "session"),
+                 0 if prio == 0 and type(prio) is int else check_priority(prio))
 
 
 def _extend(m: Extend, toks: Callable[[Any], np.ndarray]) -> Extend:

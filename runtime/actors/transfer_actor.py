@@ -36,7 +36,10 @@ from runtime.messages import (
     CopyDone,
     Direction,
     DrainTransfer,
+    RemoveStoragePages,
+    SetStorageBackend,
     StorageAck,
+    StorageCleared,
     StorageCallbackFailed,
     StorageOverdue,
     SubmitCopy,
@@ -45,7 +48,7 @@ from runtime.messages import (
     TransferMessage,
     TransferStats,
 )
-from runtime.storage.backend import ContractViolation, checked_count, checked_flags, read_prefix
+from runtime.storage.backend import ContractViolation, StorageError, checked_count, checked_flags, read_prefix
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine, merged_plan
 
@@ -107,15 +110,12 @@ class TransferActor(Actor[TransferMessage]):
         self._storage_pool: ThreadPoolExecutor | None = None
         # page_first host pool: page p is one contiguous row, read and written in place
         self._page_rows: np.ndarray | None = None
-        if storage is not None and host_pool is not None and host_pool.layout == "page_first" \
-                and host_pool.buffer.is_contiguous():
+        if host_pool is not None and host_pool.layout == "page_first" and host_pool.buffer.is_contiguous():
             self._page_rows = host_pool.buffer.view(-1).view(torch.uint8).view(host_pool.num_pages, -1).numpy()
         self._registered_pool = False  # whether we registered the host pool with the backend (zero-copy)
-        self._probe_inline = storage is not None and getattr(storage, "exists_is_local", False) is True
-        if storage is not None:
-            self.counters.update({"storage_ops_done": 0, "storage_ops_failed": 0, "storage_bytes_written": 0,
-                                  "storage_bytes_read": 0, "storage_errors": 0, "storage_backend_errors": 0,
-                                  "storage_ops_overdue": 0})
+        self._probe_inline = False
+        self._removals = 0  # clear_storage removals running in worker threads
+        self._use_backend(storage)
         self.handlers = {
             SubmitCopy: self.on_submit,
             CopyDone: self.on_copy_done,
@@ -123,6 +123,8 @@ class TransferActor(Actor[TransferMessage]):
             TransferStats: self.on_stats,
             SubmitStorage: self.on_submit_storage,
             StorageCallbackFailed: self.on_storage_callback_failed,
+            SetStorageBackend: self.on_set_storage,
+            RemoveStoragePages: self.on_remove_storage,
         }
 
     async def run(self) -> None:
@@ -187,10 +189,8 @@ class TransferActor(Actor[TransferMessage]):
             # a lookup on a local backend without the first page: a miss, no worker thread needed
             self._storage_done(_StorageDone(msg.op_id, 0, (), None))
             return
-        if self._storage_pool is None:
-            self._storage_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-storage")
         loop = asyncio.get_running_loop()
-        fut = self._storage_pool.submit(self._run_storage, msg)
+        fut = self._worker_pool().submit(self._run_storage, msg)
         # armed before the worker can finish: `_storage_done` (on this thread, later) cancels it
         self._storage_timers[msg.op_id] = loop.call_later(self.storage_timeout_s, self._on_storage_deadline, msg.op_id)
         # straight back onto the loop from the worker (no asyncio future in between)
@@ -311,6 +311,54 @@ class TransferActor(Actor[TransferMessage]):
             log.warning("ack_undeliverable", op=msg.op_id, direction="storage")
         self._maybe_drained()
 
+    # -- storage controls (sent by the tree actor once no storage op is in flight) -------------
+    def on_set_storage(self, msg: SetStorageBackend) -> Any:
+        """Attach (a backend) or detach (None) the storage backend; replies with the previous one."""
+        if self.storage_inflight or self._removals:
+            raise InternalError(f"storage backend changed with {len(self.storage_inflight)} storage ops in flight")
+        old = self.storage
+        self._unregister_host_pool()
+        self._use_backend(msg.backend)
+        if self.bridge is not None:  # running (else `run` registers it)
+            self._register_host_pool()
+        log.info("storage_attached" if msg.backend is not None else "storage_detached",
+                 backend=type(msg.backend if msg.backend is not None else old).__name__)
+        return old
+
+    def on_remove_storage(self, msg: RemoveStoragePages) -> None:
+        """`clear_storage`: the backend's `remove(keys)` in a worker thread; `StorageCleared` back."""
+        if not msg.keys:
+            self._post_cleared(msg, 0, None)
+            return
+        self._removals += 1
+        loop = asyncio.get_running_loop()
+        fut = self._worker_pool().submit(self.storage.remove, list(msg.keys))
+
+        def landed(f: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self._removed, msg, f)
+            except RuntimeError:  # the loop is closed: nobody to tell
+                pass
+        fut.add_done_callback(landed)
+
+    def _removed(self, msg: RemoveStoragePages, fut: Any) -> None:
+        self._removals -= 1
+        removed, error = 0, None
+        try:
+            removed = checked_count("remove", fut.result(), len(msg.keys))
+        except BaseException as exc:  # noqa: BLE001 - the caller of clear_storage gets it
+            error = exc if isinstance(exc, Exception) else StorageError(repr(exc))
+            log.warning("storage_clear_failed", pages=len(msg.keys), error=repr(exc))
+        self._post_cleared(msg, removed, error)
+        self._maybe_drained()
+
+    def _post_cleared(self, msg: RemoveStoragePages, removed: int, error: BaseException | None) -> None:
+        log.info("storage_cleared", pages=len(msg.keys), removed=removed)
+        try:
+            msg.ack_to.put_internal(StorageCleared(removed, error, msg.caller))
+        except RuntimeClosed as exc:
+            msg.caller.set_exception(exc)
+
     def on_drain(self, msg: DrainTransfer) -> Any:
         if msg.reply is not None:
             self.drain_waiters.append(msg.reply)
@@ -325,7 +373,7 @@ class TransferActor(Actor[TransferMessage]):
             "queued_loads": len(self.waiting[Direction.LOAD]),
             "queued_backups": len(self.waiting[Direction.BACKUP]),
             "mailbox_depth": self.mailbox.depth,
-            **({"inflight_storage_ops": len(self.storage_inflight)} if self.storage is not None else {}),
+            **({"inflight_storage_ops": len(self.storage_inflight)} if "storage_ops_done" in self.counters else {}),
         }
 
     def after_burst(self) -> None:
@@ -336,6 +384,19 @@ class TransferActor(Actor[TransferMessage]):
             self._to_pump.clear()
 
     # -- helpers -----------------------------------------------------------------
+    def _use_backend(self, storage: Any) -> None:
+        self.storage = storage
+        self._probe_inline = storage is not None and getattr(storage, "exists_is_local", False) is True
+        if storage is not None:  # (kept after a detach: counters only grow)
+            for name in ("storage_ops_done", "storage_ops_failed", "storage_bytes_written", "storage_bytes_read",
+                         "storage_errors", "storage_backend_errors", "storage_ops_overdue"):
+                self.counters.setdefault(name, 0)
+
+    def _worker_pool(self) -> ThreadPoolExecutor:
+        if self._storage_pool is None:
+            self._storage_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-storage")
+        return self._storage_pool
+
     def _pump(self, direction: Direction) -> None:
         queue = self.waiting[direction]
         limit = self.limits[direction]
@@ -412,7 +473,8 @@ class TransferActor(Actor[TransferMessage]):
     def _maybe_drained(self) -> None:
         # overdue storage ops do not hold a drain: their calls may never return (the ops stay in
         # flight; their pages stay pinned, and their acks still go out if the calls come back)
-        if self.drain_waiters and not self.inflight and len(self.storage_overdue) == len(self.storage_inflight):
+        if self.drain_waiters and not self.inflight and len(self.storage_overdue) == len(self.storage_inflight) \
+                and not self._removals:
             if self.storage_inflight:
                 log.warning("storage_ops_abandoned_at_close", count=len(self.storage_inflight),
                             ops=sorted(self.storage_inflight))

@@ -9,6 +9,8 @@ the whole state and fails the runtime on a violation.
 from __future__ import annotations
 
 import asyncio
+import weakref
+from collections import deque
 from typing import Any
 
 from runtime.actors.base import DEFERRED, Actor, Mailbox, Reply
@@ -17,6 +19,12 @@ from runtime.messages import (
     Abort,
     Admit,
     AdmitResult,
+    AttachStorage,
+    ClearStorage,
+    DetachStorage,
+    RemoveStoragePages,
+    SetStorageBackend,
+    StorageCleared,
     PrefetchDeadline,
     SubmitCopy,
     SubmitStorage,
@@ -44,7 +52,7 @@ from runtime.messages import (
     TreeStats,
 )
 from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
-from runtime.errors import CallerError, InternalError, StateError
+from runtime.errors import CallerError, InternalError, RuntimeClosed, StateError
 from runtime.tree.cache import CacheCore
 from runtime.tree.records import PrefetchWait
 
@@ -55,13 +63,22 @@ class TreeActor(Actor[TreeMessage]):
     # -- state -------------------------------------------------------------------
     def __init__(self, core: CacheCore, transfer_mailbox: Mailbox[TransferMessage], *, mailbox_capacity: int,
                  debug_invariants: bool = False, offload_mailbox: Mailbox[OffloadMessage] | None = None,
-                 mailbox: Mailbox[TreeMessage] | None = None) -> None:
+                 mailbox: Mailbox[TreeMessage] | None = None, storage: Any = None) -> None:
         super().__init__(mailbox_capacity, mailbox)
         self.core = core
         self.transfer_mailbox = transfer_mailbox
         self.debug_invariants = debug_invariants
         self.quiesce_waiters: list[Reply[None]] = []
         self.offload_mailbox = offload_mailbox  # decode offload: where OffloadCommit/Finish/Ack go
+        # storage controls (attach, detach, clear), one at a time in arrival order; the head may wait
+        # for the storage ops to drain, or (a clear) for its removal
+        self.controls: deque[AttachStorage | DetachStorage | ClearStorage] = deque()
+        self.backend = storage  # the storage backend attached (a key only: the transfer actor calls it)
+        self.storage_removable = callable(getattr(storage, "remove", None))  # clear_storage works
+        # page hashes known stored in backends detached earlier: a re-attach (of the same object)
+        # gets them back, so that its clear removes the pages written before the detach too
+        self.detached_known: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+        self._removing = False  # the head control is a clear whose removal runs
         self.handlers = {
             Admit: self.on_admit,
             Extend: self.on_extend,
@@ -86,12 +103,14 @@ class TreeActor(Actor[TreeMessage]):
         self.handlers.update({StartOffload: self.on_start_offload, ReleaseOffloaded: self.on_release_offloaded})
         self.handlers.update({Prepare: self.on_prepare, StorageAck: self.on_storage_ack,
                               StorageOverdue: self.on_storage_overdue, PrefetchDeadline: self.on_prefetch_timeout})
+        self.handlers.update({AttachStorage: self.on_storage_control, DetachStorage: self.on_storage_control,
+                              ClearStorage: self.on_storage_control, StorageCleared: self.on_storage_cleared})
 
     # -- handlers ----------------------------------------------------------------
     def on_admit(self, msg: Admit) -> Any:
         # with a storage tier, an admit may wait for its request's prefetch (a batch item never waits)
         out = self.core.admit_or_wait(msg.rid, msg.tokens, msg.extra_key, msg.session,
-                                      msg if msg.reply is not None else None)
+                                      msg if msg.reply is not None else None, msg.priority)
         if isinstance(out, PrefetchWait):
             if out.timeout_s is not None:
                 asyncio.get_running_loop().call_later(out.timeout_s, self._post_timeout, out.prefetch)
@@ -202,6 +221,8 @@ class TreeActor(Actor[TreeMessage]):
         pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok)
         if pf is not None:
             self._release_waiters(pf)
+        if self.controls:
+            self._advance_controls()
         self._maybe_quiesced()
 
     def on_storage_overdue(self, msg: StorageOverdue) -> None:
@@ -231,8 +252,90 @@ class TreeActor(Actor[TreeMessage]):
             if w.reply.future.done():
                 continue
             try:
-                result = self.core.admit(w.rid, w.tokens, w.extra_key, w.session)
+                result = self.core.admit(w.rid, w.tokens, w.extra_key, w.session, w.priority)
             except CallerError as exc:
                 w.reply.set_exception(exc)
             else:
                 w.reply.set_result(result)
+
+    # -- storage controls --------------------------------------------------------------
+    # Clear and detach pause the tier (no storage op starts: backups landing meanwhile are not
+    # written through, prepares fetch nothing) and wait until every storage op in flight, overdue
+    # ones included, is acked: writes land or fail, prefetches end, their pins and host pages are
+    # released by the same acks as always. Only then does the tier change.
+    def on_storage_control(self, msg: AttachStorage | DetachStorage | ClearStorage) -> Any:
+        self.controls.append(msg)
+        if len(self.controls) == 1:
+            self._advance_controls()
+        return DEFERRED
+
+    def on_storage_cleared(self, msg: StorageCleared) -> None:
+        self._removing = False
+        self.controls.popleft()
+        if self.core.storage is not None:
+            self.core.storage.paused = False
+        if msg.error is not None:
+            msg.caller.set_exception(msg.error)
+        else:
+            msg.caller.set_result(msg.removed)
+        self._advance_controls()
+
+    def _advance_controls(self) -> None:
+        """Run the queued storage controls that can run now, in order; the head may wait."""
+        controls = self.controls
+        while controls and not self._removing:
+            msg = controls[0]
+            storage = self.core.storage
+            reply = msg.reply
+            assert reply is not None
+            if type(msg) is AttachStorage:
+                controls.popleft()
+                if storage is not None:
+                    reply.set_exception(StateError("a storage tier is attached already: detach it first"))
+                    continue
+                self.core.enable_storage(self._take_known(msg.backend))
+                self.backend, self.storage_removable = msg.backend, msg.removable
+                # before any storage op the tier issues from now on (the transfer mailbox is FIFO)
+                self._to_transfer(SetStorageBackend(msg.backend, reply), reply)
+                continue
+            if storage is None:
+                controls.popleft()
+                reply.set_exception(StateError("no storage tier is attached"))
+                continue
+            if type(msg) is ClearStorage and not self.storage_removable:
+                controls.popleft()
+                reply.set_exception(StateError("the storage backend cannot remove pages (it has no remove(keys))"))
+                continue
+            storage.paused = True
+            if storage.ops:
+                return  # on_storage_ack comes back here as the ops drain
+            if type(msg) is DetachStorage:
+                controls.popleft()
+                known = self.core.disable_storage()
+                try:
+                    self.detached_known[self.backend] = known
+                except TypeError:  # not weak-referenceable: forgotten (a re-attach rewrites, clears less)
+                    pass
+                self.backend = None
+                self._to_transfer(SetStorageBackend(None, reply), reply)
+                continue
+            keys = self.core.forget_storage()  # (KV events: BlockRemoved, medium STORAGE, for these)
+            self._removing = True  # the head until its removal is acked (on_storage_cleared)
+            if not self._to_transfer(RemoveStoragePages(tuple(keys), self.mailbox, reply), reply):
+                self._removing = False
+                controls.popleft()
+
+    def _take_known(self, backend: Any) -> set[bytes] | None:
+        try:
+            return self.detached_known.pop(backend, None)
+        except TypeError:
+            return None
+
+    def _to_transfer(self, msg: Any, reply: Any) -> bool:
+        try:
+            self.transfer_mailbox.put_internal(msg)
+        except RuntimeClosed as exc:  # stopping: the control cannot finish
+            reply.set_exception(exc)
+            return False
+        return True
+

@@ -137,7 +137,7 @@ class FileBackend:
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "read_errors",
             "pages_written", "pages_present", "write_errors", "write_no_room", "bytes_read", "bytes_written",
-            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "corrupt_pages"), 0)
+            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "corrupt_pages", "removed_pages"), 0)
         if cleanup_on_open:
             self.cleanup()
 
@@ -539,6 +539,33 @@ class FileBackend:
             used, epoch = self._read_state(fd)
             if used >= 0:
                 self._write_state(fd, used - self.file_bytes, epoch)
+
+    def remove(self, keys: Sequence[bytes]) -> int:
+        """Delete the page files of ``keys`` (`clear_storage`: a runtime removes the pages it knows it
+        stored, never a file it cannot name); returns how many were there. Under the directory lock,
+        so that ``used`` stays exact and a rename (also under it) is never half undone. A write of
+        the same key by another process that lands after this stores the page again."""
+        self._check_open()
+        check_keys(keys)
+        removed = freed = 0
+        with self._lock() as fd:
+            for key in dict.fromkeys(bytes(k) for k in keys):
+                path = self._path(key)[2]
+                try:
+                    size = os.stat(path).st_size
+                    os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    _log.warning("storage_remove_error", path=path, error=str(exc))
+                    continue
+                removed += 1
+                freed += size
+            used, epoch = self._read_state(fd)
+            if used >= 0:
+                self._write_state(fd, used - freed, epoch)
+        self._count(removed_pages=removed)
+        return removed
 
     def close(self) -> None:
         if self._closed:

@@ -90,14 +90,35 @@ class CacheCore:
             "tokens_device_hit": 0, "tokens_host_hit": 0, "tokens_recomputed": 0,
         }
 
-    def enable_storage(self) -> None:
+    def enable_storage(self, known: set[bytes] | None = None) -> None:
+        """A storage tier behind the host tier; `known`: the page hashes known stored in its backend
+        (those this runtime knew when it detached the same backend)."""
         if self.residency.host is None:
             raise StateError("a storage tier needs the host tier")
         self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config))
+        if known:
+            self.storage.known = known
+
+    def disable_storage(self) -> set[bytes]:
+        """`detach_storage`, once no storage op is in flight: the tier goes, and with it the records
+        of rids prepared but not admitted (a later abort of one is an unknown rid). Returns the page
+        hashes it knew stored (kept by the caller with that backend, for a later re-attach)."""
+        if self.storage is None or self.storage.ops:
+            raise InternalError("storage detached with storage ops in flight")
+        known = self.storage.known
+        self.storage = None
+        return known
+
+    def forget_storage(self) -> list[bytes]:
+        """`clear_storage`, once no storage op is in flight: forget every page hash known stored and
+        return them (the pages to remove; KV events report each one removed from STORAGE)."""
+        if self.storage is None:
+            raise InternalError("storage clear without a storage tier")
+        return self.storage.forget_stored()
 
     # -- request lifecycle -------------------------------------------------------
     def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
-              session: Hashable = None) -> AdmitResult:
+              session: Hashable = None, priority: int = 0) -> AdmitResult:
         tokens = self._check_tokens(tokens)
         if rid in self.requests:
             raise DuplicateRequestError(f"request {rid!r} is still live")
@@ -149,7 +170,8 @@ class CacheCore:
             slots = np.concatenate((*m.device_parts, fresh[host_len:]))
         rec = RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens,
-            cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness))
+            cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness),
+            priority=priority)
         self.table.add(rec, slots, len(tokens), cached, code)
         stats = self._stats
         stats["requests_admitted"] += 1
@@ -167,7 +189,7 @@ class CacheCore:
                            tuple(readiness), from_storage)
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
-                      session: Hashable = None, waiter: Any = None) -> AdmitResult | PrefetchWait:
+                      session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
         """`admit`, or, with a storage tier whose policy waits for the request's prefetch, the
         prefetch `waiter` (an opaque token of the caller's) now waits on: admit it again when
         the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`)."""
@@ -178,7 +200,7 @@ class CacheCore:
                 wait = storage.wait_for(rid, self._check_tokens(tokens), extra_key, waiter)
                 if wait is not None:
                     return wait
-        return self.admit(rid, tokens, extra_key, session)
+        return self.admit(rid, tokens, extra_key, session, priority)
 
     def extend(self, rid: Hashable, n: int) -> torch.Tensor:
         rec = self._record(rid)
@@ -557,7 +579,8 @@ class CacheCore:
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
         # a request's own leaf (its lock the only one, no copy in flight) grows in place
         extend = start is not None and not copies.busy(start)
-        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid)
+        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
+                                    rec.priority)
         duplicates = res.duplicate_slots
         if len(duplicates):
             # the slot contract: a live request's slots never change under its caller, so its

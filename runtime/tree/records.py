@@ -59,6 +59,7 @@ class RequestRecord:
     # slots of its own inside the cached prefix that duplicate tree pages (another request
     # cached the same prefix first): still the caller's until release (the slot contract)
     dups: np.ndarray = field(default_factory=lambda: EMPTY)
+    priority: int = 0  # raised onto the nodes it inserts (the admit's `priority`)
     # set by RequestTable.add; None once released, a private one-row table once retired (detach)
     table: RequestTable | None = None
     row: int = -1

@@ -171,11 +171,12 @@ class Residency:
     # -- insertion and copies' slots ----------------------------------------------
     def insert(self, tokens: np.ndarray, extra_key: Hashable, slots: np.ndarray, owner: Owner,
                start: Node | None = None, extend_leaf: bool = False, trusted: bool = False,
-               rid: Hashable = None) -> InsertResult:
+               rid: Hashable = None, priority: int = 0) -> InsertResult:
         """Insert `tokens` with their device `slots` (owned by `owner`; `trusted`: its own alloc'd
         pages, cut at page boundaries by the tree): the slots of new nodes become theirs;
-        duplicates of pages the tree had stay with `owner` (the result says which)."""
-        res = self.tree.insert(tokens, extra_key, slots, start=start, extend_leaf=extend_leaf)
+        duplicates of pages the tree had stay with `owner` (the result says which). `priority`
+        is raised onto every node of the path."""
+        res = self.tree.insert(tokens, extra_key, slots, priority=priority, start=start, extend_leaf=extend_leaf)
         assign = self.device.assign
         for node, part in res.adopted:
             assign(part, owner, node_owner(node), trusted=trusted, rid=rid, node=node.id)

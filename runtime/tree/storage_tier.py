@@ -11,7 +11,8 @@ pages are a snapshot taken at issue: a split during the write never shrinks what
 
 It owns the storage ops, the prefetch records and their waiting policy (an admit waits for its
 request's prefetch under `wait`/`timeout`), the ops past their deadline, the KV identity the
-page hashes encode and the hint of page hashes known stored.
+page hashes encode and the record of page hashes known stored (written, or found by a lookup or
+read): the pages `clear_storage` removes. While a storage control drains (`paused`) no op starts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from runtime.config import RuntimeConfig
+from runtime.errors import InternalError
 from runtime.memory.owners import Owner
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.trace import get_logger
@@ -32,10 +34,10 @@ from runtime.tree.residency import Residency
 
 _log = get_logger("hicache.storage")
 # Memory is bounded by live state: records of rids that were prepared but never admitted or
-# aborted, and the hint of page hashes known stored, are capped (past the cap a prepared rid's
-# abort is an unknown rid, and a known page may be written again: both harmless).
+# aborted are capped (past the cap a prepared rid's abort is an unknown rid: harmless). The record
+# of page hashes known stored is not: `clear_storage` removes exactly those pages, so it must
+# name every one (about 100 bytes per stored page, a page being KBs to MBs of KV).
 _PREPARED_CAP = 4096
-_KNOWN_CAP = 1 << 16
 COUNTERS = ("storage_writes_issued", "storage_pages_written", "storage_write_failures", "storage_lookups_issued",
             "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
             "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted")
@@ -62,7 +64,8 @@ class StorageTier:
         self.prefetches: dict[Hashable, Prefetch] = {}
         self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
         self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
-        self.known: set[bytes] = set()  # page hashes this process wrote (skip rewriting them)
+        self.known: set[bytes] = set()  # page hashes this runtime wrote or found stored (skip rewriting them)
+        self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
         self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -72,7 +75,7 @@ class StorageTier:
         """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
         (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
         res = self.residency
-        if not storage_key_ok(node.extra_key) or res.host is None:
+        if self.paused or not storage_key_ok(node.extra_key) or res.host is None:
             return
         ps = res.page_size
         path = res.tree.path_tokens(node)
@@ -103,7 +106,7 @@ class StorageTier:
         live) beyond the device + host hit; the read of what it finds follows (`_read`). Returns
         the tokens looked up (0: nothing started)."""
         res = self.residency
-        if res.host is None or rid in self.prefetches or not storage_key_ok(extra_key):
+        if self.paused or res.host is None or rid in self.prefetches or not storage_key_ok(extra_key):
             return 0
         ps = res.page_size
         match_len = aligned(len(tokens) - 1, ps)
@@ -233,6 +236,7 @@ class StorageTier:
             if pf.by_prepare and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
                 self.prefetched.add(pf.rid)
             self.known.difference_update(sop.keys[pages:])  # gone (evicted elsewhere): rewrite it next time
+            self.known.update(sop.keys[:pages])
             self.stats["storage_read_misses"] += len(sop.keys) - pages
             self.stats["storage_pages_read"] += pages
         rest = pf.host[pages * ps:]
@@ -247,6 +251,15 @@ class StorageTier:
                 self.prefetch_landed[pf.rid] = taken
         self._release_anchor(pf)  # from here the landed pages keep their anchor in the tree
         return pf
+
+    def forget_stored(self) -> list[bytes]:
+        """`clear_storage`, with no op in flight: the page hashes known stored, forgotten (the
+        caller removes them from the backend; KV events report them removed)."""
+        if self.ops:
+            raise InternalError(f"storage clear with {len(self.ops)} storage ops in flight")
+        out = sorted(self.known)
+        self.known.clear()
+        return out
 
     def take_requests(self) -> list[StorageRequest]:
         """The storage calls issued since the last call, for the transfer actor."""
@@ -267,8 +280,6 @@ class StorageTier:
         stored = [k for k, good in zip(sop.keys, ok) if good]
         if error is None and len(stored) < len(sop.keys):
             _log.warning("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
-        if len(self.known) > _KNOWN_CAP:  # a hint only: bound its memory
-            self.known.clear()
         self.known.update(stored)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
@@ -282,6 +293,7 @@ class StorageTier:
         elif not pf.cancelled:
             self.stats["storage_read_misses"] += len(sop.keys) - found
             self.known.difference_update(sop.keys[found:])
+            self.known.update(sop.keys[:found])
         if found and self._read(pf, sop.keys[:found]):
             return None  # its waiters wait for the read
         self._release_anchor(pf)

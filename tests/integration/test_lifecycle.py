@@ -297,7 +297,7 @@ def test_step_rebuilds_token_items_keeping_every_other_field():
     from runtime.validation import STEP_ITEMS, step_tokens
 
     valid = {"rid": ("r", 7), "tokens": np.arange(5, dtype=np.int32), "extra_key": ("tenant", 3),
-             "session": "s1", "num_tokens": 2, "committed_len": 4, "finished_len": 1, "reply": None}
+             "session": "s1", "priority": 5, "num_tokens": 2, "committed_len": 4, "finished_len": 1, "reply": None}
     assert set(STEP_ITEMS) == {Admit, Extend, Commit, Cache, Finish, Abort}
     for cls, check in STEP_ITEMS.items():
         values = {f.name: valid[f.name] for f in dataclasses.fields(cls)}
