@@ -202,14 +202,16 @@ async def test_detach_drains_a_held_write_and_a_held_read(tmp_path):
     inner = backend(tmp_path, config)
     a, b = toks(N + 1, 7), toks(N + 1, 8)
     async with CacheRuntime.open(config) as rt:
-        fb = FaultyBackend(inner, FaultPlan(hold_at=frozenset({2, 4}), methods=frozenset({"set_batch", "get_batch"})))
+        fb = FaultyBackend(inner, FaultPlan(hold_at=frozenset({2, 3}), methods=frozenset({"set_batch", "get_batch"})))
         await rt.attach_storage(fb)
         await serve(rt, "a", a)  # set_batch: call 1
         await rt.flush()
         assert await rt.prepare("p", a) == N  # get_batch (the read): call 2, held
+        assert await asyncio.to_thread(fb.wait_held, 1)
         res = await rt.admit("b", b)
         compute(rt, res.slots, b)
-        await rt.finish("b", b[:N])  # its backup lands and its write (call 3) goes through? no: 4 holds
+        await rt.finish("b", b[:N])  # its backup lands; its write (set_batch: call 3) is held
+        assert await asyncio.to_thread(fb.wait_held, 2)
         detach = asyncio.create_task(rt.detach_storage())
         await asyncio.sleep(0.05)
         assert not detach.done()
@@ -220,7 +222,7 @@ async def test_detach_drains_a_held_write_and_a_held_read(tmp_path):
         assert (await rt.match_prefix(a))["host"] == N
         assert await readmit_ok(rt, "p", a) == N
         await no_leak(rt)
-    assert stored_pages(inner, config, a) == PAGES
+    assert stored_pages(inner, config, a) == stored_pages(inner, config, b) == PAGES  # the held write landed
     inner.close()
 
 

@@ -166,6 +166,21 @@ def test_validation(fb, tmp_path):
     fb.close()  # idempotent
 
 
+def test_remove_deletes_only_the_named_pages_and_gives_their_bytes_back(fb):
+    keys = [key(i, "rm") for i in range(4)]
+    assert fb.set_batch(keys, [page(i) for i in range(4)]) == [True] * 4
+    assert fb.remove([keys[1], keys[3], keys[3], key(99, "rm")]) == 2  # a repeat and an absent key count 0
+    assert fb.exists_prefix(keys) == 1 and fb.exists_prefix(keys[2:3]) == 1
+    assert fb.used_bytes() == 2 * fb.file_bytes == dir_bytes(fb.directory)
+    assert fb.stats()["removed_pages"] == 2
+    assert fb.set_batch(keys[1:2], [page(1)]) == [True] and fb.exists_prefix(keys) == 3  # written again
+    with pytest.raises(ValidationError):
+        fb.remove([b""])
+    fb.close()
+    with pytest.raises(StateError):
+        fb.remove(keys)
+
+
 def test_two_instances_share_a_directory(tmp_path):
     a = FileBackend(tmp_path / "s", PB)
     b = FileBackend(tmp_path / "s", PB)

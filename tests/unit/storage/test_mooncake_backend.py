@@ -116,6 +116,16 @@ class TestMooncakeBackend:
         assert backend.get_batch(keys, dests) == [True, True, False, True, False]
         assert np.array_equal(dests[3], page(13))
 
+    def test_remove(self, backend):
+        """`clear_storage`'s call: the named pages and their checksums go, at once after a read (a
+        read lease does not keep them: the removal is forced); others stay."""
+        keys = [key(i, "rm") for i in range(4)]
+        assert backend.set_batch(keys, [page(30 + i) for i in range(4)]) == [True] * 4
+        assert backend.get_batch(keys[:1], [np.zeros(PB, np.uint8)]) == [True]  # a lease on keys[0]
+        assert backend.remove([keys[0], keys[2], key(99, "rm")]) == 2
+        assert backend.get_batch(keys, [np.zeros(PB, np.uint8) for _ in keys]) == [False, True, False, True]
+        assert backend.set_batch(keys[:1], [page(30)]) == [True] and backend.exists_prefix(keys) == 2
+
     def test_get_prefix_without_an_existence_call(self, backend):
         keys = [key(i, "gp") for i in range(5)]
         backend.set_batch([keys[0], keys[1], keys[3]], [page(20), page(21), page(23)])
