@@ -58,6 +58,14 @@ class RuntimeConfig:
     prefetch_timeout_per_1k_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
     storage_timeout_s: float = 5.0  # deadline of one backend call; past it the op is overdue (docs/STORAGE.md)
+    # KV cache events in vLLM's wire format (docs/EVENTS.md): recorded when on, for in-process
+    # subscribers (`Runtime.kv_events()`), and published over ZMQ when an endpoint is given
+    kv_events: bool = False
+    kv_events_endpoint: str | None = None  # ZMQ PUB, e.g. "tcp://127.0.0.1:5557" ("...:*": any free port)
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER answering replay requests (None: no replay)
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay (vLLM's buffer_steps)
+    data_parallel_rank: int | None = None  # stamped on every batch (vLLM's KVEventBatch field)
     # Actors
     mailbox_capacity: int = 4096
     # Debugging and tracing
@@ -126,6 +134,18 @@ class RuntimeConfig:
              and 0 < self.storage_timeout_s < float("inf"),
              f"storage_timeout_s must be a positive number of seconds, got {self.storage_timeout_s!r}")
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None:
+                need(self.kv_events, f"{name} needs kv_events=True")
+                need(isinstance(value, str) and value.startswith(("tcp://", "ipc://", "inproc://")),
+                     f"{name} must be a ZMQ endpoint (tcp://, ipc:// or inproc://), got {value!r}")
+        need(isinstance(self.kv_events_topic, str), f"kv_events_topic must be a str, got {self.kv_events_topic!r}")
+        need(type(self.kv_events_buffer_steps) is int and self.kv_events_buffer_steps > 0,
+             f"kv_events_buffer_steps must be a positive int, got {self.kv_events_buffer_steps!r}")
+        if self.data_parallel_rank is not None:
+            need(type(self.data_parallel_rank) is int and self.data_parallel_rank >= 0,
+                 f"data_parallel_rank must be a non-negative int or None, got {self.data_parallel_rank!r}")
         if self.vocab_size is not None:
             need(type(self.vocab_size) is int and 0 < self.vocab_size <= 1 << 31,
                  f"vocab_size must be an int in 1..2**31 or None, got {self.vocab_size!r}")

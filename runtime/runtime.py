@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zmq
 
 from runtime.actors.base import Mailbox, Reply
 from runtime.actors.offload_actor import OffloadActor
@@ -29,7 +30,10 @@ from runtime.actors.transfer_actor import TransferActor
 from runtime.actors.tree_actor import TreeActor
 from runtime.completion import LayerReadiness
 from runtime.config import RuntimeConfig
-from runtime.errors import ArgumentError, ConfigError, LengthError, RuntimeFailed, TransferError, ValidationError
+from runtime.errors import (ArgumentError, ConfigError, LengthError, RuntimeFailed, StateError, TransferError,
+                            ValidationError)
+from runtime.events.hub import EventHub, EventSubscription
+from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.messages import (
     Abort,
@@ -114,6 +118,21 @@ def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostP
     return CpuCopyEngine(pools, workers_per_direction=config.copy_workers)
 
 
+def make_event_hub(config: RuntimeConfig) -> EventHub | None:
+    """The event hub of `config` (None: events off), its ZMQ publisher bound when an endpoint is set."""
+    if not config.kv_events:
+        return None
+    publisher = None
+    if config.kv_events_endpoint is not None:
+        try:
+            publisher = ZmqEventPublisher(config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
+                                          topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer_steps)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"kv_events_endpoint {config.kv_events_endpoint!r} / kv_events_replay_endpoint "
+                              f"{config.kv_events_replay_endpoint!r}: cannot bind: {exc}") from None
+    return EventHub(config.data_parallel_rank, publisher)
+
+
 def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]:
     """The storage backend (given, or built from the config) and whether the runtime owns it."""
     if storage is not None:
@@ -165,9 +184,12 @@ class CacheRuntime:
         tree_mailbox: Mailbox[TreeMessage] = Mailbox(config.mailbox_capacity)
         self._offload = OffloadActor(tree_mailbox, page_size=config.page_size, stride=config.stride,
                                      mailbox_capacity=config.mailbox_capacity)
+        self._events = make_event_hub(config)
+        if self._events is not None:
+            self._core.enable_events()
         self._tree = TreeActor(self._core, self._transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
                                debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox,
-                               mailbox=tree_mailbox)
+                               mailbox=tree_mailbox, events=self._events)
         self._sup = Supervisor([self._tree, self._transfer, self._offload])
         self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
         self._closer: asyncio.Task[None] | None = None
@@ -228,6 +250,8 @@ class CacheRuntime:
                     pass
         await sup.stop()
         self.tracer.close()
+        if self._events is not None:
+            self._events.close()
         if self._own_storage and self.storage is not None and not self._abandoned_copies:
             if self._transfer.storage_inflight:
                 # overdue calls still run in worker threads and use the backend: leave it open
@@ -368,6 +392,25 @@ class CacheRuntime:
                 out.append(exc)
         results = iter(await self._ask_step(sent) if sent else ())
         return tuple(next(results) if r is None else r for r in out)
+
+    # -- KV cache events -------------------------------------------------------------------
+    def kv_events(self, maxsize: int = 4096) -> EventSubscription:
+        """Every KV event batch from now on, in order (`async for batch in rt.kv_events()`), until
+        the runtime closes; more than `maxsize` batches unread ends it with `EventsLostError`.
+        Needs `kv_events=True` (docs/EVENTS.md)."""
+        if type(maxsize) is not int or maxsize <= 0:
+            raise ArgumentError(f"maxsize must be a positive int, got {maxsize!r}")
+        if self._events is None:
+            raise StateError("KV events are off (RuntimeConfig.kv_events=False)")
+        if self.closed:
+            raise StateError("the runtime is closed")
+        return self._events.subscribe(maxsize)
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str | None, str | None]:
+        """The bound (PUB, replay) ZMQ endpoints, a `*` port resolved; (None, None) without."""
+        pub = None if self._events is None else self._events.publisher
+        return (None, None) if pub is None else (pub.endpoint, pub.replay_endpoint)
 
     # -- questions ------------------------------------------------------------------------
     async def match_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor,

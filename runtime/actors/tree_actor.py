@@ -45,6 +45,7 @@ from runtime.messages import (
 )
 from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
 from runtime.errors import CallerError, InternalError, StateError
+from runtime.events.hub import EventHub
 from runtime.tree.cache import CacheCore
 from runtime.tree.records import PrefetchWait
 
@@ -55,9 +56,10 @@ class TreeActor(Actor[TreeMessage]):
     # -- state -------------------------------------------------------------------
     def __init__(self, core: CacheCore, transfer_mailbox: Mailbox[TransferMessage], *, mailbox_capacity: int,
                  debug_invariants: bool = False, offload_mailbox: Mailbox[OffloadMessage] | None = None,
-                 mailbox: Mailbox[TreeMessage] | None = None) -> None:
+                 mailbox: Mailbox[TreeMessage] | None = None, events: EventHub | None = None) -> None:
         super().__init__(mailbox_capacity, mailbox)
         self.core = core
+        self.events = events  # KV cache events: one batch per turn that recorded any
         self.transfer_mailbox = transfer_mailbox
         self.debug_invariants = debug_invariants
         self.quiesce_waiters: list[Reply[None]] = []
@@ -176,6 +178,10 @@ class TreeActor(Actor[TreeMessage]):
             if mailbox is not None and not mailbox.closed:
                 for note in notes:
                     mailbox.put_internal(note)
+        if self.events is not None:
+            events = self.core.take_events()
+            if events:
+                self.events.publish(events)
         if self.debug_invariants:
             check_invariants(self.core)
 

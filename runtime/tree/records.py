@@ -204,6 +204,10 @@ class StorageOp:
     node: Node | None = None  # a write: deepest node of the backed-up chain
     length: int = 0  # a write: tokens of that chain (its protect_host length)
     prefetch: Prefetch | None = None  # a read
+    # a write with KV events on: the written pages' tokens (whole pages, one per key, in key
+    # order) and the hash of the page before each key (None: it starts its sequence)
+    tokens: np.ndarray | None = None
+    parents: list[bytes | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import numpy as np
 
 from runtime.config import RuntimeConfig
 from runtime.memory.owners import Owner
+from runtime.events.wire import STORAGE
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
@@ -77,7 +78,8 @@ class StorageTier:
         ps = res.page_size
         path = res.tree.path_tokens(node)
         first = (len(path) - length) // ps
-        hashes = self._hashes(path, node.extra_key)[first:]
+        every = self._hashes(path, node.extra_key)
+        hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
         if not pick:
             return
@@ -86,7 +88,11 @@ class StorageTier:
         op_id = next(self._op_ids)
         res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
         res.tree.protect_host(node, length)
-        self.ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length)
+        sop = StorageOp(op_id, True, host, keys, node=node, length=length)
+        if res.events is not None:  # what a STORAGE event of the written pages says
+            sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
+            sop.parents = [every[first + i - 1] if first + i else None for i in pick]
+        self.ops[op_id] = sop
         self._requests.append((op_id, True, tuple(keys), self._host_pages(host)))
         self.stats["storage_writes_issued"] += 1
 
@@ -232,7 +238,7 @@ class StorageTier:
         else:
             if pf.by_prepare and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
                 self.prefetched.add(pf.rid)
-            self.known.difference_update(sop.keys[pages:])  # gone (evicted elsewhere): rewrite it next time
+            self._gone(sop.keys[pages:])  # (evicted elsewhere): rewrite it next time
             self.stats["storage_read_misses"] += len(sop.keys) - pages
             self.stats["storage_pages_read"] += pages
         rest = pf.host[pages * ps:]
@@ -270,8 +276,32 @@ class StorageTier:
         if len(self.known) > _KNOWN_CAP:  # a hint only: bound its memory
             self.known.clear()
         self.known.update(stored)
+        if self.residency.events is not None and stored:
+            self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
+
+    def _announce(self, sop: StorageOp, ok: tuple[bool, ...]) -> None:
+        """STORAGE events of a write's stored pages: one per run of consecutive written pages."""
+        events = self.residency.events
+        assert events is not None and sop.tokens is not None and sop.parents is not None and sop.node is not None
+        ps = self.residency.page_size
+        i, n = 0, len(sop.keys)
+        while i < n:
+            if not ok[i]:
+                i += 1
+                continue
+            j = i + 1
+            while j < n and ok[j] and sop.parents[j] == sop.keys[j - 1]:
+                j += 1
+            events.stored_pages(sop.keys[i:j], sop.parents[i], sop.tokens[i * ps: j * ps], sop.node.extra_key, STORAGE)
+            i = j
+
+    def _gone(self, keys: list[bytes]) -> None:
+        """Pages storage no longer holds: no longer known stored (a STORAGE removal of those that were)."""
+        if self.residency.events is not None:
+            self.residency.events.removed_pages([k for k in keys if k in self.known], STORAGE)
+        self.known.difference_update(keys)
 
     def _lookup_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None) -> Prefetch | None:
         """A lookup found the leading `pages` of its keys: read them, or end the prefetch here."""
@@ -281,7 +311,7 @@ class StorageTier:
             _log.warning("storage_lookup_failed", op=sop.op_id, rid=str(pf.rid), error=error)
         elif not pf.cancelled:
             self.stats["storage_read_misses"] += len(sop.keys) - found
-            self.known.difference_update(sop.keys[found:])
+            self._gone(sop.keys[found:])
         if found and self._read(pf, sop.keys[:found]):
             return None  # its waiters wait for the read
         self._release_anchor(pf)
