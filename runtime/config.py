@@ -1,12 +1,20 @@
-"""`RuntimeConfig`: every knob of the runtime, validated with a clear message."""
+"""`RuntimeConfig`: every knob of the runtime, validated with a clear message.
+
+Built in code (typed values), or from a dict, the environment (`HICACHE_*`) or a JSON / TOML
+file, where sizes may be written as "8GiB" and text is converted per field
+(runtime/config_sources.py; docs/API.md, "Configuration").
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from runtime.config_sources import config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -182,3 +190,26 @@ class RuntimeConfig:
 
     def replace(self, **changes: object) -> "RuntimeConfig":
         return dataclasses.replace(self, **changes)
+
+    # -- outside sources (conversion rules: runtime/config_sources.py) ----------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> "RuntimeConfig":
+        """Fields by name (missing ones keep their defaults); strings converted by the field's type,
+        byte fields also as "8GiB"; an unknown key is a `ConfigError` suggesting the nearest field."""
+        return config_from_dict(cls, data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "HICACHE_",
+                 base: "RuntimeConfig | Mapping[str, object] | None" = None) -> "RuntimeConfig":
+        """`base` overridden by `PREFIX<FIELD>` variables of `environ` (default `os.environ`), e.g.
+        HICACHE_PAGE_SIZE=16, HICACHE_HOST_BYTES=64GiB; a prefixed variable naming no field is an error."""
+        return config_from_env(cls, os.environ if environ is None else environ, prefix, base)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "RuntimeConfig":
+        """A flat JSON object or TOML document of fields, by the file's suffix (.json / .toml)."""
+        return config_from_file(cls, path)
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field by name, typed (sizes in bytes, None kept): `from_dict(c.to_dict()) == c`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
