@@ -293,6 +293,11 @@ MODES = {
     "sync": run_sync,
     "actor": lambda cfg, w: _loop_run(_actor(cfg, w)),
     "batched": lambda cfg, w: _loop_run(_batched(cfg, w)),
+    # KV events on (docs/EVENTS.md): recorded and batched per turn, nobody subscribed...
+    "batched+events": lambda cfg, w: _loop_run(_batched(cfg.replace(kv_events=True), w)),
+    # ...and published over ZMQ on 127.0.0.1 (encoding and sending on the publisher's thread)
+    "batched+zmq": lambda cfg, w: _loop_run(_batched(
+        cfg.replace(kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*"), w)),
 }
 
 

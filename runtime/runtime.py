@@ -130,7 +130,7 @@ def make_event_hub(config: RuntimeConfig) -> EventHub | None:
         except zmq.ZMQError as exc:
             raise ConfigError(f"kv_events_endpoint {config.kv_events_endpoint!r} / kv_events_replay_endpoint "
                               f"{config.kv_events_replay_endpoint!r}: cannot bind: {exc}") from None
-    return EventHub(config.data_parallel_rank, publisher)
+    return EventHub(config.page_size, config.data_parallel_rank, publisher)
 
 
 def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]:

@@ -18,12 +18,16 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+from typing import TYPE_CHECKING
 
 import zmq
 
 from runtime.trace import get_logger
 
 from .wire import KVEventBatch, encode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .hub import PendingBatch
 
 _log = get_logger("hicache.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -57,7 +61,7 @@ class ZmqEventPublisher:
         self._thread.start()
 
     # -- the loop's side -----------------------------------------------------------
-    def publish(self, seq: int, batch: KVEventBatch) -> None:
+    def publish(self, seq: int, batch: KVEventBatch | PendingBatch) -> None:
         """Enqueue a batch (never blocks: past `max_queue` waiting batches it is dropped, counted and
         logged; a subscriber sees the gap in the sequence and can ask for a replay)."""
         try:
@@ -88,7 +92,7 @@ class ZmqEventPublisher:
             if item is _STOP:
                 return
             seq, batch = item  # type: ignore[misc]
-            payload = encode(batch)
+            payload = encode(batch if type(batch) is KVEventBatch else batch.batch())
             try:
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             except zmq.ZMQError as exc:  # the batch stays in the replay buffer

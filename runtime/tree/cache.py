@@ -96,7 +96,8 @@ class CacheCore:
         self.residency.enable_events(KVEventRecorder(self.page_size, KVIdentity.from_config(self.config)))
 
     def take_events(self) -> list[Any]:
-        """The KV cache events recorded since the last call (none while events are off)."""
+        """The KV event records made since the last call (none while events are off; the wire
+        events are `runtime.events.recorder.materialize` of them)."""
         events = self.residency.events
         return events.take() if events is not None and events.pending else []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.config import RuntimeConfig
+from runtime.events.recorder import materialize
 from runtime.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.tree.cache import CacheCore
@@ -27,6 +28,10 @@ def hashes(config: RuntimeConfig, tokens, extra_key=None) -> list[bytes]:
     return page_hashes(np.asarray(tokens, dtype=np.int32), config.page_size, extra_key, KVIdentity.from_config(config))
 
 
+def events_of(c: CacheCore) -> list:
+    return materialize(c.take_events(), c.page_size)
+
+
 def stored(events, medium="GPU") -> list[BlockStored]:
     return [e for e in events if type(e) is BlockStored and e.medium == medium]
 
@@ -36,7 +41,7 @@ def test_stored_pages_carry_the_storage_hashes_tokens_and_parent():
     a = toks(16, 1)
     c.admit("a", a, extra_key="t1")
     c.finish("a", a)
-    (ev,) = stored(c.take_events())
+    (ev,) = stored(events_of(c))
     want = hashes(c.config, a, "t1")
     assert ev.block_hashes == want and ev.parent_block_hash is None
     assert ev.token_ids == a.tolist() and ev.block_size == PS
@@ -50,14 +55,14 @@ def test_a_split_moves_hashes_with_the_pages():
     for rid, t in (("a", a), ("b", b)):
         c.admit(rid, t)
         c.finish(rid, t)
-    events = c.take_events()
+    events = events_of(c)
     new = stored(events)[1]
     want_b = hashes(c.config, b)
     assert new.block_hashes == want_b[2:5] and new.parent_block_hash == want_b[1]
     # evict everything: every removal names the pages by their own hashes
     c.flush()
     c.admit("c", toks(8, 9))  # (keeps the tree non-empty is not needed: the flush emptied it)
-    events = c.take_events()
+    events = events_of(c)
     assert AllBlocksCleared() in events
 
 
@@ -70,9 +75,9 @@ def test_removals_after_a_split_name_the_right_pages():
         c.finish(rid, t)
     # a request on a's first page locks it (a split at 4 tokens): the flush cannot empty the tiers
     c.admit("keep", np.concatenate((a[:4], toks(4, 6))))
-    c.take_events()
+    events_of(c)
     c.flush()
-    events = c.take_events()
+    events = events_of(c)
     removed = [h for e in events if type(e) is BlockRemoved for h in e.block_hashes]
     assert AllBlocksCleared() not in events
     assert sorted(removed) == sorted(hashes(c.config, a)[1:5] + hashes(c.config, b)[2:5])
@@ -83,11 +88,11 @@ def test_an_extended_leaf_reports_only_its_new_pages():
     a = toks(9, 7)
     res = c.admit("s", a)
     c.cache("s", a)
-    first = stored(c.take_events())
+    first = stored(events_of(c))
     c.extend("s", 8)
     longer = np.concatenate((a, toks(8, 8)))
     c.cache("s", longer)
-    (ev,) = stored(c.take_events())
+    (ev,) = stored(events_of(c))
     want = hashes(c.config, longer)
     assert [h for e in first for h in e.block_hashes] == want[:2]
     assert ev.block_hashes == want[2:4] and ev.parent_block_hash == want[1]
@@ -100,4 +105,4 @@ def test_events_off_records_nothing():
     a = toks(16, 1)
     c.admit("a", a)
     c.finish("a", a)
-    assert c.take_events() == []
+    assert events_of(c) == []
