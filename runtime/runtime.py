@@ -58,6 +58,7 @@ from runtime.messages import (
     TreeStats,
 )
 from runtime.messages import DrainOffload, OffloadStats  # decode offload
+from runtime.stats import nest
 from runtime.supervisor import State, Supervisor, wait_shielded
 from runtime.trace import JsonlSink, SlotTracer, get_logger
 from runtime.transfer.engine import CopyEngine
@@ -387,16 +388,13 @@ class CacheRuntime:
         """Drop every unlocked cached prefix from device and host (after a weight update)."""
         return await self._sup.ask(self._tree.mailbox, Flush(Reply()))
 
-    async def stats(self) -> dict[str, Any]:
-        """Counters (schema in docs/API.md): tree, ledgers, copies, queue depths."""
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        """Counters, sizes, queue depths and latency histograms, nested by tier and concern
+        (`runtime.stats.STATS`; schema in docs/API.md), e.g. `stats()["host"]["hit_tokens"]`."""
         tree = await self._sup.ask(self._tree.mailbox, TreeStats(Reply()))
         transfer = await self._sup.ask(self._transfer.mailbox, TransferStats(Reply()))
-        transfer = {**transfer, **await self._sup.ask(self._offload.mailbox, OffloadStats(Reply()))}
-        served = tree["tokens_device_hit"] + tree["tokens_host_hit"]
-        total = served + tree["tokens_recomputed"]
-        return {**tree, **transfer, "hit_rate": served / total if total else 0.0,
-                "device_hit_rate": tree["tokens_device_hit"] / total if total else 0.0,
-                "host_hit_rate": tree["tokens_host_hit"] / total if total else 0.0}
+        offload = await self._sup.ask(self._offload.mailbox, OffloadStats(Reply()))
+        return nest(tree, transfer, offload)
 
     async def inspect(self, fn: Any) -> Any:
         """Debug/test hook: run `fn(core)` inside the tree actor (between two messages)."""
