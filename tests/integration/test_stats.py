@@ -58,3 +58,15 @@ async def test_host_load_back_and_storage_fill_the_histograms(tmp_path):
     assert s["write_seconds"]["count"] + s["read_seconds"]["count"] + s["lookup_seconds"]["count"] == \
         s["ops_done"] + s["errors"] + s["backend_errors"]
     assert st["requests"]["hit_rate"] == (st["device"]["hit_rate"] + st["host"]["hit_rate"]) > 0
+
+
+def test_docs_name_every_stat_and_metric():
+    from pathlib import Path
+
+    from runtime.metrics import FAMILIES
+
+    doc = (Path(__file__).parents[2] / "docs" / "API.md").read_text()
+    for s in STATS:
+        assert f"| `{s.key}` |" in doc and f"**`{s.group}`**" in doc, (s.group, s.key)
+    for f in FAMILIES:
+        assert f"| `{f.name}" in doc, f.name
