@@ -81,6 +81,11 @@ class RuntimeConfig:
     trace_path: str | None = None
     # Caller contract: token ids must lie in [0, vocab_size) (default: [0, 2**31), the int32 range)
     vocab_size: int | None = None
+    # Prometheus metrics (docs/API.md, "Metrics"): a /metrics endpoint on metrics_addr:metrics_port
+    # (None: none; 0: a free port), the exported snapshot refreshed every metrics_interval_s
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    metrics_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -157,6 +162,14 @@ class RuntimeConfig:
         if self.vocab_size is not None:
             need(type(self.vocab_size) is int and 0 < self.vocab_size <= 1 << 31,
                  f"vocab_size must be an int in 1..2**31 or None, got {self.vocab_size!r}")
+        if self.metrics_port is not None:
+            need(type(self.metrics_port) is int and 0 <= self.metrics_port <= 65535,
+                 f"metrics_port must be an int in 0..65535 (0: any free port) or None, got {self.metrics_port!r}")
+        need(isinstance(self.metrics_addr, str) and bool(self.metrics_addr),
+             f"metrics_addr must be a non-empty host address, got {self.metrics_addr!r}")
+        need(isinstance(self.metrics_interval_s, (int, float)) and not isinstance(self.metrics_interval_s, bool)
+             and 0 < self.metrics_interval_s < float("inf"),
+             f"metrics_interval_s must be a positive number of seconds, got {self.metrics_interval_s!r}")
 
     # -- derived -------------------------------------------------------------------
     @property

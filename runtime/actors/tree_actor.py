@@ -144,7 +144,11 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.flush()
 
     def on_stats(self, msg: TreeStats) -> dict[str, Any]:
-        return {**self.core.stats, **self.core.counts(), "tree_mailbox_depth": self.mailbox.depth}
+        hub = self.events
+        events = {"kv_events_recorded": 0, "kv_event_batches": 0, "kv_event_batches_dropped": 0} if hub is None else {
+            "kv_events_recorded": hub.events_published, "kv_event_batches": hub.next_seq,
+            "kv_event_batches_dropped": hub.publisher.dropped if hub.publisher is not None else 0}
+        return {**self.core.stats, **self.core.counts(), "tree_mailbox_depth": self.mailbox.depth, **events}
 
     def on_quiesce(self, msg: DrainTree) -> Any:
         if self.core.quiet():

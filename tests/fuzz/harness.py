@@ -71,6 +71,7 @@ from runtime.fingerprint import fingerprint_kv, prefix_hashes
 from runtime.invariants import check_invariants
 from runtime.messages import Abort, Admit, AdmitResult, Cache, Commit, Direction, Extend, Finish
 from runtime.runtime import CacheRuntime
+from runtime.stats import STATS, Kind
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes
@@ -337,13 +338,16 @@ def _summary(res: Any, exc: Any) -> str:
     if type(res) is tuple:  # a step's results
         return "(" + ", ".join(_summary(None, r) if isinstance(r, BaseException) else _summary(r, None)
                                for r in res) + ")"
-    if type(res) is dict:  # stats(): the transfer actor's in-flight and queue counts move with the
-        # completion bridge's polling, whatever the fake engine released
-        return repr({k: v for k, v in res.items() if not k.startswith(_TIMING_STATS)})
+    if type(res) is dict and all(type(v) is dict for v in res.values()):  # stats(): the transfer actor's
+        # in-flight and queue counts move with the completion bridge's polling, whatever the fake engine
+        # released; latencies with the clock
+        return repr({g: {k: v for k, v in group.items() if (g, k) not in _TIMING_STATS} for g, group in res.items()})
     return repr(res)
 
 
-_TIMING_STATS = ("inflight_loads", "inflight_backups", "queued_", "mailbox_depth")
+_TIMING_STATS = {(s.group, s.key) for s in STATS if s.kind is Kind.HISTOGRAM} | {
+    ("transfer", "inflight_loads"), ("transfer", "inflight_backups"), ("queues", "waiting_loads"),
+    ("queues", "waiting_backups"), ("queues", "transfer_mailbox_messages")}
 
 
 def _names(types: tuple[type, ...]) -> str:
@@ -1192,8 +1196,8 @@ class Driver:
     async def x_stats(self) -> None:
         res, exc = await self.call("stats()", self.rt.stats)
         self.outcome("stats()", OK, exc)
-        if res["live_requests"] != len(self.reqs) or res["inflight_copies"] < 0:
-            raise self.fail("stats-result", f"stats() says {res['live_requests']} live requests; the caller holds "
+        if res["requests"]["live"] != len(self.reqs) or res["copies"]["inflight"] < 0:
+            raise self.fail("stats-result", f"stats() says {res['requests']['live']} live requests; the caller holds "
                             f"{len(self.reqs)}")
         await self.check("stats()", exc)
 
@@ -1647,8 +1651,9 @@ class Driver:
         await self.check_tree("teardown")
         st, exc = await self.call("stats()", self.rt.stats)
         self.outcome("stats()", OK, exc)
-        busy = {k: st.get(k, 0) for k in ("live_requests", "inflight_copies", "inflight_storage_ops",
-                                          "inflight_offloads", "offload_retired_requests")}
+        busy = {f"{g}.{k}": st[g][k] for g, k in (("requests", "live"), ("copies", "inflight"), ("storage", "inflight"),
+                                                   ("storage", "calls_running"), ("offload", "inflight"),
+                                                   ("offload", "retired_requests"))}
         if any(busy.values()):
             raise self.fail("leak", f"stats() after releasing everything: {busy}")
         av, exc = await self.call("available()", self.rt.available)

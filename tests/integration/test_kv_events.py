@@ -73,8 +73,9 @@ async def test_zmq_index_equals_match_prefix(tmp_path):
                 await asyncio.sleep(0.005)
             assert seen == list(range(last + 1)), "batches missing or out of order"
             # the workload did what the test claims
-            assert stats["device_evicted_tokens"] > 0 and stats["tokens_host_hit"] > 0
-            assert stats["storage_pages_written"] > 0
+            assert stats["device"]["evicted_tokens"] > 0 and stats["host"]["hit_tokens"] > 0
+            assert stats["storage"]["written_pages"] > 0
+            assert stats["events"]["batches"] == last + 1 and stats["events"]["dropped_batches"] == 0
             identity = KVIdentity.from_config(config)
             ps = config.page_size
             for tokens in prompts + [toks(40, 999)]:
