@@ -137,8 +137,8 @@ async def run_config(name: str, model: Any, args: argparse.Namespace, device_slo
         "throughput_tok_s": gen / wall,
         "wall_s": wall,
         "ideal": ideal_recompute(len(system), lengths),
-        "rt_storage_hit": stats.get("tokens_storage_hit", 0),
-        "storage_pages_written": stats.get("storage_pages_written", 0),
+        "rt_storage_hit": stats["storage"]["hit_tokens"],
+        "storage_pages_written": stats["storage"]["written_pages"],
     }
 
 

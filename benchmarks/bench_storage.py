@@ -179,7 +179,7 @@ class Candidate:
 
     async def write(self, tokens: np.ndarray, rid: str) -> tuple[float, float, float]:
         """(storage part, finish -> storage ack, backend calls alone) seconds."""
-        before = (await self.rt.stats())["storage_pages_written"]
+        before = (await self.rt.stats())["storage"]["written_pages"]
         self.probe.t_set = None
         t0 = time.perf_counter()
         await self.rt.finish(rid, tokens[: self.n])
@@ -188,14 +188,14 @@ class Candidate:
         await self._no_storage_op()
         t1 = time.perf_counter()
         st = await self.rt.stats()
-        assert st["storage_pages_written"] - before == self.pages, (st["storage_pages_written"], before)
+        assert st["storage"]["written_pages"] - before == self.pages, (st["storage"]["written_pages"], before)
         return t1 - self.probe.t_set, t1 - t0, self.probe.t_set_end - self.probe.t_set
 
     async def read(self, tokens: np.ndarray, rid: str, src: torch.Tensor) -> tuple[float, float]:
         """(admit call -> admit returns, first read-side backend call -> last one returns) seconds."""
         await self.rt.flush()
         assert await self.rt.match_prefix(tokens) == {"device": 0, "host": 0}
-        before = (await self.rt.stats())["tokens_storage_hit"]
+        before = (await self.rt.stats())["storage"]["hit_tokens"]
         self.probe.t_exists = None
         t0 = time.perf_counter()
         res = await self.rt.admit(rid, tokens)
@@ -204,7 +204,7 @@ class Candidate:
         for r in res.readiness:
             await r.wait_all()
         await self._no_storage_op()
-        assert (await self.rt.stats())["tokens_storage_hit"] - before == self.n
+        assert (await self.rt.stats())["storage"]["hit_tokens"] - before == self.n
         kv = self.rt.device_pool.read_slots(np.asarray(res.slots[: self.n]))  # bf16 fingerprints are lossy:
         for i in range(self.pages):  # compare with the bytes written instead
             page = kv[:, :, i * PS:(i + 1) * PS].contiguous().view(torch.uint8).reshape(-1)

@@ -317,8 +317,8 @@ async def chat(args: argparse.Namespace) -> int:
           f"TTFT median {ttft[len(ttft) // 2] * 1000:.0f} ms, max {ttft[-1] * 1000:.0f} ms")
     print(f"prompt tokens {prompt_total}: device {totals.device} | host {totals.host} | storage {totals.storage} | "
           f"recomputed {totals.recomputed}  (hit rate {served / max(prompt_total, 1):.0%})")
-    print(f"runtime: {stats['loads_issued']} host->device loads, {stats['backups_issued']} backups, "
-          f"{stats['device_evicted_tokens']} tokens evicted from device; serving loop: {srv.stats['steps']} steps, "
+    print(f"runtime: {stats['copies']['loads_issued']} host->device loads, {stats['copies']['backups_issued']} backups, "
+          f"{stats['device']['evicted_tokens']} tokens evicted from device; serving loop: {srv.stats['steps']} steps, "
           f"{srv.stats['preemptions']} preemptions, {srv.stats['layer_wait_s'] * 1000:.0f} ms waiting on layer loads")
     multi = sum(n >= 2 for n in totals.later_turn_tiers)
     print(f"turns >= 2 served from more than one tier: {multi} of {len(totals.later_turn_tiers)}")
@@ -329,7 +329,7 @@ async def final_ledgers(rt: CacheRuntime) -> Any:
     """Ledger snapshots once no copy is in flight (what the trace's replay must end with)."""
     for _ in range(2000):
         st = await rt.stats()
-        if not st["inflight_copies"] and not st["inflight_storage_ops"]:
+        if not st["copies"]["inflight"] and not st["storage"]["inflight"]:
             break
         await asyncio.sleep(0.005)
     try:

@@ -39,7 +39,9 @@ async def main():
         system = list(range(10, 74))  # a 64-token prefix both requests share
         await generate(rt, model, "first", system + [5, 6, 7])
         await generate(rt, model, "second", system + [8, 9])  # its prefix comes from the device pool
-        print({k: v for k, v in (await rt.stats()).items() if k.startswith("tokens_")})
+        st = await rt.stats()
+        print({tier: st[tier]["hit_tokens"] for tier in ("device", "host")}, "recomputed:",
+              st["requests"]["recomputed_tokens"])
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
-"""`RuntimeConfig`: every knob of the runtime, validated with a clear message."""
+"""`RuntimeConfig`: every knob of the runtime, validated with a clear message.
+
+Built in code (typed values), or from a dict, the environment (`HICACHE_*`) or a JSON / TOML
+file, where sizes may be written as "8GiB" and text is converted per field
+(runtime/config_sources.py; docs/API.md, "Configuration").
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from runtime.config_sources import config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -58,6 +66,14 @@ class RuntimeConfig:
     prefetch_timeout_per_1k_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
     storage_timeout_s: float = 5.0  # deadline of one backend call; past it the op is overdue (docs/STORAGE.md)
+    # KV cache events in vLLM's wire format (docs/EVENTS.md): recorded when on, for in-process
+    # subscribers (`Runtime.kv_events()`), and published over ZMQ when an endpoint is given
+    kv_events: bool = False
+    kv_events_endpoint: str | None = None  # ZMQ PUB, e.g. "tcp://127.0.0.1:5557" ("...:*": any free port)
+    kv_events_replay_endpoint: str | None = None  # ZMQ ROUTER answering replay requests (None: no replay)
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000  # batches kept for replay (vLLM's buffer_steps)
+    data_parallel_rank: int | None = None  # stamped on every batch (vLLM's KVEventBatch field)
     # Actors
     mailbox_capacity: int = 4096
     # Debugging and tracing
@@ -65,6 +81,11 @@ class RuntimeConfig:
     trace_path: str | None = None
     # Caller contract: token ids must lie in [0, vocab_size) (default: [0, 2**31), the int32 range)
     vocab_size: int | None = None
+    # Prometheus metrics (docs/API.md, "Metrics"): a /metrics endpoint on metrics_addr:metrics_port
+    # (None: none; 0: a free port), the exported snapshot refreshed every metrics_interval_s
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    metrics_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -126,9 +147,29 @@ class RuntimeConfig:
              and 0 < self.storage_timeout_s < float("inf"),
              f"storage_timeout_s must be a positive number of seconds, got {self.storage_timeout_s!r}")
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None:
+                need(self.kv_events, f"{name} needs kv_events=True")
+                need(isinstance(value, str) and value.startswith(("tcp://", "ipc://", "inproc://")),
+                     f"{name} must be a ZMQ endpoint (tcp://, ipc:// or inproc://), got {value!r}")
+        need(isinstance(self.kv_events_topic, str), f"kv_events_topic must be a str, got {self.kv_events_topic!r}")
+        need(type(self.kv_events_buffer_steps) is int and self.kv_events_buffer_steps > 0,
+             f"kv_events_buffer_steps must be a positive int, got {self.kv_events_buffer_steps!r}")
+        if self.data_parallel_rank is not None:
+            need(type(self.data_parallel_rank) is int and self.data_parallel_rank >= 0,
+                 f"data_parallel_rank must be a non-negative int or None, got {self.data_parallel_rank!r}")
         if self.vocab_size is not None:
             need(type(self.vocab_size) is int and 0 < self.vocab_size <= 1 << 31,
                  f"vocab_size must be an int in 1..2**31 or None, got {self.vocab_size!r}")
+        if self.metrics_port is not None:
+            need(type(self.metrics_port) is int and 0 <= self.metrics_port <= 65535,
+                 f"metrics_port must be an int in 0..65535 (0: any free port) or None, got {self.metrics_port!r}")
+        need(isinstance(self.metrics_addr, str) and bool(self.metrics_addr),
+             f"metrics_addr must be a non-empty host address, got {self.metrics_addr!r}")
+        need(isinstance(self.metrics_interval_s, (int, float)) and not isinstance(self.metrics_interval_s, bool)
+             and 0 < self.metrics_interval_s < float("inf"),
+             f"metrics_interval_s must be a positive number of seconds, got {self.metrics_interval_s!r}")
 
     # -- derived -------------------------------------------------------------------
     @property
@@ -162,3 +203,26 @@ class RuntimeConfig:
 
     def replace(self, **changes: object) -> "RuntimeConfig":
         return dataclasses.replace(self, **changes)
+
+    # -- outside sources (conversion rules: runtime/config_sources.py) ----------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> "RuntimeConfig":
+        """Fields by name (missing ones keep their defaults); strings converted by the field's type,
+        byte fields also as "8GiB"; an unknown key is a `ConfigError` suggesting the nearest field."""
+        return config_from_dict(cls, data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = "HICACHE_",
+                 base: "RuntimeConfig | Mapping[str, object] | None" = None) -> "RuntimeConfig":
+        """`base` overridden by `PREFIX<FIELD>` variables of `environ` (default `os.environ`), e.g.
+        HICACHE_PAGE_SIZE=16, HICACHE_HOST_BYTES=64GiB; a prefixed variable naming no field is an error."""
+        return config_from_env(cls, os.environ if environ is None else environ, prefix, base)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> "RuntimeConfig":
+        """A flat JSON object or TOML document of fields, by the file's suffix (.json / .toml)."""
+        return config_from_file(cls, path)
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field by name, typed (sizes in bytes, None kept): `from_dict(c.to_dict()) == c`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -16,12 +16,14 @@ every pending and later call raises `RuntimeFailed` and leaving the `async with`
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import zmq
 
 from runtime.actors.base import Mailbox, Reply
 from runtime.actors.offload_actor import OffloadActor
@@ -29,7 +31,18 @@ from runtime.actors.transfer_actor import TransferActor
 from runtime.actors.tree_actor import TreeActor
 from runtime.completion import LayerReadiness
 from runtime.config import RuntimeConfig
-from runtime.errors import ArgumentError, ConfigError, LengthError, RuntimeFailed, TransferError, ValidationError
+from runtime.errors import (
+    ArgumentError,
+    ConfigError,
+    HiCacheError,
+    LengthError,
+    RuntimeFailed,
+    StateError,
+    TransferError,
+    ValidationError,
+)
+from runtime.events.hub import EventHub, EventSubscription
+from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.messages import (
     Abort,
@@ -61,6 +74,7 @@ from runtime.messages import (
     TreeStats,
 )
 from runtime.messages import DrainOffload, OffloadStats  # decode offload
+from runtime.stats import nest
 from runtime.supervisor import State, Supervisor, wait_shielded
 from runtime.trace import JsonlSink, SlotTracer, get_logger
 from runtime.transfer.engine import CopyEngine
@@ -78,6 +92,11 @@ from runtime.validation import (
     step_tokens,
 )
 from runtime.validation import tokens as _checked_tokens
+
+if TYPE_CHECKING:  # prometheus_client is imported only when metrics are on (extra "metrics")
+    from prometheus_client.registry import CollectorRegistry
+
+    from runtime.metrics import MetricsEndpoint, StatsCollector
 
 log = get_logger("hicache.runtime")
 
@@ -136,6 +155,21 @@ def can_remove(storage: Any) -> bool:
     return storage is not None and callable(getattr(storage, "remove", None))
 
 
+def make_event_hub(config: RuntimeConfig) -> EventHub | None:
+    """The event hub of `config` (None: events off), its ZMQ publisher bound when an endpoint is set."""
+    if not config.kv_events:
+        return None
+    publisher = None
+    if config.kv_events_endpoint is not None:
+        try:
+            publisher = ZmqEventPublisher(config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
+                                          topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer_steps)
+        except zmq.ZMQError as exc:
+            raise ConfigError(f"kv_events_endpoint {config.kv_events_endpoint!r} / kv_events_replay_endpoint "
+                              f"{config.kv_events_replay_endpoint!r}: cannot bind: {exc}") from None
+    return EventHub(config.page_size, config.data_parallel_rank, publisher)
+
+
 def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]:
     """The storage backend (given, or built from the config) and whether the runtime owns it."""
     if storage is not None:
@@ -160,7 +194,16 @@ class CacheRuntime:
     """Public handle of the runtime. Create it with `CacheRuntime.open(config)`."""
 
     def __init__(self, config: RuntimeConfig, *, engine_factory: EngineFactory | None = None,
-                 storage: Any = None) -> None:
+                 storage: Any = None, metrics_registry: CollectorRegistry | None = None) -> None:
+        metrics_on = metrics_registry is not None or config.metrics_port is not None
+        if metrics_on:
+            from prometheus_client.registry import CollectorRegistry
+
+            from runtime.metrics import StatsCollector
+
+            if metrics_registry is not None and not isinstance(metrics_registry, CollectorRegistry):
+                raise ConfigError(f"metrics_registry must be a prometheus_client CollectorRegistry, "
+                                  f"got {type(metrics_registry).__name__}")
         self.config = config
         shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype)
         self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
@@ -185,12 +228,22 @@ class CacheRuntime:
         tree_mailbox: Mailbox[TreeMessage] = Mailbox(config.mailbox_capacity)
         self._offload = OffloadActor(tree_mailbox, page_size=config.page_size, stride=config.stride,
                                      mailbox_capacity=config.mailbox_capacity)
+        self._events = make_event_hub(config)
+        if self._events is not None:
+            self._core.enable_events()
         self._tree = TreeActor(self._core, self._transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
                                debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox,
-                               mailbox=tree_mailbox, storage=storage)
+                               mailbox=tree_mailbox, storage=storage, events=self._events)
         self._sup = Supervisor([self._tree, self._transfer, self._offload])
         self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
         self._closer: asyncio.Task[None] | None = None
+        # metrics: on with a registry given or an endpoint asked for (a private registry then)
+        if metrics_on and metrics_registry is None:
+            metrics_registry = CollectorRegistry()
+        self.metrics_registry: CollectorRegistry | None = metrics_registry
+        self._metrics: StatsCollector | None = StatsCollector() if metrics_on else None
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
 
     # A close whose caller is cancelled (a shutdown deadline) still waits this long for the copies in
     # flight, then stops the actors without them (the runtime fails). Copies take milliseconds; a
@@ -206,13 +259,18 @@ class CacheRuntime:
     @classmethod
     @asynccontextmanager
     async def open(cls, config: RuntimeConfig | None = None, *, engine_factory: EngineFactory | None = None,
-                   storage: Any = None) -> AsyncIterator["CacheRuntime"]:
+                   storage: Any = None, metrics_registry: CollectorRegistry | None = None
+                   ) -> AsyncIterator["CacheRuntime"]:
         """Start the runtime in the running loop. `engine_factory(pools)` overrides the copy
         engine (tests hold copies in flight with `FakeCopyEngine`); `storage` is a storage
-        backend instance (overrides `config.storage_backend`; the caller closes it)."""
-        rt = cls(config or RuntimeConfig(), engine_factory=engine_factory, storage=storage)
+        backend instance (overrides `config.storage_backend`; the caller closes it);
+        `metrics_registry`: export `hicache_*` metrics on it (docs/API.md, "Metrics")."""
+        rt = cls(config or RuntimeConfig(), engine_factory=engine_factory, storage=storage,
+                 metrics_registry=metrics_registry)
         try:
+            rt._register_metrics()  # a refusal here closes what __init__ built (nothing started)
             await rt._sup.start()  # a cancel here still closes: the actors' task exists already
+            await rt._start_metrics()
             yield rt
         finally:
             await rt.close()
@@ -235,6 +293,7 @@ class CacheRuntime:
             raise
 
     async def _close(self) -> None:
+        await self._stop_metrics()
         sup = self._sup
         if sup.state is State.OPEN:
             sup.state = State.CLOSING
@@ -248,6 +307,8 @@ class CacheRuntime:
                     pass
         await sup.stop()
         self.tracer.close()
+        if self._events is not None:
+            self._events.close()
         owned = self._owned_storage
         if owned is not None and owned is self.storage and not self._abandoned_copies:
             if self._transfer.storage_inflight:
@@ -398,6 +459,25 @@ class CacheRuntime:
         results = iter(await self._ask_step(sent) if sent else ())
         return tuple(next(results) if r is None else r for r in out)
 
+    # -- KV cache events -------------------------------------------------------------------
+    def kv_events(self, maxsize: int = 4096) -> EventSubscription:
+        """Every KV event batch from now on, in order (`async for batch in rt.kv_events()`), until
+        the runtime closes; more than `maxsize` batches unread ends it with `EventsLostError`.
+        Needs `kv_events=True` (docs/EVENTS.md)."""
+        if type(maxsize) is not int or maxsize <= 0:
+            raise ArgumentError(f"maxsize must be a positive int, got {maxsize!r}")
+        if self._events is None:
+            raise StateError("KV events are off (RuntimeConfig.kv_events=False)")
+        if self.closed:
+            raise StateError("the runtime is closed")
+        return self._events.subscribe(maxsize)
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str | None, str | None]:
+        """The bound (PUB, replay) ZMQ endpoints, a `*` port resolved; (None, None) without."""
+        pub = None if self._events is None else self._events.publisher
+        return (None, None) if pub is None else (pub.endpoint, pub.replay_endpoint)
+
     # -- questions ------------------------------------------------------------------------
     async def match_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor,
                            extra_key: Hashable = None) -> dict[str, int]:
@@ -416,16 +496,27 @@ class CacheRuntime:
         """Drop every unlocked cached prefix from device and host (after a weight update)."""
         return await self._sup.ask(self._tree.mailbox, Flush(Reply()))
 
-    async def stats(self) -> dict[str, Any]:
-        """Counters (schema in docs/API.md): tree, ledgers, copies, queue depths."""
+    async def stats(self) -> dict[str, dict[str, Any]]:
+        """Counters, sizes, queue depths and latency histograms, nested by tier and concern
+        (`runtime.stats.STATS`; schema in docs/API.md), e.g. `stats()["host"]["hit_tokens"]`."""
         tree = await self._sup.ask(self._tree.mailbox, TreeStats(Reply()))
         transfer = await self._sup.ask(self._transfer.mailbox, TransferStats(Reply()))
-        transfer = {**transfer, **await self._sup.ask(self._offload.mailbox, OffloadStats(Reply()))}
-        served = tree["tokens_device_hit"] + tree["tokens_host_hit"]
-        total = served + tree["tokens_recomputed"]
-        return {**tree, **transfer, "hit_rate": served / total if total else 0.0,
-                "device_hit_rate": tree["tokens_device_hit"] / total if total else 0.0,
-                "host_hit_rate": tree["tokens_host_hit"] / total if total else 0.0}
+        offload = await self._sup.ask(self._offload.mailbox, OffloadStats(Reply()))
+        return nest(tree, transfer, offload)
+
+    async def refresh_metrics(self) -> dict[str, dict[str, Any]]:
+        """Take a `stats()` snapshot and make it what the metrics export now (they are refreshed
+        every `metrics_interval_s` anyway); returns a copy of it. `StateError` when metrics are off."""
+        if self._metrics is None:
+            raise StateError("metrics are off: open the runtime with metrics_registry= or config.metrics_port")
+        snapshot = await self.stats()
+        self._metrics.update(snapshot)  # handed over: nobody changes it again
+        return copy.deepcopy(snapshot)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port the `/metrics` endpoint is bound to (None without one)."""
+        return self._metrics_endpoint.port if self._metrics_endpoint is not None else None
 
     # -- storage controls -----------------------------------------------------------------
     # One at a time, in call order (the tree actor queues them). Cancelling the await of one does
@@ -465,6 +556,58 @@ class CacheRuntime:
         return await self._sup.ask_internal(self._tree.mailbox, Inspect(fn, Reply()))
 
     # -- helpers -------------------------------------------------------------------------
+    def _register_metrics(self) -> None:
+        if self._metrics is None:
+            return
+        assert self.metrics_registry is not None
+        try:
+            self.metrics_registry.register(self._metrics)
+        except ValueError as exc:  # names taken: another runtime (or anything) exports hicache_* there
+            raise ConfigError(f"metrics_registry already has these metrics ({exc}); "
+                              f"give each runtime a registry of its own") from None
+
+    async def _start_metrics(self) -> None:
+        """The first snapshot, the endpoint (if asked for), then the periodic refresh."""
+        if self._metrics is None:
+            return
+        await self.refresh_metrics()
+        cfg = self.config
+        if cfg.metrics_port is not None:
+            from runtime.metrics import MetricsEndpoint
+
+            assert self.metrics_registry is not None
+            self._metrics_endpoint = MetricsEndpoint(self.metrics_registry, cfg.metrics_addr, cfg.metrics_port)
+        self._metrics_task = asyncio.get_running_loop().create_task(
+            self._refresh_metrics_every(cfg.metrics_interval_s), name="hicache-metrics")
+
+    async def _refresh_metrics_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.refresh_metrics()
+            except HiCacheError:  # closing or failed: the last snapshot stays until close unregisters
+                return
+
+    async def _stop_metrics(self) -> None:
+        """At close, first: no refresh asks a closing actor; the endpoint and registration go."""
+        task, self._metrics_task = self._metrics_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled():  # our caller was cancelled, not the task
+                    raise
+        endpoint, self._metrics_endpoint = self._metrics_endpoint, None
+        if endpoint is not None:
+            await asyncio.to_thread(endpoint.stop)  # shutdown() waits for the server's poll loop
+        if self._metrics is not None and self.metrics_registry is not None:
+            try:
+                self.metrics_registry.unregister(self._metrics)
+            except KeyError:  # never registered (open refused it), or already gone
+                pass
+            self._metrics = None
+
     def _release_abandoned(self, result: AdmitResult) -> None:
         """A caller cancelled while awaiting `admit`: release that admission (same path as abort)."""
         if self._sup.failure is None and not self._tree.mailbox.closed:

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${PYTHON_VENV:-.venv}
 have() {
-  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "import vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.base" 2>/dev/null
+  HF_HUB_OFFLINE=1 "$VENV/bin/python" -c "import vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.base, einops" 2>/dev/null
 }
 have && exit 0
 [ -x "$VENV/bin/python" ] || { echo "install_vllm: $VENV missing (run scripts/setup.sh first)" >&2; exit 1; }

@@ -21,6 +21,7 @@ waits for it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from runtime.messages import (
     TransferMessage,
     TransferStats,
 )
+from runtime.stats import LatencyHistogram
 from runtime.storage.backend import ContractViolation, StorageError, checked_count, checked_flags, read_prefix
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine, merged_plan
@@ -71,11 +73,16 @@ class _InFlight:
     submit: SubmitCopy
     done: bool = False
     error: str | None = None
+    started: float = 0.0  # perf_counter() when the engine took it (latency histogram)
 
 
 # Backups coalesced into one engine submission at most: each one's ack waits for the whole
 # submission, and a caller refused for capacity waits for the acks of the write-backs it started.
 BACKUPS_PER_SUBMISSION = 8
+
+# stats() names of the latency histograms (runtime.stats.STATS)
+LATENCIES = ("load_seconds", "backup_seconds", "storage_write_seconds", "storage_read_seconds",
+             "storage_lookup_seconds")
 
 
 class TransferActor(Actor[TransferMessage]):
@@ -113,8 +120,13 @@ class TransferActor(Actor[TransferMessage]):
         if host_pool is not None and host_pool.layout == "page_first" and host_pool.buffer.is_contiguous():
             self._page_rows = host_pool.buffer.view(-1).view(torch.uint8).view(host_pool.num_pages, -1).numpy()
         self._registered_pool = False  # whether we registered the host pool with the backend (zero-copy)
-        self._probe_inline = False
         self._removals = 0  # clear_storage removals running in worker threads
+        self.counters.update({"storage_ops_done": 0, "storage_ops_failed": 0, "storage_bytes_written": 0,
+                              "storage_bytes_read": 0, "storage_errors": 0, "storage_backend_errors": 0,
+                              "storage_ops_overdue": 0})
+        # latency per kind of operation, observed where it completes (stats() and metrics read them)
+        self.latency = {name: LatencyHistogram() for name in LATENCIES}
+        self._storage_started: dict[int, float] = {}  # op id -> perf_counter() at submit
         self._use_backend(storage)
         self.handlers = {
             SubmitCopy: self.on_submit,
@@ -178,6 +190,8 @@ class TransferActor(Actor[TransferMessage]):
         entry = self.inflight[msg.op_id]
         entry.done, entry.error = True, msg.error
         direction = entry.submit.plan.direction
+        self.latency["load_seconds" if direction is Direction.LOAD else "backup_seconds"].observe(
+            time.perf_counter() - entry.started)
         self.running[direction] -= 1
         self._flush_acks(direction)
         self._to_pump.add(direction)
@@ -185,6 +199,7 @@ class TransferActor(Actor[TransferMessage]):
 
     def on_submit_storage(self, msg: SubmitStorage) -> None:
         self.storage_inflight[msg.op_id] = msg
+        self._storage_started[msg.op_id] = time.perf_counter()
         if not msg.write and not msg.pages and msg.keys and self._probe_inline and self._absent(msg.keys[0]):
             # a lookup on a local backend without the first page: a miss, no worker thread needed
             self._storage_done(_StorageDone(msg.op_id, 0, (), None))
@@ -286,6 +301,9 @@ class TransferActor(Actor[TransferMessage]):
 
     def _storage_done(self, msg: _StorageDone) -> None:
         submit = self.storage_inflight.pop(msg.op_id)
+        kind = "storage_write_seconds" if submit.write else "storage_read_seconds" if submit.pages \
+            else "storage_lookup_seconds"
+        self.latency[kind].observe(time.perf_counter() - self._storage_started.pop(msg.op_id))
         timer = self._storage_timers.pop(msg.op_id, None)
         if timer is not None:
             timer.cancel()
@@ -365,7 +383,7 @@ class TransferActor(Actor[TransferMessage]):
         self._maybe_drained()
         return DEFERRED
 
-    def on_stats(self, msg: TransferStats) -> dict[str, int]:
+    def on_stats(self, msg: TransferStats) -> dict[str, Any]:
         return {
             **self.counters,
             "inflight_loads": self.running[Direction.LOAD],
@@ -373,7 +391,8 @@ class TransferActor(Actor[TransferMessage]):
             "queued_loads": len(self.waiting[Direction.LOAD]),
             "queued_backups": len(self.waiting[Direction.BACKUP]),
             "mailbox_depth": self.mailbox.depth,
-            **({"inflight_storage_ops": len(self.storage_inflight)} if "storage_ops_done" in self.counters else {}),
+            "inflight_storage_ops": len(self.storage_inflight),
+            **{name: hist.snapshot() for name, hist in self.latency.items()},
         }
 
     def after_burst(self) -> None:
@@ -387,10 +406,6 @@ class TransferActor(Actor[TransferMessage]):
     def _use_backend(self, storage: Any) -> None:
         self.storage = storage
         self._probe_inline = storage is not None and getattr(storage, "exists_is_local", False) is True
-        if storage is not None:  # (kept after a detach: counters only grow)
-            for name in ("storage_ops_done", "storage_ops_failed", "storage_bytes_written", "storage_bytes_read",
-                         "storage_errors", "storage_backend_errors", "storage_ops_overdue"):
-                self.counters.setdefault(name, 0)
 
     def _worker_pool(self) -> ThreadPoolExecutor:
         if self._storage_pool is None:
@@ -417,6 +432,9 @@ class TransferActor(Actor[TransferMessage]):
         ids = tuple(submit.plan.op_id for submit in group)
         plan = first.plan if len(group) == 1 else merged_plan(ids[0], [submit.plan for submit in group])
         self.running[direction] += len(group)
+        started = time.perf_counter()
+        for op_id in ids:
+            self.inflight[op_id].started = started
         log.debug("copy_start", op=ids[0], direction=direction.value, slots=plan.num_slots, ops=len(ids))
         try:
             handle = self.engine.submit(plan)

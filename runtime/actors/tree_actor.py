@@ -53,6 +53,7 @@ from runtime.messages import (
 )
 from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
 from runtime.errors import CallerError, InternalError, RuntimeClosed, StateError
+from runtime.events.hub import EventHub
 from runtime.tree.cache import CacheCore
 from runtime.tree.records import PrefetchWait
 
@@ -63,9 +64,11 @@ class TreeActor(Actor[TreeMessage]):
     # -- state -------------------------------------------------------------------
     def __init__(self, core: CacheCore, transfer_mailbox: Mailbox[TransferMessage], *, mailbox_capacity: int,
                  debug_invariants: bool = False, offload_mailbox: Mailbox[OffloadMessage] | None = None,
-                 mailbox: Mailbox[TreeMessage] | None = None, storage: Any = None) -> None:
+                 mailbox: Mailbox[TreeMessage] | None = None, storage: Any = None,
+                 events: EventHub | None = None) -> None:
         super().__init__(mailbox_capacity, mailbox)
         self.core = core
+        self.events = events  # KV cache events: one batch per turn that recorded any
         self.transfer_mailbox = transfer_mailbox
         self.debug_invariants = debug_invariants
         self.quiesce_waiters: list[Reply[None]] = []
@@ -161,7 +164,11 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.flush()
 
     def on_stats(self, msg: TreeStats) -> dict[str, Any]:
-        return {**self.core.stats, **self.core.counts(), "tree_mailbox_depth": self.mailbox.depth}
+        hub = self.events
+        events = {"kv_events_recorded": 0, "kv_event_batches": 0, "kv_event_batches_dropped": 0} if hub is None else {
+            "kv_events_recorded": hub.events_published, "kv_event_batches": hub.next_seq,
+            "kv_event_batches_dropped": hub.publisher.dropped if hub.publisher is not None else 0}
+        return {**self.core.stats, **self.core.counts(), "tree_mailbox_depth": self.mailbox.depth, **events}
 
     def on_quiesce(self, msg: DrainTree) -> Any:
         if self.core.quiet():
@@ -195,6 +202,10 @@ class TreeActor(Actor[TreeMessage]):
             if mailbox is not None and not mailbox.closed:
                 for note in notes:
                     mailbox.put_internal(note)
+        if self.events is not None:
+            events = self.core.take_events()
+            if events:
+                self.events.publish(events)
         if self.debug_invariants:
             check_invariants(self.core)
 

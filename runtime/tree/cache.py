@@ -44,6 +44,7 @@ from runtime.errors import (
 )
 from runtime.memory.owners import Owner
 from runtime.messages import AdmitResult, OffloadStarted, TransferPlan
+from runtime.events.recorder import KVEventRecorder
 from runtime.storage.hashing import KVIdentity
 from runtime.trace import SlotTracer
 from runtime.tree.copies import CopyTracker
@@ -89,6 +90,16 @@ class CacheCore:
             "requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
             "tokens_device_hit": 0, "tokens_host_hit": 0, "tokens_recomputed": 0,
         }
+
+    def enable_events(self) -> None:
+        """Record KV cache events of every tier change (`take_events` hands them over)."""
+        self.residency.enable_events(KVEventRecorder(self.page_size, KVIdentity.from_config(self.config)))
+
+    def take_events(self) -> list[Any]:
+        """The KV event records made since the last call (none while events are off; the wire
+        events are `runtime.events.recorder.materialize` of them)."""
+        events = self.residency.events
+        return events.take() if events is not None and events.pending else []
 
     def enable_storage(self, known: set[bytes] | None = None) -> None:
         """A storage tier behind the host tier; `known`: the page hashes known stored in its backend

@@ -31,7 +31,7 @@ from runtime.tree.residency import Residency
 _log = get_logger("hicache.offload")
 Key = tuple[Hashable, int]  # (rid, generation)
 COUNTERS = ("offloads_issued", "offloads_skipped", "offloaded_tokens", "offload_releases", "offload_host_tokens_kept",
-            "copy_failures")
+            "offload_copy_failures")
 
 
 class DecodeOffload:
@@ -134,7 +134,7 @@ class DecodeOffload:
             self.landed.setdefault(key, []).append((op.start, op.start + op.length, op.host))
         else:
             res.host.free(op.host, op.host_owner, op=op_id, rid=op.rid, reason="offload_failed")
-            self.stats["copy_failures"] += 1
+            self.stats["offload_copy_failures"] += 1
         self._notes.append(OffloadAck(op.rid, op.generation, op_id, error is None))
 
     def release(self, rid: Hashable, generation: int, busy: Container[int]) -> tuple[Node, int] | None | bool:

@@ -76,6 +76,9 @@ class Node:
         # free for the tree's user (the cache core keeps the node's ledger owner here);
         # the tree never reads it
         "owner",
+        # the node's page hashes, concatenated (16 bytes a page), kept by the KV event recorder
+        # while events are on; the tree never reads it
+        "page_hashes",
     )
 
     def __init__(self, id: int, parent: "Node | None", key: bytes, extra_key: Hashable) -> None:
@@ -96,6 +99,7 @@ class Node:
         self._dq = False
         self._hq = False
         self.owner = None
+        self.page_hashes: bytes | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -187,6 +187,7 @@ class Prefetch:
     host: np.ndarray
     cancelled: bool = False
     detached: bool = False  # admitted without waiting for it: it lands into the tree for whoever comes next
+    link: bytes | None = None  # the page hash just before `start` (None: it starts at 0 or is unknown)
     by_prepare: bool = True  # started by the caller's prepare (False: by an admit that waits for it)
     waiters: list[Any] = field(default_factory=list)  # admits deferred until it lands (tree actor's)
     # the anchor: the cached prefix [0, start) the read pages will hang under, kept in the tree
@@ -205,6 +206,10 @@ class StorageOp:
     node: Node | None = None  # a write: deepest node of the backed-up chain
     length: int = 0  # a write: tokens of that chain (its protect_host length)
     prefetch: Prefetch | None = None  # a read
+    # a write with KV events on: the written pages' tokens (whole pages, one per key, in key
+    # order) and the hash of the page before each key (None: it starts its sequence)
+    tokens: np.ndarray | None = None
+    parents: list[bytes | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

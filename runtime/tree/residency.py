@@ -18,6 +18,7 @@ import numpy as np
 
 from runtime.config import RuntimeConfig
 from runtime.errors import CapacityError
+from runtime.events.recorder import CPU, GPU, KVEventRecorder
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.trace import SlotTracer
@@ -48,6 +49,11 @@ class Residency:
         self.device = SlotLedger(device_slots, page_size, Tier.DEVICE, tracer)
         self.host: SlotLedger | None = SlotLedger(host_slots, page_size, Tier.HOST, tracer) if host_slots > 0 else None
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
+        # KV cache events (`enable_events`): every tier change below is reported to it
+        self.events: KVEventRecorder | None = None
+
+    def enable_events(self, recorder: KVEventRecorder) -> None:
+        self.events = recorder
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None) -> "Residency":
@@ -105,6 +111,8 @@ class Residency:
     def drop_device(self, node: Node) -> None:
         slots = self.tree.detach_device(node)
         self.device.free(slots, node_owner(node), node=node.id, reason="evict")
+        if self.events is not None:
+            self.events.removed(node, GPU)
         self.emit("evict", Tier.DEVICE, slots, node=node.id)
         self.stats["device_evicted_tokens"] += len(slots)
 
@@ -112,6 +120,11 @@ class Residency:
         """Delete a childless unlocked node, then any ancestors left with no copy and no child."""
         while True:
             parent = node.parent
+            if self.events is not None:  # (while the node still has its path)
+                if node.device is not None:
+                    self.events.removed(node, GPU)
+                if node.host is not None:
+                    self.events.removed(node, CPU)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
                 self.device.free(device, node_owner(node), node=node.id, reason="evict")
@@ -144,7 +157,15 @@ class Residency:
         return dropped
 
     def flush(self) -> int:
-        """Drop every unlocked cached prefix from device and host; returns tokens dropped."""
+        """Drop every unlocked cached prefix from device and host; returns tokens dropped. A flush
+        that leaves both tiers empty is one `AllBlocksCleared` event instead of its removals."""
+        mark = self.events.mark() if self.events is not None else 0
+        dropped = self._flush()
+        if self.events is not None and self.tree.total_device_tokens == 0 and self.tree.total_host_tokens == 0:
+            self.events.cleared_since(mark)
+        return dropped
+
+    def _flush(self) -> int:
         dropped = 0
         changed = True
         while changed:
@@ -178,8 +199,11 @@ class Residency:
         is raised onto every node of the path."""
         res = self.tree.insert(tokens, extra_key, slots, priority=priority, start=start, extend_leaf=extend_leaf)
         assign = self.device.assign
+        events = self.events
         for node, part in res.adopted:
             assign(part, owner, node_owner(node), trusted=trusted, rid=rid, node=node.id)
+            if events is not None:
+                events.stored(node, GPU, len(part))
         return res
 
     def attach_load(self, host_nodes: list[Node], device: np.ndarray, owner: Owner) -> None:
@@ -190,6 +214,8 @@ class Residency:
             offset += node.num_tokens
             self.device.assign(part, owner, node_owner(node), node=node.id)
             self.tree.attach_device(node, part)
+            if self.events is not None:
+                self.events.stored(node, GPU)
 
     def attach_backup(self, chain: list[Node], host: np.ndarray, host_owner: Owner) -> None:
         """A landed backup's host pages (owned by `host_owner`, the deepest node) go to the chain."""
@@ -201,12 +227,16 @@ class Residency:
             if node is not deepest:
                 self.host.assign(part, host_owner, node_owner(node), node=node.id)  # type: ignore[union-attr]
             self.tree.attach_host(node, part)
+            if self.events is not None:
+                self.events.stored(node, CPU)
 
     def roll_back_load(self, chain: list[Node]) -> None:
         """A failed load's device copies never became valid: detach and free them."""
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
             self.device.free(slots, node_owner(node), node=node.id, reason="load_failed")
+            if self.events is not None:
+                self.events.removed(node, GPU)
 
     def orphan_load(self, chain: list[Node]) -> None:
         """Detach a load's device copies from its chain: its deepest node's owner keeps them all
@@ -214,6 +244,8 @@ class Residency:
         owner = node_owner(chain[-1])
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
+            if self.events is not None:
+                self.events.removed(node, GPU)
             if node is not chain[-1]:
                 self.device.assign(slots, node_owner(node), owner, node=chain[-1].id, reason="load_orphaned")
 
@@ -251,6 +283,8 @@ class Residency:
                 if node.host is None and node.id not in busy:
                     self.tree.attach_host(node, part)
                     host_ledger.assign(part, owner, node_owner(node), trusted=True, rid=rid, node=node.id)
+                    if self.events is not None:
+                        self.events.stored(node, CPU)
                     kept += len(part)
                 else:
                     drop(part, "duplicate")
@@ -259,11 +293,15 @@ class Residency:
             rest = host[m.matched_len - start:]
             parent = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
             host_ledger.assign(rest, owner, node_owner(parent), trusted=True, rid=rid, node=parent.id)
+            if self.events is not None:
+                self.events.stored(parent, CPU)
             kept += len(rest)
         return kept, parent
 
     def on_split(self, lower: Node, upper: Node) -> None:
-        """A split hands the upper part's slots to the new node."""
+        """A split hands the upper part's slots (and page hashes) to the new node."""
+        if self.events is not None:
+            self.events.on_split(lower, upper)
         if upper.device is not None:
             self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
         if upper.host is not None and self.host is not None:

@@ -26,6 +26,7 @@ import numpy as np
 from runtime.config import RuntimeConfig
 from runtime.errors import InternalError
 from runtime.memory.owners import Owner
+from runtime.events.wire import STORAGE
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
@@ -80,7 +81,8 @@ class StorageTier:
         ps = res.page_size
         path = res.tree.path_tokens(node)
         first = (len(path) - length) // ps
-        hashes = self._hashes(path, node.extra_key)[first:]
+        every = self._hashes(path, node.extra_key)
+        hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
         if not pick:
             return
@@ -89,7 +91,11 @@ class StorageTier:
         op_id = next(self._op_ids)
         res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
         res.tree.protect_host(node, length)
-        self.ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length)
+        sop = StorageOp(op_id, True, host, keys, node=node, length=length)
+        if res.events is not None:  # what a STORAGE event of the written pages says
+            sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
+            sop.parents = [every[first + i - 1] if first + i else None for i in pick]
+        self.ops[op_id] = sop
         self._requests.append((op_id, True, tuple(keys), self._host_pages(host)))
         self.stats["storage_writes_issued"] += 1
 
@@ -114,7 +120,8 @@ class StorageTier:
         start = look.device_len + look.host_len
         if match_len - start < max(ps, self.config.prefetch_threshold):
             return 0
-        keys = self._hashes(tokens[:match_len], extra_key)[start // ps:]
+        every = self._hashes(tokens[:match_len], extra_key)
+        keys = every[start // ps:]
         # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
         # only for what storage holds (`_read`)
         op_id = next(self._op_ids)
@@ -122,6 +129,7 @@ class StorageTier:
                       op_id, EMPTY)
         if start:
             self._hold_anchor(pf, res.tree.settle(look, touch=False))
+            pf.link = every[start // ps - 1]
         self.prefetches[rid] = pf
         self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf)
         self._requests.append((op_id, False, tuple(keys), ()))
@@ -235,8 +243,8 @@ class StorageTier:
         else:
             if pf.by_prepare and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
                 self.prefetched.add(pf.rid)
-            self.known.difference_update(sop.keys[pages:])  # gone (evicted elsewhere): rewrite it next time
-            self.known.update(sop.keys[:pages])
+            self._gone(sop.keys[pages:])  # (evicted elsewhere): rewrite it next time
+            self._found(pf, sop.keys[:pages])
             self.stats["storage_read_misses"] += len(sop.keys) - pages
             self.stats["storage_pages_read"] += pages
         rest = pf.host[pages * ps:]
@@ -259,6 +267,8 @@ class StorageTier:
             raise InternalError(f"storage clear with {len(self.ops)} storage ops in flight")
         out = sorted(self.known)
         self.known.clear()
+        if self.residency.events is not None:
+            self.residency.events.removed_pages(out, STORAGE)
         return out
 
     def take_requests(self) -> list[StorageRequest]:
@@ -281,8 +291,45 @@ class StorageTier:
         if error is None and len(stored) < len(sop.keys):
             _log.warning("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
         self.known.update(stored)
+        if self.residency.events is not None and stored:
+            self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
+
+    def _announce(self, sop: StorageOp, ok: tuple[bool, ...]) -> None:
+        """STORAGE events of a write's stored pages: one per run of consecutive written pages."""
+        events = self.residency.events
+        assert events is not None and sop.tokens is not None and sop.parents is not None and sop.node is not None
+        ps = self.residency.page_size
+        i, n = 0, len(sop.keys)
+        while i < n:
+            if not ok[i]:
+                i += 1
+                continue
+            j = i + 1
+            while j < n and ok[j] and sop.parents[j] == sop.keys[j - 1]:
+                j += 1
+            events.stored_pages(sop.keys[i:j], sop.parents[i], sop.tokens[i * ps: j * ps], sop.node.extra_key, STORAGE)
+            i = j
+
+    def _found(self, pf: Prefetch, keys: list[bytes]) -> None:
+        """Storage holds `keys` (the leading pages a lookup or read of `pf` found): known stored,
+        and a STORAGE event for those not known before (from the first such page on)."""
+        events = self.residency.events
+        if events is not None:
+            new = next((i for i, k in enumerate(keys) if k not in self.known), len(keys))
+            if new < len(keys):
+                ps = self.residency.page_size
+                lo = pf.start + new * ps
+                events.stored_pages(keys[new:], keys[new - 1] if new else pf.link,
+                                    pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
+        self.known.update(keys)
+
+    def _gone(self, keys: list[bytes]) -> None:
+        """Pages storage no longer holds: no longer known stored (a STORAGE removal of those that were)."""
+        if self.residency.events is not None:
+            self.residency.events.removed_pages([k for k in keys if k in self.known], STORAGE)
+        self.known.difference_update(keys)
 
     def _lookup_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None) -> Prefetch | None:
         """A lookup found the leading `pages` of its keys: read them, or end the prefetch here."""
@@ -292,8 +339,8 @@ class StorageTier:
             _log.warning("storage_lookup_failed", op=sop.op_id, rid=str(pf.rid), error=error)
         elif not pf.cancelled:
             self.stats["storage_read_misses"] += len(sop.keys) - found
-            self.known.difference_update(sop.keys[found:])
-            self.known.update(sop.keys[:found])
+            self._gone(sop.keys[found:])
+            self._found(pf, sop.keys[:found])
         if found and self._read(pf, sop.keys[:found]):
             return None  # its waiters wait for the read
         self._release_anchor(pf)

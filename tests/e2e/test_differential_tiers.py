@@ -117,7 +117,7 @@ async def test_storage_prefetch_equals_generate(model, ref_model, tmp_path):
     assert mismatches(ref_model, results) == []
     later = [m for t, m in metrics if t > 0]
     storage = sum(m.storage_tokens for m in later)
-    assert storage > 0 and stats["tokens_storage_hit"] > 0, (storage, stats["tokens_storage_hit"])
+    assert storage > 0 and stats["storage"]["hit_tokens"] > 0, (storage, stats["storage"]["hit_tokens"])
     assert all(m.storage_tokens > 0 for m in later), [m.storage_tokens for m in later]  # own history
     for _, m in metrics:
         assert m.device_tokens + m.host_tokens + m.storage_tokens + m.recomputed_tokens == m.prompt_tokens
@@ -129,9 +129,9 @@ async def test_decode_offload_reload_equals_generate(model, ref_model):
         results, metrics = await serve_turns(rt, model, lambda: settle(rt))
         stats = await rt.stats()
     assert mismatches(ref_model, results) == []
-    assert stats["offloads_issued"] > 0 and stats["offload_host_tokens_kept"] > 0, stats
+    assert stats["offload"]["issued"] > 0 and stats["offload"]["host_kept_tokens"] > 0, stats
     reloaded = sum(m.host_tokens for t, m in metrics if t > 0)
-    assert reloaded > 0 and stats["loads_issued"] > 0, (reloaded, stats["loads_issued"])
+    assert reloaded > 0 and stats["copies"]["loads_issued"] > 0, (reloaded, stats["copies"]["loads_issued"])
 
 
 async def retry_capacity(call, timeout: float = 10.0):
@@ -218,7 +218,7 @@ async def test_streaming_sessions_equal_generate(model, ref_model):
         stats = await rt.stats()
     assert mismatches(ref_model, results) == []
     assert len(served) == USERS * (TURNS - 1) and all(n > 0 for n in served), served
-    assert stats["live_requests"] == 0
+    assert stats["requests"]["live"] == 0
 
 
 # -- every tier in one run ---------------------------------------------------------------------
@@ -325,13 +325,13 @@ async def test_all_tiers_in_one_run_equal_generate(model, ref_model, tmp_path):
     for tier in ("device", "host", "storage", "offloaded", "session"):
         assert tiers[tier] > 0, (tier, dict(tiers))
     # the attribution accounts for every token the runtime served from a cache
-    assert (stats["tokens_device_hit"] + stats["tokens_host_hit"]
+    assert (stats["device"]["hit_tokens"] + stats["host"]["hit_tokens"]
             == sum(tiers[t] for t in ("device", "host", "offloaded", "storage", "session", "resumed"))), (stats, tiers)
-    assert stats["device_evicted_tokens"] > 0 and stats["host_evicted_tokens"] > 0  # both pools overflowed
-    assert stats["writeback_deferred"] > 0 and stats["storage_pages_written"] > 0  # closed sessions' KV
-    assert stats["tokens_storage_hit"] >= tiers["storage"]
-    assert stats["offloads_issued"] > 0 and stats["offload_host_tokens_kept"] > 0
-    assert stats["live_requests"] == 0 and stats["copy_failures"] == 0
+    assert stats["device"]["evicted_tokens"] > 0 and stats["host"]["evicted_tokens"] > 0  # both pools overflowed
+    assert stats["copies"]["writeback_deferred_tokens"] > 0 and stats["storage"]["written_pages"] > 0  # closed sessions' KV
+    assert stats["storage"]["hit_tokens"] >= tiers["storage"]
+    assert stats["offload"]["issued"] > 0 and stats["offload"]["host_kept_tokens"] > 0
+    assert stats["requests"]["live"] == 0 and stats["copies"]["failures"] == 0
 
 
 class LoadOffByOnePage:

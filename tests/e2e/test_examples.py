@@ -35,7 +35,7 @@ def test_examples_exist():
 @pytest.mark.parametrize("script", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_runs(script: Path, tmp_path: Path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": os.environ.get("HOME", str(tmp_path))}
-    args = args_for(script)
+    args = list(args_for(script))  # (a copy: SHORT is shared by every script)
     if script.name == "demo.py":
         args += ["--trace", str(tmp_path / "trace.jsonl")]
     proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env,

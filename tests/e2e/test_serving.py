@@ -83,10 +83,10 @@ async def test_outputs_equal_generate_with_device_and_host_hits(model, ref_model
     assert device > 0 and host > 0, (device, host)
     resumed = sum(c.metrics.resume_cached_tokens for _, c in results)
     recomputed = sum(c.metrics.recomputed_tokens + c.metrics.resume_recomputed_tokens for _, c in results)
-    assert rt_stats["tokens_device_hit"] + rt_stats["tokens_host_hit"] == device + host + resumed
-    assert rt_stats["tokens_recomputed"] == recomputed
-    assert rt_stats["device_evicted_tokens"] > 0 and rt_stats["loads_issued"] > 0
-    assert rt_stats["live_requests"] == 0 and loop_stats["finished"] == USERS * TURNS
+    assert rt_stats["device"]["hit_tokens"] + rt_stats["host"]["hit_tokens"] == device + host + resumed
+    assert rt_stats["requests"]["recomputed_tokens"] == recomputed
+    assert rt_stats["device"]["evicted_tokens"] > 0 and rt_stats["copies"]["loads_issued"] > 0
+    assert rt_stats["requests"]["live"] == 0 and loop_stats["finished"] == USERS * TURNS
     for _, c in results:
         m = c.metrics
         assert m.storage_tokens == 0 and m.ttft_s > 0 and m.generated_tokens == len(c.tokens)
@@ -191,7 +191,7 @@ async def test_failed_load_is_served_again_from_scratch(model, ref_model):
             c = await fut
             assert srv.stats["load_failures"] == 1 and c.metrics.preemptions == 1
             assert c.metrics.host_tokens > 0 and c.metrics.resume_cached_tokens + c.metrics.resume_recomputed_tokens > 0
-        assert (await rt.stats())["copy_failures"] == 1
+        assert (await rt.stats())["copies"]["failures"] == 1
     want, want_logits = greedy_generate_reference(ref_model, first + [9], 4, return_logits=True)
     assert c.tokens == want
     assert max((a - b).abs().max().item() for a, b in zip(c.logits, want_logits, strict=True)) <= TOL

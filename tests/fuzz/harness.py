@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from runtime.config import RuntimeConfig
+from runtime.events import CPU, GPU, STORAGE, PrefixIndex
 from runtime.errors import (
     ArgumentError,
     CallerError,
@@ -70,8 +71,10 @@ from runtime.fingerprint import fingerprint_kv, prefix_hashes
 from runtime.invariants import check_invariants
 from runtime.messages import Abort, Admit, AdmitResult, Cache, Commit, Direction, Extend, Finish
 from runtime.runtime import CacheRuntime
+from runtime.stats import STATS, Kind
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
+from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.transfer.cpu_engine import CpuCopyEngine
 from runtime.transfer.fake_engine import FakeCopyEngine
 
@@ -153,7 +156,7 @@ class FuzzConfig:
             decode_offload=self.decode_offload,
             offload_stride=self.offload_stride_pages * ps if self.decode_offload else None,
             prefetch_policy=self.prefetch_policy, prefetch_timeout_base_s=0.05, prefetch_timeout_max_s=0.2,
-            debug_invariants=True)
+            debug_invariants=True, kv_events=True)
 
 
 def draw_config(rng: random.Random) -> FuzzConfig:
@@ -335,13 +338,16 @@ def _summary(res: Any, exc: Any) -> str:
     if type(res) is tuple:  # a step's results
         return "(" + ", ".join(_summary(None, r) if isinstance(r, BaseException) else _summary(r, None)
                                for r in res) + ")"
-    if type(res) is dict:  # stats(): the transfer actor's in-flight and queue counts move with the
-        # completion bridge's polling, whatever the fake engine released
-        return repr({k: v for k, v in res.items() if not k.startswith(_TIMING_STATS)})
+    if type(res) is dict and all(type(v) is dict for v in res.values()):  # stats(): the transfer actor's
+        # in-flight and queue counts move with the completion bridge's polling, whatever the fake engine
+        # released; latencies with the clock
+        return repr({g: {k: v for k, v in group.items() if (g, k) not in _TIMING_STATS} for g, group in res.items()})
     return repr(res)
 
 
-_TIMING_STATS = ("inflight_loads", "inflight_backups", "queued_", "mailbox_depth")
+_TIMING_STATS = {(s.group, s.key) for s in STATS if s.kind is Kind.HISTOGRAM} | {
+    ("transfer", "inflight_loads"), ("transfer", "inflight_backups"), ("queues", "waiting_loads"),
+    ("queues", "waiting_backups"), ("queues", "transfer_mailbox_messages")}
 
 
 def _names(types: tuple[type, ...]) -> str:
@@ -430,6 +436,9 @@ class Driver:
     def __init__(self, rt: CacheRuntime, cfg: FuzzConfig, rng: random.Random) -> None:
         self.rt, self.cfg, self.rng = rt, cfg, rng
         self.ps = cfg.page_size
+        # the KV events since the start, and the index they rebuild (`check_events`)
+        self.events = rt.kv_events(maxsize=1 << 30)
+        self.event_index = PrefixIndex(shared_storage=False)
         self.D = cfg.device_slots
         self.engine = rt.engine if isinstance(rt.engine, FakeCopyEngine) else None
         self.vocab = Vocab(rng, cfg)
@@ -842,6 +851,21 @@ class Driver:
         errors = await self.inspect(lambda core: _tree_kv_errors(core, dev, host))
         if errors:
             raise self.fail("tree-kv-content", f"after {what}: " + "; ".join(errors))
+        await self.check_events(what)
+
+    async def check_events(self, what: str) -> None:
+        """The index rebuilt from the KV events alone holds exactly the pages each tier holds (by
+        page hash, computed here from the tree's paths) and the pages storage is known to hold."""
+        # both read inside one tree-actor turn: the batches of exactly the turns before it
+        truth, batches = await self.inspect(lambda core: (_resident_pages(core), self.events.take_ready()))
+        for batch in batches:
+            self.event_index.apply("rt", batch)
+        for medium, pages in zip((GPU, CPU, STORAGE), truth):
+            got = self.event_index.pages("rt", medium)
+            if got != pages:
+                raise self.fail("kv-events", f"after {what}: the events say {len(got)} {medium} pages, the runtime "
+                                f"holds {len(pages)}: {len(got - pages)} announced but not held, {len(pages - got)} "
+                                "held but not announced")
 
     # -- copies ---------------------------------------------------------------------------------------
     async def wait_acks(self, timeout: float = 10.0) -> None:
@@ -1172,8 +1196,8 @@ class Driver:
     async def x_stats(self) -> None:
         res, exc = await self.call("stats()", self.rt.stats)
         self.outcome("stats()", OK, exc)
-        if res["live_requests"] != len(self.reqs) or res["inflight_copies"] < 0:
-            raise self.fail("stats-result", f"stats() says {res['live_requests']} live requests; the caller holds "
+        if res["requests"]["live"] != len(self.reqs) or res["copies"]["inflight"] < 0:
+            raise self.fail("stats-result", f"stats() says {res['requests']['live']} live requests; the caller holds "
                             f"{len(self.reqs)}")
         await self.check("stats()", exc)
 
@@ -1627,8 +1651,9 @@ class Driver:
         await self.check_tree("teardown")
         st, exc = await self.call("stats()", self.rt.stats)
         self.outcome("stats()", OK, exc)
-        busy = {k: st.get(k, 0) for k in ("live_requests", "inflight_copies", "inflight_storage_ops",
-                                          "inflight_offloads", "offload_retired_requests")}
+        busy = {f"{g}.{k}": st[g][k] for g, k in (("requests", "live"), ("copies", "inflight"), ("storage", "inflight"),
+                                                   ("storage", "calls_running"), ("offload", "inflight"),
+                                                   ("offload", "retired_requests"))}
         if any(busy.values()):
             raise self.fail("leak", f"stats() after releasing everything: {busy}")
         av, exc = await self.call("available()", self.rt.available)
@@ -1676,6 +1701,25 @@ async def _close(rt: CacheRuntime, engine: FakeCopyEngine | None) -> None:
                     pass
         await asyncio.sleep(0.001)
     await closing
+
+
+def _resident_pages(core: Any) -> tuple[frozenset[bytes], frozenset[bytes], frozenset[bytes]]:
+    """Page hashes of every device copy, every host copy, and the pages storage is known to hold."""
+    tree = core.residency.tree
+    identity = KVIdentity.from_config(core.config)
+    device: set[bytes] = set()
+    host: set[bytes] = set()
+    for node in tree.nodes():
+        if node.device is None and node.host is None:
+            continue
+        path = tree.path_tokens(node)
+        mine = page_hashes(path, core.page_size, node.extra_key, identity)[(len(path) - node.num_tokens) // core.page_size:]
+        if node.device is not None:
+            device.update(mine)
+        if node.host is not None:
+            host.update(mine)
+    known = core.storage.known if core.storage is not None else set()
+    return frozenset(device), frozenset(host), frozenset(known)
 
 
 async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Step] | None = None,

@@ -12,6 +12,8 @@ Each plant wraps or replaces one function of the core the way a regression would
 - `decode_swaps_slots`: `decode_step` hands each request another request's new slot.
 - `failed_load_keeps_loads_below`: a load that fails leaves the loads started under it (by
   later admissions of longer prompts) in place, as if its chain were alone.
+- `split_keeps_page_hashes`: a split leaves the KV event recorder's page hashes with the lower
+  part (its events then name pages by the wrong hashes).
 - `stale_batch_rows`: the request table keeps reusing a decode batch's rows after one of its
   requests ended (its row freed, perhaps reused by another request).
 
@@ -124,6 +126,14 @@ def _stale_batch_rows() -> Callable[[], None]:
     return lambda: setattr(RequestTable, "_free", free)
 
 
+def _split_keeps_page_hashes() -> Callable[[], None]:
+    from runtime.events.recorder import KVEventRecorder
+
+    on_split = KVEventRecorder.on_split
+    KVEventRecorder.on_split = lambda self, lower, upper: None  # the lower part keeps all its hashes
+    return lambda: setattr(KVEventRecorder, "on_split", on_split)
+
+
 PLANTS: dict[str, Plant] = {
     "remap_duplicates": Plant(_remap_duplicates, frozenset({"slots-changed", "slot-shared", "kv-content"})),
     "shorten_record": Plant(_shorten_record, frozenset({"token-record"})),
@@ -136,6 +146,7 @@ PLANTS: dict[str, Plant] = {
                                                              "runtime-failed"})),
     "host_leaf_ignores_children": Plant(_host_leaf_ignores_children, frozenset({"invariant", "runtime-failed"}),
                                         "evictable host leaves"),
+    "split_keeps_page_hashes": Plant(_split_keeps_page_hashes, frozenset({"kv-events"})),
 }
 
 

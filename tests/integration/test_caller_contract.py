@@ -102,7 +102,7 @@ async def test_ids_and_namespaces_that_are_not_plain_keys_are_refused_to_their_c
             await call(rt, toks(10, 2))
         assert isinstance(info.value, errors.ArgumentError)
         after = await rt.stats()
-        assert after["live_requests"] == before["live_requests"] and after["tree_nodes"] == before["tree_nodes"]
+        assert after["requests"]["live"] == before["requests"]["live"] and after["tree"]["nodes"] == before["tree"]["nodes"]
         await rt.close_session("s")
         await still_serves(rt)
 
@@ -156,7 +156,7 @@ async def test_step_refuses_what_is_not_a_public_request_item_by_item():
             assert isinstance(out[i], ValidationError), (i, out[i])
         assert isinstance(out[1], errors.ArgumentError) and isinstance(out[6], errors.TokenError)
         assert isinstance(out[8], LengthError) and isinstance(out[9], LengthError)
-        assert (await rt.stats())["live_requests"] == 2  # "live" was not released by the smuggled item
+        assert (await rt.stats())["requests"]["live"] == 2  # "live" was not released by the smuggled item
         [only] = await rt.step(["x"])  # nothing valid: nothing is sent, the refusal comes back
         assert isinstance(only, errors.ArgumentError)
         with pytest.raises(errors.ArgumentError):
@@ -512,7 +512,7 @@ async def test_a_cancelled_step_releases_its_admissions():
             await call
         await rt.available()  # the releases went in after the step; both are handled now
         await rt.available()
-        assert (await rt.stats())["live_requests"] == 0
+        assert (await rt.stats())["requests"]["live"] == 0
         out = await rt.step([Admit("a", t1), Admit("b", t2)])
         assert [r.rid for r in out] == ["a", "b"]
         await rt.step([Abort("a"), Abort("b")])

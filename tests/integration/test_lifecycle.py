@@ -61,7 +61,7 @@ async def test_prefix_hit_serves_the_same_kv():
         second = await serve(rt, "b", np.concatenate((prompt, toks(9, 2))))
         assert second["cached_device"] == 40  # the shared prompt: 10 whole pages
         st = await rt.stats()
-        assert st["tokens_device_hit"] == 40 and st["requests_finished"] == 2
+        assert st["device"]["hit_tokens"] == 40 and st["requests"]["finished"] == 2
         await quiescent_check(rt)
 
 
@@ -90,7 +90,7 @@ async def test_host_load_back_after_device_eviction():
         assert again["loaded_host"] > 0
         await settle(rt)
         st = await rt.stats()
-        assert st["tokens_host_hit"] == again["loaded_host"] and st["loads_issued"] >= 1
+        assert st["host"]["hit_tokens"] == again["loaded_host"] and st["copies"]["loads_issued"] >= 1
         await quiescent_check(rt)
 
 

@@ -228,9 +228,9 @@ async def test_seed000_no_request_reads_another_requests_kv(tmp_path):
     # the scenario really exercised the races: slot reuse, finishes with copies in flight, aborts
     assert counts["admitted"] >= 60 and counts["reused"] > 200
     assert counts["finished_in_flight"] >= 10 and counts["aborted"] >= 2
-    assert counts["host_checked"] >= 100 and st["offloads_issued"] >= 120 and st["host_evicted_tokens"] > 0
-    assert st["offload_releases"] == counts["admitted"]  # each request released exactly once
-    assert st["offload_host_tokens_kept"] > 0 and st["inflight_offloads"] == 0
+    assert counts["host_checked"] >= 100 and st["offload"]["issued"] >= 120 and st["host"]["evicted_tokens"] > 0
+    assert st["offload"]["releases"] == counts["admitted"]  # each request released exactly once
+    assert st["offload"]["host_kept_tokens"] > 0 and st["offload"]["inflight"] == 0
 
 
 def _free_prefill_at_first_offload(monkeypatch) -> None:
@@ -336,14 +336,14 @@ async def test_finish_before_last_ack_releases_at_the_ack():
         await until(lambda: len(engine.pending()) == 1)
         await rt.finish("a", t)
         assert await rt.inspect(lambda core: device_owned_by(core, "a", 1)) == 4  # still held: copy in flight
-        assert (await rt.stats())["offload_retired_requests"] == 1
+        assert (await rt.stats())["offload"]["retired_requests"] == 1
         with pytest.raises(UnknownRequestError):
             await rt.finish("a", t)  # double finish: typed error, nothing changes
         engine.release(engine.pending()[0])
         await until(lambda: not engine.pending())
         await drain(rt, engine)
         st = await rt.stats()
-        assert st["offload_releases"] == 1 and st["offload_releases_sent"] == 1
+        assert st["offload"]["releases"] == 1 and st["offload"]["releases_sent"] == 1
         assert await rt.inspect(lambda core: device_owned_by(core, "a", 1)) == 0
         assert (await rt.match_prefix(t))["host"] == 16
         await quiescent_check(rt)
@@ -357,7 +357,7 @@ async def test_ack_before_finish_releases_at_finish():
         await rt.finish("a", t)
         await drain(rt, engine)
         st = await rt.stats()
-        assert st["offload_releases"] == 1 and st["offloads_issued"] == 1  # nothing left to flush
+        assert st["offload"]["releases"] == 1 and st["offload"]["issued"] == 1  # nothing left to flush
         await quiescent_check(rt)
 
 
@@ -369,7 +369,7 @@ async def test_abort_mid_offload_waits_then_frees_everything():
         assert await rt.inspect(lambda core: device_owned_by(core, "a", 1)) == 4
         await drain(rt, engine)
         st = await rt.stats()
-        assert st["offload_releases"] == 1 and st["offload_host_tokens_kept"] == 0
+        assert st["offload"]["releases"] == 1 and st["offload"]["host_kept_tokens"] == 0
         assert (await rt.match_prefix(t))["host"] == 0  # an aborted request leaves nothing cached
         await quiescent_check(rt)
 
@@ -382,7 +382,7 @@ async def test_failed_offload_frees_its_host_slots_and_still_releases():
         await rt.finish("a", t)
         await drain(rt, engine)
         st = await rt.stats()
-        assert st["offload_releases"] == 1 and st["offloads_failed"] >= 1
+        assert st["offload"]["releases"] == 1 and st["offload"]["failed"] >= 1
         await quiescent_check(rt)
 
 
@@ -394,7 +394,7 @@ async def test_host_pool_full_is_a_no_op_without_state():
         tb, _ = await start_request(rt, "b", 9, 6)  # nothing left on host
         await sync(rt)
         st = await rt.stats()
-        assert st["offloads_skipped"] == 1 and st["offload_tracked_requests"] == 1
+        assert st["offload"]["skipped"] == 1 and st["offload"]["tracked_requests"] == 1
         before = await rt.inspect(lambda core: core.residency.device.num_free_pages())
         await rt.finish("b", tb)  # no offload of b: released at once (no copy to wait for)
         await sync(rt)
@@ -404,7 +404,7 @@ async def test_host_pool_full_is_a_no_op_without_state():
         await drain(rt, engine)
         await rt.finish("a", ta)
         await drain(rt, engine)
-        assert (await rt.stats())["offload_releases"] == 2
+        assert (await rt.stats())["offload"]["releases"] == 2
         await quiescent_check(rt)
 
 
@@ -484,7 +484,7 @@ async def test_rid_reused_while_previous_holders_copy_is_in_flight():
         await rt.finish("y", t3)
         await drain(rt, engine)
         st = await rt.stats()
-        assert st["offload_releases"] == 3
+        assert st["offload"]["releases"] == 3
         assert (await rt.match_prefix(t1, "ns"))["host"] == 16  # x#1's pages were kept
         await quiescent_check(rt)
 
@@ -523,7 +523,7 @@ async def test_next_turn_hits_offloaded_pages_in_host_memory():
         await rt.finish("t2", turn2)
         await drain(rt, engine)
         st = await rt.stats()
-        assert st["tokens_host_hit"] == 28 and st["offload_releases"] == 2
+        assert st["host"]["hit_tokens"] == 28 and st["offload"]["releases"] == 2
         # turn 3: turn 1's pages are on device now (loaded back), turn 2's new ones on host
         turn3 = np.concatenate((turn2, toks(5, 13)))
         look = await rt.match_prefix(turn3, "chat")
@@ -578,6 +578,6 @@ async def test_offload_off_changes_nothing():
         t, _ = await start_request(rt, "a", 16, 15)
         await rt.finish("a", t)
         st = await rt.stats()
-        assert st["offloads_issued"] == 0 and st["offload_tracked_requests"] == 0
+        assert st["offload"]["issued"] == 0 and st["offload"]["tracked_requests"] == 0
         assert (await rt.match_prefix(t))["device"] == 16
 

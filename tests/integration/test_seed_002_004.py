@@ -108,7 +108,7 @@ async def test_seed004_write_back_evict_drop_reload_evict():
         served = await _write_back_cycle(rt)
         st = await rt.stats()
     assert served["host"] > 0  # reloaded from host
-    assert st["host_evicted_tokens"] > 0 and st["device_evicted_tokens"] > 0
+    assert st["host"]["evicted_tokens"] > 0 and st["device"]["evicted_tokens"] > 0
 
 
 async def test_seed004_broken_host_leaf_rule_is_caught(monkeypatch):

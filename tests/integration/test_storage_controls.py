@@ -51,7 +51,7 @@ async def test_clear_removes_our_pages_and_no_later_admit_hits_them(tmp_path):
         assert await ra.inspect(lambda core: len(core.storage.known)) == 0
         await ra.flush()
         assert await readmit_ok(ra, "a2", a) == 0  # nothing on device, host or in storage
-        assert (await ra.stats())["tokens_storage_hit"] == 0
+        assert (await ra.stats())["storage"]["hit_tokens"] == 0
         assert await ra.clear_storage() == 0  # nothing known stored any more
         await rb.flush()
         assert await readmit_ok(rb, "b2", a) == N  # the other model's pages were kept
@@ -174,7 +174,7 @@ async def test_attach_and_detach_at_run_time(tmp_path):
         await rt.attach_storage(fb)
         await rt.flush()
         assert await readmit_ok(rt, "b3", b) == N  # written before the detach, read after the attach
-        assert (await rt.stats())["tokens_storage_hit"] == st["tokens_storage_hit"] + N
+        assert (await rt.stats())["storage"]["hit_tokens"] == st["storage"]["hit_tokens"] + N
         await no_leak(rt)
         await rt.detach_storage()
     assert not fb.stats().get("closed", False)
@@ -289,8 +289,8 @@ async def test_controls_under_load(tmp_path, seed):
         await asyncio.gather(controller(), *(worker(w) for w in range(8)))
         await settle_all(rt)
         st = await rt.stats()
-        assert hits["served"] > 50 and st["storage_pages_written"] > 0
-        assert st["storage_errors"] == 0 and st["storage_backend_errors"] == 0
+        assert hits["served"] > 50 and st["storage"]["written_pages"] > 0
+        assert st["storage"]["errors"] == 0 and st["storage"]["backend_errors"] == 0
         # a last clear leaves no page of ours in storage: a fresh runtime on the directory finds none
         await rt.clear_storage()
         assert all(stored_pages(fb, config, p) == 0 for p in prompts)

@@ -89,11 +89,11 @@ async def test_round_trip_through_storage(tmp_path, layout):
         assert await rt.match_prefix(a) == {"device": 0, "host": 0}
         assert await readmit_ok(rt, "a2", a) == N  # wait_complete: the admit waits for storage
         st = await rt.stats()
-        assert st["tokens_storage_hit"] == N
-        assert st["storage_pages_written"] == N // config.page_size
-        assert st["storage_bytes_written"] == N * config.bytes_per_token
-        assert st["storage_bytes_read"] == N * config.bytes_per_token
-        assert st["storage_write_failures"] == 0 and st["storage_errors"] == 0
+        assert st["storage"]["hit_tokens"] == N
+        assert st["storage"]["written_pages"] == N // config.page_size
+        assert st["storage"]["written_bytes"] == N * config.bytes_per_token
+        assert st["storage"]["read_bytes"] == N * config.bytes_per_token
+        assert st["storage"]["write_failed_pages"] == 0 and st["storage"]["errors"] == 0
         await quiescent(rt)
     fb.close()
 
@@ -121,7 +121,7 @@ async def test_read_path_calls(tmp_path):
         assert s["pages_read"] - before["pages_read"] == N // config.page_size
         st = await rt.stats()
         # lookups: cold, serve's cold admit of a, the hit; reads: only the hit
-        assert (st["storage_lookups_issued"], st["storage_reads_issued"]) == (3, 1)
+        assert (st["storage"]["lookups_issued"], st["storage"]["reads_issued"]) == (3, 1)
         await quiescent(rt)
     fb.close()
 
@@ -140,9 +140,9 @@ async def test_lookup_miss_evicts_no_host_copy(tmp_path):
         res = await rt.admit("cold", toks(61, 24))  # 15 pages beyond the hit, none in storage
         await rt.abort("cold")
         st = await rt.stats()
-        assert st["host_evicted_tokens"] == 0
+        assert st["host"]["evicted_tokens"] == 0
         assert await rt.match_prefix(a[:N]) == {"device": 0, "host": N}
-        assert res.cached == 0 and st["storage_reads_issued"] == 0
+        assert res.cached == 0 and st["storage"]["reads_issued"] == 0
         await quiescent(rt)
     fb.close()
 
@@ -190,12 +190,12 @@ async def test_namespace_and_identity_isolation(tmp_path):
         await serve(rt, "a", a)
         await rt.flush()
         assert await readmit_ok(rt, "x", a, extra_key="other") == 0
-        assert (await rt.stats())["tokens_storage_hit"] == 0
+        assert (await rt.stats())["storage"]["hit_tokens"] == 0
         await quiescent(rt)
     for other in (cfg(kv_dtype="float16"), cfg(weight_version="1")):
         async with CacheRuntime.open(other, storage=backend(tmp_path, other)) as rt:
             assert await readmit_ok(rt, "y", a) == 0
-            assert (await rt.stats())["tokens_storage_hit"] == 0
+            assert (await rt.stats())["storage"]["hit_tokens"] == 0
             await quiescent(rt)
 
 
@@ -347,7 +347,7 @@ async def test_failing_backend_is_a_miss_and_leaks_nothing(tmp_path, mode):
     async with CacheRuntime.open(config, storage=fb) as rt:
         await serve(rt, "a", a)
         st = await rt.stats()
-        assert st["storage_pages_written"] == 0 and st["storage_write_failures"] == N // config.page_size
+        assert st["storage"]["written_pages"] == 0 and st["storage"]["write_failed_pages"] == N // config.page_size
         await rt.flush()
         assert await readmit_ok(rt, "b", a) == 0
         assert not rt.failed
@@ -383,7 +383,7 @@ def test_two_processes_share_a_directory(tmp_path):
             async with CacheRuntime.open(config) as rt:
                 await serve(rt, "a", toks({N + 1}, 12))
                 st = await rt.stats()
-                assert st["storage_pages_written"] == {N // config.page_size}, st
+                assert st["storage"]["written_pages"] == {N // config.page_size}, st
         asyncio.run(main())
     """)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -392,7 +392,7 @@ def test_two_processes_share_a_directory(tmp_path):
     async def main():
         async with CacheRuntime.open(config) as rt:
             assert await readmit_ok(rt, "b", a) == N
-            assert (await rt.stats())["tokens_storage_hit"] == N
+            assert (await rt.stats())["storage"]["hit_tokens"] == N
             await quiescent(rt)
 
     asyncio.run(main())
@@ -516,7 +516,7 @@ def _cap_child(directory: str, cap: int, seed: int, go: str, out: str) -> None:
             await quiescent(rt)
         s = fb.stats()
         with open(out, "w") as f:
-            json.dump({"max_seen": fb.max_seen, "samples": fb.samples, "written": st["storage_pages_written"],
+            json.dump({"max_seen": fb.max_seen, "samples": fb.samples, "written": st["storage"]["written_pages"],
                        "evicted": s["evicted_pages"], "used": s["used_bytes"]}, f)
         fb.close()
 
@@ -644,7 +644,7 @@ def test_writer_killed_mid_write_leaves_no_readable_partial_page(tmp_path):
                 assert cached % config.page_size == 0
                 hits += cached
                 await rt.flush()
-            assert (await rt.stats())["tokens_storage_hit"] == hits
+            assert (await rt.stats())["storage"]["hit_tokens"] == hits
             await quiescent(rt)
         assert hits > 0  # pages written before the kills are read back
         s = fb.stats()
@@ -672,11 +672,11 @@ async def test_decode_offload_writes_through_to_storage(tmp_path):
         await rt.finish("a", a[:N])
         await settle_all(rt)
         st = await rt.stats()
-        assert st["offloads_issued"] > 0 and st["storage_writes_issued"] > 0
+        assert st["offload"]["issued"] > 0 and st["storage"]["writes_issued"] > 0
         assert stored_pages(fb, config, a) == N // config.page_size
         assert await rt.flush() > 0
         assert await readmit_ok(rt, "a2", a) == N
-        assert (await rt.stats())["tokens_storage_hit"] == N
+        assert (await rt.stats())["storage"]["hit_tokens"] == N
         await quiescent(rt)
     fb.close()
 
@@ -692,7 +692,7 @@ async def test_closed_session_inserted_with_write_through_is_backed_up(tmp_path)
         await rt.finish("t1", a)
         await rt.close_session("s", insert=True)
         await settle_all(rt)
-        assert (await rt.stats())["backups_issued"] > 0
+        assert (await rt.stats())["copies"]["backups_issued"] > 0
         assert stored_pages(fb, config, a) == N // config.page_size
         assert await rt.match_prefix(a[:N]) == {"device": N, "host": 0}
         await quiescent(rt)

@@ -79,7 +79,7 @@ async def test_a_read_count_out_of_contract_loads_nothing_from_storage(tmp_path,
         compute(rt, res.slots, a)
         await rt.finish("w", a[:N])
         await settle(rt)
-        assert (await rt.stats())["storage_pages_written"] == N // config.page_size
+        assert (await rt.stats())["storage"]["written_pages"] == N // config.page_size
     writer.close()
 
     liar = LyingReads(FileBackend(tmp_path, page_bytes), lie)
@@ -90,9 +90,9 @@ async def test_a_read_count_out_of_contract_loads_nothing_from_storage(tmp_path,
                 await r.wait_all()
             await settle(rt)
             st = await rt.stats()
-            assert st["tokens_storage_hit"] == 0 and st["storage_pages_read"] == 0
+            assert st["storage"]["hit_tokens"] == 0 and st["storage"]["read_pages"] == 0
             assert res.cached == 0 and await rt.match_prefix(a) == {"device": 0, "host": 0}
-            assert st["storage_backend_errors"] == 1 and st["storage_read_failures"] == 1
+            assert st["storage"]["backend_errors"] == 1 and st["storage"]["read_failures"] == 1
             await rt.abort("r")
             await settle(rt)
             await rt.inspect(lambda core: check_invariants(core, quiescent=True))
@@ -141,7 +141,7 @@ async def test_an_admit_waiting_on_a_hung_lookup_goes_on_at_the_deadline(tmp_pat
                 res = await asyncio.wait_for(rt.admit("w", a), 3.0)
                 assert res.cached == 0 and res.loaded_storage == 0
                 st = await rt.stats()
-                assert st["inflight_storage_ops"] == 1  # still in flight: its pages stay pinned
+                assert st["storage"]["calls_running"] == 1  # still in flight: its pages stay pinned
                 await rt.abort("w")
 
         await asyncio.wait_for(session(), 8.0)

@@ -98,7 +98,7 @@ async def test_failed_load_fails_readiness_and_finish_and_rolls_back():
         with pytest.raises(TransferError):
             await rt.finish("b", p0)
         st = await rt.stats()
-        assert st["live_requests"] == 0 and st["copy_failures"] == 1 and st["requests_aborted"] == 1
+        assert st["requests"]["live"] == 0 and st["copies"]["failures"] == 1 and st["requests"]["aborted"] == 1
         await quiescent_check(rt)
 
         # the host copy is intact: the next request loads it and reads the right KV
@@ -139,7 +139,7 @@ async def test_finish_right_after_readiness_fails_raises_transfer_error():
             await res.readiness[-1].wait(0)
         with pytest.raises(TransferError):
             await rt.finish("b", p0)
-        assert (await rt.stats())["live_requests"] == 1
+        assert (await rt.stats())["requests"]["live"] == 1
 
         await release_all(rt, engine)
         for r in first.readiness:
@@ -165,7 +165,7 @@ async def test_failed_backup_frees_host_slots_and_leaves_node_unbacked():
         assert await rt.inspect(lambda core: [n.host for n in core.residency.tree.nodes() if n.host is not None]) == []
         assert await rt.inspect(lambda core: dict(core.copies.backup_pending)) == {}
         assert await rt.match_prefix(p) == {"device": 24, "host": 0}
-        assert (await rt.stats())["copy_failures"] == 1
+        assert (await rt.stats())["copies"]["failures"] == 1
         await quiescent_check(rt)
 
         # the device copy is still good and still serves hits
@@ -211,7 +211,7 @@ async def test_cpu_engine_fault_mid_load_keeps_early_layers_and_rolls_back():
         with pytest.raises(TransferError):
             await rt.finish("b", p0)
         st = await rt.stats()
-        assert st["copy_failures"] == 1 and st["live_requests"] == 0 and st["ops_failed"] == 1
+        assert st["copies"]["failures"] == 1 and st["requests"]["live"] == 0 and st["transfer"]["ops_failed"] == 1
         assert (await rt.match_prefix(p0))["device"] == 0
         await quiescent_check(rt)
 

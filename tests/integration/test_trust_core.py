@@ -230,7 +230,7 @@ async def test_retry_after_a_cancelled_waiting_admit(tmp_path):
             await rt.abort("r")
             await release_all(rt, engine)
             stats = await rt.stats()
-            assert stats["live_requests"] == 0
+            assert stats["requests"]["live"] == 0
     finally:
         backend.release()
         backend.close()

@@ -300,10 +300,10 @@ class TestMooncakeBackend:
             async with CacheRuntime.open(config, storage=b) as rt:
                 assert b.stats()["registered_buffers"] == int(zero_copy)
                 await serve(rt, "a", a)
-                assert (await rt.stats())["storage_pages_written"] == pages
+                assert (await rt.stats())["storage"]["written_pages"] == pages
                 await rt.flush()
                 assert await readmit_ok(rt, "b", a) == N  # fingerprints checked
-                assert (await rt.stats())["tokens_storage_hit"] == N
+                assert (await rt.stats())["storage"]["hit_tokens"] == N
                 await quiescent(rt)
             st = b.stats()
             assert st["registered_buffers"] == 0  # the runtime unregistered its pool
@@ -362,12 +362,12 @@ class TestMooncakeBackend:
                 assert b.config.global_segment_size == 16 << 20
                 assert b.stats()["registered_buffers"] == 1  # the host pool
                 await serve(rt, "a", a)
-                assert (await rt.stats())["storage_pages_written"] == pages
+                assert (await rt.stats())["storage"]["written_pages"] == pages
                 await rt.flush()
                 assert await rt.match_prefix(a) == {"device": 0, "host": 0}
                 assert await readmit_ok(rt, "b", a) == N  # fingerprints checked
                 st = await rt.stats()
-                assert st["tokens_storage_hit"] == N and st["storage_errors"] == 0
+                assert st["storage"]["hit_tokens"] == N and st["storage"]["errors"] == 0
                 bs = b.stats()
                 assert bs["zero_copy_pages_written"] == pages and bs["zero_copy_pages_read"] == pages
                 await quiescent(rt)

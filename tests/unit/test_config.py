@@ -1,0 +1,203 @@
+"""RuntimeConfig from a dict, the environment and JSON / TOML files: conversions, sizes, errors
+naming the field, round trips (the randomized round trips: tests/property/test_config_props.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from runtime.config import RuntimeConfig
+from runtime.config_sources import parse_size
+from runtime.errors import ConfigError, ValidationError
+
+GiB = 2**30
+
+
+def error(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    return str(info.value)
+
+
+# -- sizes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, nbytes", [
+    ("4096", 4096), ("0", 0), ("8GiB", 8 * GiB), ("8gib", 8 * GiB), ("512MiB", 512 * 2**20),
+    ("512 MiB", 512 * 2**20), (" 1KiB ", 1024), ("1.5GB", 1_500_000_000), ("1.1GB", 1_100_000_000),
+    ("1.5GiB", 3 * 2**29), ("4gb", 4 * 10**9), ("2TB", 2 * 10**12), ("1PiB", 2**50), ("10B", 10),
+    (".5KiB", 512), ("3.KB", 3000), (4096, 4096), (8e9, 8 * 10**9),
+])
+def test_parse_size_accepts_bytes_and_units(text, nbytes):
+    assert parse_size(text, "host_bytes") == nbytes
+
+
+@pytest.mark.parametrize("text, says", [
+    ("-1GB", "negative"), (-5, "negative"), ("8XB", "unknown unit 'XB'"), ("8G", "unknown unit 'G'"),
+    ("0.5B", "not a whole number of bytes"), ("1.0000000001KiB", "not a whole number"), (1.5, "whole"),
+    ("", "size such as"), ("GiB", "size such as"), ("1e9", "size such as"), (True, "byte count"),
+    (float("inf"), "whole"), (float("nan"), "whole"), ([1], "byte count"),
+])
+def test_parse_size_refuses_with_the_field_named(text, says):
+    msg = error(parse_size, text, "storage_cap_bytes")
+    assert msg.startswith("storage_cap_bytes") and says in msg
+
+
+# -- from_dict --------------------------------------------------------------------------
+
+def test_from_dict_converts_by_field_type():
+    cfg = RuntimeConfig.from_dict({
+        "page_size": "8", "device_slots": 512, "host_ratio": "3", "host_bytes": "1GiB",
+        "decode_offload": "Yes", "debug_invariants": "0", "offload_stride": "NONE", "vocab_size": "null",
+        "prefetch_timeout_base_s": "0.5", "storage_timeout_s": 7, "kv_dtype": "bfloat16",
+    })
+    assert (cfg.page_size, cfg.device_slots, cfg.host_ratio, cfg.host_bytes) == (8, 512, 3.0, GiB)
+    assert cfg.decode_offload is True and cfg.debug_invariants is False
+    assert cfg.offload_stride is None and cfg.vocab_size is None
+    assert cfg.prefetch_timeout_base_s == 0.5 and type(cfg.storage_timeout_s) is float
+    assert cfg.kv_dtype == "bfloat16"
+    assert RuntimeConfig.from_dict({}) == RuntimeConfig()
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"page_sise": 4}, "unknown config field 'page_sise' (did you mean 'page_size'?)"),
+    ({"zzz": 1}, "unknown config field 'zzz'"),
+    ({1: 1}, "unknown config field 1"),
+    ({"page_size": "sixteen"}, "page_size must be an integer, got 'sixteen'"),
+    ({"page_size": 16.0}, "page_size must be an integer, got 16.0"),
+    ({"page_size": True}, "page_size must be an integer, got True"),
+    ({"page_size": None}, "page_size may not be null"),
+    ({"page_size": "none"}, "page_size must be an integer, got 'none'"),
+    ({"host_ratio": "lots"}, "host_ratio must be a number, got 'lots'"),
+    ({"host_ratio": False}, "host_ratio must be a number, got False"),
+    ({"decode_offload": "maybe"}, "decode_offload must be a bool"),
+    ({"decode_offload": 1}, "decode_offload must be a bool"),
+    ({"model_id": 7}, "model_id must be a string, got 7"),
+    ({"host_bytes": "8 parsecs"}, "host_bytes has an unknown unit 'parsecs'"),
+    ({"host_bytes": "-8GiB"}, "host_bytes must not be negative"),
+    ({"storage_cap_bytes": "0.1B"}, "storage_cap_bytes is not a whole number of bytes"),
+    ({"storage": {"dir": "/x"}}, "'storage' is a nested table"),
+    ({"page_size": 3}, "page_size must be a power of two"),  # __post_init__ still validates
+    ({"storage_cap_bytes": "0"}, "storage_cap_bytes must be a positive int"),
+])
+def test_from_dict_errors_name_the_field(data, says):
+    assert says in error(RuntimeConfig.from_dict, data)
+
+
+def test_from_dict_refuses_a_non_mapping():
+    assert "mapping" in error(RuntimeConfig.from_dict, [("page_size", 4)])
+
+
+def test_config_error_is_a_validation_error():
+    assert issubclass(ConfigError, ValidationError)
+
+
+def test_sizes_are_parsed_by_the_sources_only():
+    """The dataclass keeps typed ints: a size string given to the constructor is refused."""
+    assert "host_bytes" in error(RuntimeConfig, host_bytes="8GiB")
+    assert RuntimeConfig.from_dict({"host_bytes": "8GiB"}).host_bytes == 8 * GiB
+
+
+def test_to_dict_round_trip_of_a_non_default_config():
+    cfg = RuntimeConfig(page_size=32, device_slots=1024, host_bytes=3 * GiB, host_layout="page_first",
+                        write_policy="write_back", eviction_policy="lfu", decode_offload=True,
+                        offload_stride=64, storage_backend="file", storage_dir="/tmp/x",
+                        storage_cap_bytes=10**9, prefetch_policy="best_effort", vocab_size=32000)
+    d = cfg.to_dict()
+    assert d["host_bytes"] == 3 * GiB and d["storage_dir"] == "/tmp/x" and d["trace_path"] is None
+    assert RuntimeConfig.from_dict(d) == cfg
+    assert RuntimeConfig.from_dict(json.loads(json.dumps(d))) == cfg
+
+
+# -- from_env ---------------------------------------------------------------------------
+
+def test_from_env_reads_prefixed_variables_only():
+    env = {"HICACHE_PAGE_SIZE": "32", "HICACHE_DEVICE_SLOTS": "2048", "HICACHE_HOST_BYTES": "64MiB",
+           "HICACHE_DEBUG_INVARIANTS": "true", "HICACHE_TRACE_PATH": "none", "PATH": "/bin", "SGLANG_X": "1"}
+    cfg = RuntimeConfig.from_env(env)
+    assert (cfg.page_size, cfg.device_slots, cfg.host_bytes, cfg.debug_invariants) == (32, 2048, 64 * 2**20, True)
+    assert cfg.trace_path is None
+    assert RuntimeConfig.from_env({"MY_PAGE_SIZE": "4"}, prefix="MY_").page_size == 4
+    assert RuntimeConfig.from_env({}) == RuntimeConfig()
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("HICACHE_MAX_INFLIGHT_LOADS", "7")
+    assert RuntimeConfig.from_env().max_inflight_loads == 7
+
+
+def test_from_env_overrides_a_base_config_or_dict():
+    base = RuntimeConfig(page_size=8, device_slots=256, model_id="m")
+    cfg = RuntimeConfig.from_env({"HICACHE_PAGE_SIZE": "16"}, base=base)
+    assert (cfg.page_size, cfg.device_slots, cfg.model_id) == (16, 256, "m")
+    cfg = RuntimeConfig.from_env({"HICACHE_MODEL_ID": "llama"}, base={"model_id": "m", "host_bytes": "1GiB"})
+    assert (cfg.model_id, cfg.host_bytes) == ("llama", GiB)
+    assert "page_sise" in error(RuntimeConfig.from_env, {}, base={"page_sise": 4})
+    assert "base must be" in error(RuntimeConfig.from_env, {}, base=[1])
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"HICACHE_PAGE_SIZ": "16"}, "environment variable HICACHE_PAGE_SIZ names no config field "
+                                 "(did you mean 'HICACHE_PAGE_SIZE'?)"),
+    ({"HICACHE_": "1"}, "environment variable HICACHE_ names no config field"),
+    ({"HICACHE_PAGE_SIZE": "x"}, "page_size (from HICACHE_PAGE_SIZE='x') must be an integer"),
+    ({"HICACHE_HOST_BYTES": "8GB!"}, "host_bytes (from HICACHE_HOST_BYTES='8GB!')"),
+    ({"HICACHE_DECODE_OFFLOAD": "2"}, "decode_offload (from HICACHE_DECODE_OFFLOAD='2') must be a bool"),
+    ({"HICACHE_PAGE_SIZE": "none"}, "page_size (from HICACHE_PAGE_SIZE='none') must be an integer"),
+    ({"HICACHE_PAGE_SIZE": "12"}, "page_size must be a power of two"),
+])
+def test_from_env_errors_name_the_variable(env, says):
+    assert says in error(RuntimeConfig.from_env, env)
+
+
+def test_from_env_refuses_an_empty_prefix():
+    assert "prefix" in error(RuntimeConfig.from_env, {}, prefix="")
+
+
+# -- from_file --------------------------------------------------------------------------
+
+def test_from_file_json_and_toml(tmp_path):
+    toml = tmp_path / "hicache.toml"
+    toml.write_text('page_size = 32\ndevice_slots = 4096\nhost_bytes = "2GiB"\nstorage_backend = "file"\n'
+                    'storage_dir = "/data/kv"\nstorage_cap_bytes = "500GB"\nprefetch_policy = "wait_complete"\n'
+                    'debug_invariants = true\nprefetch_timeout_max_s = 10.0\n')
+    cfg = RuntimeConfig.from_file(toml)
+    assert (cfg.page_size, cfg.host_bytes, cfg.storage_cap_bytes) == (32, 2 * GiB, 500 * 10**9)
+    assert (cfg.storage_backend, cfg.storage_dir, cfg.debug_invariants) == ("file", "/data/kv", True)
+    js = tmp_path / "hicache.JSON"  # suffix in any case
+    js.write_text(json.dumps(cfg.to_dict()))
+    assert RuntimeConfig.from_file(str(js)) == cfg
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("c.yaml", "page_size: 4", "must end in .json or .toml, not '.yaml'"),
+    ("config", "{}", "must end in .json or .toml, not 'no suffix'"),
+    ("c.toml", "page_size = ", "is not valid TOML"),
+    ("c.json", "{page_size: 4}", "is not valid JSON"),
+    ("c.json", "[1, 2]", "must be a mapping"),
+    ("c.json", '{"page_size": 4, "page_size": 8}', "'page_size' is given twice"),
+    ("c.toml", "[storage]\ndir = '/x'\n", "'storage' (in c.toml) is a nested table"),
+    ("c.toml", "page_sise = 4\n", "unknown config field 'page_sise' (in c.toml) (did you mean 'page_size'?)"),
+    ("c.toml", "host_bytes = '8 GB?'\n", "host_bytes (in c.toml)"),
+    ("c.toml", "page_size = 12\n", "page_size must be a power of two in 1..256, got 12 (in c.toml)"),
+])
+def test_from_file_errors(tmp_path, name, text, says):
+    path = tmp_path / name
+    path.write_text(text)
+    assert says in error(RuntimeConfig.from_file, path)
+
+
+def test_from_file_missing_or_unreadable(tmp_path):
+    assert re.search(r"cannot read config file .*nope\.toml", error(RuntimeConfig.from_file, tmp_path / "nope.toml"))
+    bad = tmp_path / "latin.json"
+    bad.write_bytes(b'{"model_id": "\xe9"}')
+    assert "not valid JSON" in error(RuntimeConfig.from_file, bad)
+
+
+def test_file_then_env_layering(tmp_path):
+    """The deployment pattern: a file for the fleet, the environment for one instance."""
+    path = tmp_path / "fleet.toml"
+    path.write_text('page_size = 16\nhost_bytes = "8GiB"\nmodel_id = "llama-3-8b"\n')
+    cfg = RuntimeConfig.from_env({"HICACHE_HOST_BYTES": "4GiB"}, base=RuntimeConfig.from_file(path))
+    assert (cfg.page_size, cfg.host_bytes, cfg.model_id) == (16, 4 * GiB, "llama-3-8b")
