@@ -15,10 +15,13 @@ instance's KV events over ZMQ on 127.0.0.1.
 
 Reported per policy: prompt tokens served per tier (device, host, storage) and recomputed,
 recomputed / ideal, TTFT median and p99, requests per instance. The ideal is one instance with
-an infinite cache, replaying the requests in the order the cache-aware run sent them: a request
-finds every whole page of its prompt (at most len - 1 tokens) that an earlier request's prompt or
-reply held. Target (issue 16): cache-aware routing recomputes <= 1.1x the ideal, round robin far
-above it. The last stdout line is one JSON object.
+an infinite cache, fed the requests of the cache-aware run as they were sent: a request finds
+every whole page of its prompt (at most len - 1 tokens) that a request finished before it was
+sent held in its prompt or reply (`ideal`). With a trace's conversations running at once, two
+requests on one system prompt sent together both compute it, on one instance as on many; the
+stricter `ideal_sequential` lets a request find the pages of every request sent before it (as if
+none ran at once). Target (issue 16): cache-aware routing recomputes <= 1.1x the ideal, round
+robin far above it. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -69,18 +72,20 @@ def build_trace(p: dict[str, int]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
 
 async def run_policy(router_mod: Any, policy: str, trace: list[Any], p: dict[str, int]) -> dict[str, Any]:
     fleet = router_mod.FleetConfig(device_tokens=p["device_tokens"], host_tokens=p["device_tokens"])
-    order: list[tuple[int, int]] = []
+    order: list[tuple[int, int, float, float]] = []  # session, turn, sent, done (seconds)
     results: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="hicache-fleet-") as storage_dir:
-        async with router_mod.Router(p["instances"], fleet, storage_dir, policy=policy, seed=p["seed"]) as router:
+        async with router_mod.Router(p["instances"], fleet, storage_dir, policy=policy, seed=p["seed"],
+                                     load_bound=p["load_bound"]) as router:
             pending = list(range(len(trace)))
 
             async def worker() -> None:
                 while pending:
                     s = pending.pop(0)
                     for t, (prompt, reply) in enumerate(trace[s]):
-                        order.append((s, t))
+                        sent = time.perf_counter()
                         results.append(await router.submit(f"s{s}t{t}", prompt, reply))
+                        order.append((s, t, sent, time.perf_counter()))
 
             t0 = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(p["conc"])))
@@ -97,23 +102,30 @@ async def run_policy(router_mod: Any, policy: str, trace: list[Any], p: dict[str
             "wall_s": round(wall, 2), "order": order}
 
 
-def ideal_recomputed(trace: list[Any], order: list[tuple[int, int]], page_size: int) -> int:
-    """One instance, infinite cache, requests in `order` (see the module docstring)."""
-    seen: set[bytes] = set()
+def ideal_recomputed(trace: list[Any], order: list[tuple[int, int, float, float]], page_size: int,
+                     sequential: bool = False) -> int:
+    """One instance, infinite cache, the requests of `order` (see the module docstring)."""
+    seen: set[bytes] = set()  # a page is known with all the pages before it: keys are prefix bytes
     recomputed = 0
-    for s, t in order:
-        prompt, reply = trace[s][t]
-        limit = (len(prompt) - 1) // page_size
-        pages = prompt[: limit * page_size].reshape(-1, page_size)
-        # a page is known with all the pages before it: a prefix key is the bytes up to its end
-        cached = 0
+    pb = page_size * 4
+    by_done = sorted(order, key=lambda r: r[3])
+    done = 0
+    for s, t, sent, _ in sorted(order, key=lambda r: r[2]):
+        while not sequential and done < len(by_done) and by_done[done][3] < sent:
+            ds, dt = by_done[done][0], by_done[done][1]
+            full = np.concatenate(trace[ds][dt]).tobytes()
+            seen.update(full[: k * pb] for k in range(1, len(full) // pb + 1))
+            done += 1
+        prompt = trace[s][t][0]
         raw = prompt.tobytes()
-        while cached < len(pages) and raw[: (cached + 1) * page_size * 4] in seen:
+        limit = (len(prompt) - 1) // page_size
+        cached = 0
+        while cached < limit and raw[: (cached + 1) * pb] in seen:
             cached += 1
         recomputed += len(prompt) - cached * page_size
-        full = np.concatenate((prompt, reply)).tobytes()
-        for k in range(1, len(full) // (page_size * 4) + 1):
-            seen.add(full[: k * page_size * 4])
+        if sequential:
+            full = np.concatenate(trace[s][t]).tobytes()
+            seen.update(full[: k * pb] for k in range(1, len(full) // pb + 1))
     return recomputed
 
 
@@ -127,12 +139,13 @@ def main() -> None:
     ap.add_argument("--turn-len", type=int, default=200)
     ap.add_argument("--conc", type=int, default=16)
     ap.add_argument("--device-tokens", type=int, default=16384)
+    ap.add_argument("--load-bound", type=int, default=2, help="cache-aware routing: requests above the least loaded")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="events,round_robin,random")
     ap.add_argument("--quick", action="store_true", help="a small trace (smoke run)")
     a = ap.parse_args()
     p = {k: getattr(a, k) for k in ("instances", "tenants", "sessions", "turns", "sys_len", "turn_len", "conc",
-                                    "device_tokens", "seed")}
+                                    "device_tokens", "seed", "load_bound")}
     if a.quick:
         p.update(sessions=16, turns=3, sys_len=256, device_tokens=4096)
     router_mod = load_router()
@@ -149,16 +162,20 @@ def main() -> None:
         print(f"# {policy}: {row['wall_s']} s", flush=True)
     page = router_mod.FleetConfig().page_size
     ideal = ideal_recomputed(trace, rows[0]["order"], page)
+    ideal_seq = ideal_recomputed(trace, rows[0]["order"], page, sequential=True)
     print(f"{'policy':12s} {'device':>9} {'host':>8} {'storage':>8} {'recomputed':>10} {'vs ideal':>8} "
           f"{'TTFT p50':>9} {'p99':>8}  per instance")
     for r in rows:
         r["recomputed_vs_ideal"] = round(r["recomputed_tokens"] / ideal, 3)
+        r["recomputed_vs_ideal_sequential"] = round(r["recomputed_tokens"] / ideal_seq, 3)
         n = r["prompt_tokens"]
         print(f"{r['policy']:12s} {r['device_tokens'] / n:9.1%} {r['host_tokens'] / n:8.1%} "
               f"{r['storage_tokens'] / n:8.1%} {r['recomputed_tokens']:10d} {r['recomputed_vs_ideal']:7.2f}x "
               f"{r['ttft_median_ms']:7.1f}ms {r['ttft_p99_ms']:6.1f}ms  {r['per_instance']}")
         del r["order"]
+    print(f"ideal (one instance, infinite cache): {ideal} tokens recomputed; sequential: {ideal_seq}")
     emit_json({"bench": "fleet", "trace": p, "ideal_recomputed_tokens": ideal,
+               "ideal_sequential_recomputed_tokens": ideal_seq,
                "baseline": "round robin and random routing over the same fleet, and the single-instance ideal",
                "results": rows})
 
