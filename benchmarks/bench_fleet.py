@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--turn-len", type=int, default=200)
     ap.add_argument("--conc", type=int, default=16)
     ap.add_argument("--device-tokens", type=int, default=16384)
-    ap.add_argument("--load-bound", type=int, default=2, help="cache-aware routing: requests above the least loaded")
+    ap.add_argument("--load-bound", type=int, default=4, help="cache-aware routing: requests above the least loaded")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default="events,round_robin,random")
     ap.add_argument("--quick", action="store_true", help="a small trace (smoke run)")

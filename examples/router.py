@@ -6,7 +6,8 @@ storage directory (a file backend: the fleet's L3). Each publishes its KV events
 127.0.0.1. The router subscribes to all of them and keeps a `PrefixIndex` (which instance holds
 which page hash on which medium); it sends each request to the instance with the longest cached
 prefix (device > host > storage: a page costs nothing on device, a copy from host, a read from
-storage), among the instances within `load_bound` requests of the least loaded one. Round robin
+storage), each request already queued there counting as `load_tokens` more to compute, among
+the instances within `load_bound` requests of the least loaded one. Round robin
 and random are the baselines (benchmarks/bench_fleet.py compares the three).
 
     .venv/bin/python examples/router.py            # 4 instances, a short multi-turn trace
@@ -79,6 +80,11 @@ class Result(msgspec.Struct):
 async def serve(index: int, fleet: FleetConfig, storage_dir: str) -> None:
     """Serve requests from the router until it says stop; print the endpoints first."""
     async with CacheRuntime.open(fleet.runtime_config(storage_dir)) as rt:
+        # warm up (compiled page hashing, first copies) before taking requests: not in any TTFT
+        warm = np.arange(4 * fleet.page_size, dtype=np.int32)
+        await rt.admit("warm-up", warm, extra_key="warm-up")
+        await rt.finish("warm-up", warm)
+        await rt.flush()
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.bind("tcp://127.0.0.1:*")
@@ -149,10 +155,12 @@ class Router:
     """Starts `n` instances, follows their events, routes requests by `policy`."""
 
     def __init__(self, n: int, fleet: FleetConfig, storage_dir: str, *, policy: str = "events",
-                 load_bound: int = 2, seed: int = 0) -> None:
+                 load_bound: int = 4, load_tokens: int = 256, seed: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.n, self.fleet, self.storage_dir, self.policy, self.load_bound = n, fleet, storage_dir, policy, load_bound
+        self.n, self.fleet, self.storage_dir, self.policy = n, fleet, storage_dir, policy
+        self.load_bound = load_bound  # never more than this many requests above the least loaded
+        self.load_tokens = load_tokens  # what a request already there costs a new one, in computed tokens
         self.identity = KVIdentity.from_config(fleet.runtime_config(storage_dir))
         self.index = PrefixIndex(shared_storage=True)
         self.instances: list[Instance] = []
@@ -198,16 +206,19 @@ class Router:
         if self.policy == "random":
             return self._rng.randrange(self.n)
         hashes = page_hashes(prompt, self.fleet.page_size, None, self.identity)
+        ps = self.fleet.page_size
         least = min(inst.inflight for inst in self.instances)
-        best, best_key = 0, None
+        best, best_cost = 0, None
         for inst in self.instances:
             if inst.inflight > least + self.load_bound:
                 continue
             hit = self.index.match(inst.index, hashes)
-            # device pages cost nothing, host pages a copy, storage pages a read (any instance can)
-            key = (hit.device + 0.9 * hit.host + 0.6 * hit.storage, -inst.inflight)
-            if best_key is None or key > best_key:
-                best, best_key = inst.index, key
+            # the tokens it would compute (a host page costs a tenth of one, a storage page four
+            # tenths: what the simulated forward charges), and the requests queued before it
+            missing = len(prompt) - (hit.device + 0.9 * hit.host + 0.6 * hit.storage) * ps
+            cost = (missing + inst.inflight * self.load_tokens, inst.inflight)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = inst.index, cost
         return best
 
     async def submit(self, rid: str, prompt: np.ndarray, reply: np.ndarray) -> Result:
