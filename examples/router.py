@@ -286,7 +286,7 @@ def main() -> None:
     s.add_argument("--fleet", required=True)
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--policy", choices=POLICIES, default=None, help="one policy (default: all three)")
-    ap.add_argument("--quick", action="store_true", help="8 conversations instead of 16")
+    ap.add_argument("--quick", action="store_true", help="2 instances, 6 conversations, events routing only (a smoke run)")
     ap.add_argument("--tiny", action="store_true", help="(the forward is simulated: accepted for the examples' test)")
     a = ap.parse_args()
     try:
@@ -297,8 +297,8 @@ def main() -> None:
     if a.cmd == "serve":
         run(serve(a.index, FleetConfig(**json.loads(a.fleet)), a.storage_dir))
         return
-    for policy in [a.policy] if a.policy else POLICIES:
-        run(demo(a.instances, policy, 8 if a.quick else 16))
+    for policy in [a.policy] if a.policy else ("events",) if a.quick else POLICIES:
+        run(demo(2 if a.quick else a.instances, policy, 6 if a.quick else 16))
 
 
 if __name__ == "__main__":
