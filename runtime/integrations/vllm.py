@@ -26,7 +26,8 @@ Split as vLLM splits a connector:
   still reads (seed 000, enforced by vLLM's own free); a landed backup is written through to
   storage; `build_connector_meta` carries the step's work (`TieredMeta`: immutable, picklable)
   to the workers; `update_connector_output` applies the workers' acks (`CopyAcks`, through vLLM's
-  worker-metadata channel).
+  worker-metadata channel); with vLLM's KV events on, `take_events` hands vLLM's scheduler the
+  host tier's and storage's events under vLLM's block hashes (`runtime.integrations.vllm_events`).
 - worker side: the host pool, the copies (`PagedKVCopier` over the registered KV tensors) and the
   storage calls. Host-only loads are copied in `start_load_kv`; loads that read storage first run
   on a load thread, backups and storage writes on a save thread, each in order. All are reported
@@ -41,7 +42,7 @@ nothing to do; a CUDA worker would start the loads on a side stream and wait per
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from runtime.errors import ConfigError
+from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.messages import TransferPlan
 from runtime.storage.backend import checked_flags, read_prefix
 from runtime.storage.file_backend import FileBackend
@@ -70,6 +72,7 @@ from runtime.validation import tokens as checked_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -202,6 +205,13 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.core = TiersOnlyCore(self.block_size, host_blocks * self.block_size, kv_cache_config.num_blocks)
             if self.storage is not None:
                 self.core.enable_storage(self.identity, self.storage.exists_prefix)
+        # KV events of the host tier and storage (`take_events`): on with vLLM's own
+        self.events: ConnectorEvents | None = None
+        kv_events = vllm_config.kv_events_config
+        if self.core is not None and kv_events is not None and kv_events.enable_kv_cache_events:
+            # (vLLM hashes requests' blocks at hash_block_size, which the engine core sets first)
+            self.events = ConnectorEvents(self.core, self.identity, self.block_size,
+                                          kv_cache_config.hash_block_size or self.block_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -246,6 +256,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             self._reached[rid] = local + ld.tokens
         # reported through get_finished whatever happens (vLLM waits for it)
         self._loads.append(LoadJob(rid, ld, tuple(block_ids[first:end])))
+        if self.events is not None and ld.read is not None:  # (its pages join the tier at its ack)
+            self.events.learn(ld.read[0], request, asked.keys[:(local + num_external_tokens) // self.block_size])
         self._awaiting.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -267,6 +279,14 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.core.apply_ack(op_id, error)
         for op_id, (pages, error, ok) in sorted(acks.storage.items()):  # (after the loads that pin their pages)
             self.core.apply_storage_ack(op_id, pages, error, ok)
+        if self.events is not None:
+            self.events.acked(acks.outcomes)
+            self.events.acked(acks.storage)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The host tier's (CPU) and storage's (STORAGE) KV events since the last call, named by
+        vLLM's block hashes; vLLM's scheduler publishes them with its own GPU events each step."""
+        return self.events.take() if self.events is not None else ()
 
     def has_pending_push_work(self) -> bool:
         """Copies or storage writes in flight keep vLLM stepping until their acks."""
@@ -289,9 +309,13 @@ class HiCacheConnector(KVConnectorBase_V1):
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
         tokens = self._tokens_of(request)
         del self._token_ids[rid]
-        plan = self.core.backup(rid, tokens, self._namespace(request), request.num_computed_tokens, block_ids)
+        namespace = self._namespace(request)
+        plan = self.core.backup(rid, tokens, namespace, request.num_computed_tokens, block_ids)
         if plan is not None:
             self._backups.append((rid, plan))
+            if self.events is not None:  # (its pages join the tier at its ack)
+                self.events.learn_tokens(plan.op_id, request, tokens, namespace,
+                                         request.num_computed_tokens // self.block_size)
         return self.core.finish(rid), None
 
     # -- worker side -------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.errors import InternalError
+from runtime.errors import ArgumentError, InternalError
 from runtime.memory.owners import Owner
 from runtime.events.wire import STORAGE
 from runtime.storage.hashing import KVIdentity, page_hashes
@@ -137,14 +137,18 @@ class StorageTier:
         return len(keys) * ps
 
     def read(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, start: int,
-             keys: list[bytes]) -> tuple[Prefetch, StorageRequest] | None:
+             keys: list[bytes], link: bytes | None = None) -> tuple[Prefetch, StorageRequest] | None:
         """Tiers-only mode: read `keys`, the pages of `tokens` from `start` on, into fresh host
         pages now; the engine's scheduler asked storage itself and waits on its own terms, so there
         is no lookup first and no waiting policy. The caller keeps the prefix [0, start) in the
-        tree until the read's ack (its pages hang under it). Returns the prefetch and its storage
-        request (not queued in `take_requests`); None when no host room can be had."""
+        tree until the read's ack (its pages hang under it). `link`: the hash of the page before
+        `start` (the parent a STORAGE event of the pages found names). Returns the prefetch and
+        its storage request (not queued in `take_requests`); None when no host room can be had."""
+        if (link is None) != (start == 0):
+            raise ArgumentError(f"a read from token {start} needs the hash of the page before it, and only then")
         pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens, start, 0, EMPTY,
                       detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
+        pf.link = link
         request = self._issue_read(pf, keys)
         return None if request is None else (pf, request)  # (the caller carries the request to its worker)
 

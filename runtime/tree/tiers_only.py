@@ -194,8 +194,10 @@ class TiersOnlyCore:
         parts = [n.host for n in m.nodes]
         read = None
         if self.storage is not None and first < end:
-            wanted = (keys if keys is not None else self._page_keys(tokens, extra_key))[host_end // ps: end // ps]
-            issued = self.storage.read(rid, tokens[:end], extra_key, host_end, wanted) if wanted else None
+            every = keys if keys is not None else self._page_keys(tokens, extra_key)
+            wanted = every[host_end // ps: end // ps]
+            link = every[host_end // ps - 1] if host_end and wanted else None  # (a STORAGE event's parent)
+            issued = self.storage.read(rid, tokens[:end], extra_key, host_end, wanted, link) if wanted else None
             if issued is not None:
                 pf, read = issued
                 parts.append(pf.host)

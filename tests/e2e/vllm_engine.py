@@ -22,7 +22,15 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -56,7 +64,8 @@ def save_tiny_model(path: str) -> None:
 
 
 def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime.integrations.vllm",
-                extra: dict[str, Any] | None = None, max_batched: int = 256, max_seqs: int = 16) -> VllmConfig:
+                extra: dict[str, Any] | None = None, max_batched: int = 256, max_seqs: int = 16,
+                kv_events: bool = False) -> VllmConfig:
     kvt = None
     if connector is not None:
         kvt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
@@ -68,7 +77,9 @@ def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime
         scheduler_config=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max_batched, max_model_len=4096,
                                          enable_chunked_prefill=True, is_encoder_decoder=False,
                                          async_scheduling=False, disable_hybrid_kv_cache_manager=True),
-        cache_config=cache, kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
+        cache_config=cache, kv_transfer_config=kvt, device_config=DeviceConfig("cpu"),
+        # (publisher "null": a test puts its own collector in the scheduler's `kv_event_publisher`)
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None)
 
 
 def fingerprint(prefix_hash: int, layer: int) -> float:
