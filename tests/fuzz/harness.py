@@ -29,6 +29,11 @@ call:
   device copy and host copy holds its prefix's (every `TREE_EVERY` calls and at the end);
 - a call that raised a `ValidationError` changed nothing: the records and the pages owned by
   requests and sessions are equal before and after.
+- storage controls (`clear_storage`, `detach_storage`, `attach_storage`, drawn in storage
+  episodes, often with another step running while they drain): the tier is the one the calls
+  made, nothing prefetches without it, the KV events announce what the tier (or the backend
+  detached last) knows stored, and on file storage nothing is found stored that the runtime
+  cannot have written since the last clear.
 
 Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
 debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
