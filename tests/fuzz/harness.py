@@ -29,6 +29,11 @@ call:
   device copy and host copy holds its prefix's (every `TREE_EVERY` calls and at the end);
 - a call that raised a `ValidationError` changed nothing: the records and the pages owned by
   requests and sessions are equal before and after.
+- storage controls (`clear_storage`, `detach_storage`, `attach_storage`, drawn in storage
+  episodes, often with another step running while they drain): the tier is the one the calls
+  made, nothing prefetches without it, the KV events announce what the tier (or the backend
+  detached last) knows stored, and on file storage nothing is found stored that the runtime
+  cannot have written since the last clear.
 
 Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
 debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
@@ -58,6 +63,7 @@ from runtime.errors import (
     ArgumentError,
     CallerError,
     CapacityError,
+    ConfigError,
     DuplicateRequestError,
     LengthError,
     RuntimeClosed,
@@ -363,9 +369,10 @@ class Observation:
     requests: dict[Hashable, tuple]
     sessions: dict[Hashable, tuple]
     owned: dict[Hashable, tuple]  # per live request / session: its device (and host) slots in the ledger
+    storage: tuple[bool, Any] = (False, None)  # (a storage tier is on, the tree actor's backend)
 
 
-def _observe(core: Any, with_host: bool) -> Observation:
+def _observe(core: Any, with_host: bool, backend: Any = None) -> Observation:
     try:
         check_invariants(core)
         err = None
@@ -383,7 +390,7 @@ def _observe(core: Any, with_host: bool) -> Observation:
         sess[sid] = (s.tokens.copy(), s.slots.copy(), s.turn)
         owned[("s", sid)] = (core.residency.device.owned_slots(s.owner),
                              core.residency.host.owned_slots(s.owner) if with_host and core.residency.host is not None else None)
-    return Observation(err, reqs, sess, owned)
+    return Observation(err, reqs, sess, owned, (core.storage is not None, backend))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -433,7 +440,7 @@ class Driver:
     """Runs one episode against one runtime: generates (or replays) steps, keeps the model,
     checks the oracles. `steps` is the record of what ran."""
 
-    def __init__(self, rt: CacheRuntime, cfg: FuzzConfig, rng: random.Random) -> None:
+    def __init__(self, rt: CacheRuntime, cfg: FuzzConfig, rng: random.Random, storage_dir: str | None = None) -> None:
         self.rt, self.cfg, self.rng = rt, cfg, rng
         self.ps = cfg.page_size
         # the KV events since the start, and the index they rebuild (`check_events`)
@@ -459,6 +466,20 @@ class Driver:
         self.checks = 0
         self.prev: Observation | None = None
         self.with_host = not cfg.decode_offload  # offload copies give requests host pages at any time
+        # storage controls: the model's view of the tier (set when a control is sent: they run in
+        # call order), the backend attached or detached last, and how many controls are in flight
+        self.attached = rt.storage is not None
+        self.backend = rt.storage
+        self.controls_pending = 0
+        self.storage_dir = storage_dir
+        self.extra_backends: list[Any] = []  # fresh backends the harness attached (closed at the end)
+        self.identity = KVIdentity.from_config(rt.config)
+        # storage content ("file" storage; fault injection makes a read miss forget a page that stays
+        # on disk): the page hashes this runtime may have written since the last clear - the pages
+        # the tree held when it ran and those of every plan admitted since. A storage hit or a page
+        # known stored outside it is a page that a clear left behind
+        self.may_store: set[bytes] | None = set() if cfg.storage == "file" else None
+        self.stored_during: set[bytes] | None = None  # what `_may_store` added while a clear ran
 
     # -- running ---------------------------------------------------------------------------------
     async def run(self, steps: list[Step] | None) -> None:
@@ -694,7 +715,9 @@ class Driver:
             r = Req(rid, res.generation, ns, plan, self._hashes(plan, ns), len(toks), len(toks), full, len(toks),
                     cached, cached, cached, cached, tuple(res.readiness))
         self._check_not_shared(rid, full[own_from:], full[:own_from])
+        self._check_storage_hit(f"admit of {rid!r}", toks, r.ns, res.loaded_storage)
         self.reqs[rid] = r
+        self._may_store(plan, r.ns)
         self.prepared.discard(rid)
 
     def release(self, rid: Hashable) -> None:
@@ -702,6 +725,35 @@ class Driver:
         if r.session is not None:
             self.sessions[r.session].turn = None
         self.gone = (self.gone + [rid])[-8:]
+
+    def _storage_pages(self, tokens: np.ndarray, ns: Hashable) -> list[bytes]:
+        return page_hashes(np.asarray(tokens), self.ps, ns, self.identity)
+
+    def _may_store(self, plan: np.ndarray, ns: Hashable) -> None:
+        """A plan admitted: its pages may be written to storage from now on (into the tree and out)."""
+        if self.may_store is not None:
+            pages = self._storage_pages(plan, ns)
+            self.may_store.update(pages)
+            if self.stored_during is not None:
+                self.stored_during.update(pages)
+
+    def _check_storage_hit(self, what: str, toks: np.ndarray, ns: Hashable, loaded: int) -> None:
+        """`loaded` tokens of an admit came from storage: none with no tier (nor a control in flight);
+        with "file" storage, a run of that many pages of the prompt that this runtime may have
+        written since the last clear (the prefetch read them as one run)."""
+        if not loaded:
+            return
+        if not self.attached and not self.controls_pending:
+            raise self.fail("storage-detached", f"{what}: {loaded} tokens loaded from storage with no storage tier")
+        if self.may_store is None:
+            return
+        run = best = 0
+        for h in self._storage_pages(toks, ns):
+            run = run + 1 if h in self.may_store else 0
+            best = max(best, run)
+        if best * self.ps < loaded:
+            raise self.fail("storage-content", f"{what}: {loaded} tokens loaded from storage, but at most {best * self.ps} "
+                            "of its prompt run over pages this runtime may have written since the last clear_storage")
 
     async def ready(self, r: Req) -> None:
         """A patient caller's wait for the request's loads before it computes: on the fake engine the
@@ -748,8 +800,8 @@ class Driver:
 
     # -- oracles after every call -----------------------------------------------------------------------
     async def _inspect_observation(self) -> Observation:
-        with_host = self.with_host
-        return await self.inspect(lambda core: _observe(core, with_host))
+        with_host, tree = self.with_host, self.rt._tree
+        return await self.inspect(lambda core: _observe(core, with_host, tree.backend))
 
     async def loading(self) -> bool:
         """Whether a load is in flight (then an insert may stop at its nodes); on the CPU engine a
@@ -781,8 +833,14 @@ class Driver:
                 if not _same(a[key], b[key]):
                     raise self.fail("validation-changed-state", f"{what} raised {exc!r} but {name[:-1]} {key!r} "
                                     f"changed: {a[key]!r} -> {b[key]!r}")
+        if not self.controls_pending and before.storage != after.storage:
+            raise self.fail("validation-changed-state", f"{what} raised {exc!r} but the storage tier went from "
+                            f"{before.storage!r} to {after.storage!r}")
 
     def _compare(self, what: str, obs: Observation) -> None:
+        if not self.controls_pending and obs.storage != (self.attached, self.backend if self.attached else None):
+            raise self.fail("storage-control", f"after {what}: storage tier (on, backend) is {obs.storage!r}; the "
+                            f"controls called make it ({self.attached}, {self.backend if self.attached else None!r})")
         if set(obs.requests) != set(self.reqs):
             extra = sorted(map(repr, set(obs.requests) - set(self.reqs)))
             missing = sorted(map(repr, set(self.reqs) - set(obs.requests)))
@@ -857,9 +915,15 @@ class Driver:
         """The index rebuilt from the KV events alone holds exactly the pages each tier holds (by
         page hash, computed here from the tree's paths) and the pages storage is known to hold."""
         # both read inside one tree-actor turn: the batches of exactly the turns before it
-        truth, batches = await self.inspect(lambda core: (_resident_pages(core), self.events.take_ready()))
+        detached = self.rt._tree.detached_known
+        backend = self.backend
+        truth, batches = await self.inspect(lambda core: (_resident_pages(core, _kept(detached, backend)),
+                                                          self.events.take_ready()))
         for batch in batches:
             self.event_index.apply("rt", batch)
+        if self.may_store is not None and truth[2] - self.may_store:
+            raise self.fail("storage-content", f"after {what}: storage is known to hold {len(truth[2] - self.may_store)} "
+                            "pages this runtime cannot have written since the last clear_storage")
         for medium, pages in zip((GPU, CPU, STORAGE), truth):
             got = self.event_index.pages("rt", medium)
             if got != pages:
@@ -1089,6 +1153,7 @@ class Driver:
             if redraw is not None:  # generation goes another way from here
                 r.plan = np.concatenate((r.plan[:new_len], np.asarray(redraw, np.int32)))[: self.D].astype(np.int32)
                 r.hashes = self._hashes(r.plan, r.ns)
+                self._may_store(r.plan, r.ns)
         await self.check(what, exc)
 
     async def x_open_session(self, sid: Hashable, plan: list[int], ns: Hashable = None) -> None:
@@ -1123,6 +1188,8 @@ class Driver:
         self.outcome(what, OK, exc)
         if type(res) is not int or not 0 <= res <= len(toks) or (self.cfg.storage == "none" and res):
             raise self.fail("prepare-result", f"{what} returned {res!r}")
+        if res and not self.attached and not self.controls_pending:
+            raise self.fail("storage-detached", f"{what} returned {res}: a lookup started with no storage tier")
         if res:
             self.prepared.add(rid)
         await self.check(what, exc)
@@ -1216,6 +1283,92 @@ class Driver:
             if left:
                 raise self.fail("flush-left-nodes", f"flush() with nothing locked left nodes {left[:8]}")
         await self.check("flush()", exc)
+
+    # -- storage controls ----------------------------------------------------------------------
+    async def x_clear_storage(self, cancel: int | None = None, during: Step | None = None) -> None:
+        await self._control("clear", cancel, during)
+
+    async def x_detach_storage(self, cancel: int | None = None, during: Step | None = None) -> None:
+        await self._control("detach", cancel, during)
+
+    async def x_attach_storage(self, fresh: bool = False, bad: bool = False, cancel: int | None = None,
+                               during: Step | None = None) -> None:
+        """`fresh`: a new backend over the same directory instead of the one detached (only when
+        the tree actor keeps no page of that one: the events would still announce those, and
+        whether the new tier relearns or forgets each one is its own history); `bad`: not a backend."""
+        backend = self.backend
+        if bad:
+            backend = object()
+        elif fresh and not self.attached and not self.controls_pending and self.storage_dir is not None:
+            detached, old = self.rt._tree.detached_known, self.backend
+            if not await self.inspect(lambda core: _kept(detached, old)):
+                backend = _storage_for(self.cfg, self.storage_dir)
+                self.extra_backends.append(backend)
+        await self._control("attach", cancel, during, backend, bad)
+
+    async def _control(self, op: str, cancel: int | None, during: Step | None, backend: Any = None,
+                       bad: bool = False) -> None:
+        """One storage control. A valid one is sent, then `during` (another step) runs while it
+        drains, then its await is cancelled after `cancel` turns (it completes all the same) or
+        awaited. An invalid one (attach while attached, detach or clear while detached, not a
+        backend) is a typed error that changes nothing."""
+        rt = self.rt
+        what = f"{op}_storage({'fresh ' if backend is not self.backend and not bad else ''}{'junk' if bad else ''})"
+        make: Callable[[], Awaitable[Any]] = {
+            "clear": rt.clear_storage, "detach": rt.detach_storage, "attach": lambda: rt.attach_storage(backend)}[op]
+        must: tuple[type, ...] = (ConfigError,) if bad else ((StateError,) if self.attached == (op == "attach") else ())
+        if must:
+            _, exc = await self.call(what, make)
+            self.outcome(what, (must, ()), exc)
+            await self.check(what, exc)
+            return
+        clearing = op == "clear" and self.may_store is not None
+        before: set[bytes] = await self._held_pages() if clearing else set()
+        if clearing:
+            self.stored_during = set()
+        if op != "clear":  # controls run in call order: the calls after this one meet its outcome
+            self.attached, self.backend = op == "attach", backend if op == "attach" else self.backend
+        task = asyncio.ensure_future(make())
+        await asyncio.sleep(0)  # sent: it is queued in the tree actor before anything `during` sends
+        self.controls_pending += 1
+        try:
+            if during is not None:
+                await self.execute(during)
+            res, exc = await self.call(what, lambda: task, cancel)
+            if exc is CANCELLED:
+                await self.wait_controls()
+            elif self.outcome(what, OK, exc) and op == "clear" and (type(res) is not int or res < 0):
+                raise self.fail("clear-result", f"{what} returned {res!r}")
+        finally:
+            self.controls_pending -= 1
+        if clearing:
+            # storage now holds none of our pages; what the tree held or was admitted meanwhile may
+            # be written again
+            assert self.stored_during is not None
+            self.may_store = before | self.stored_during | await self._held_pages()
+            self.stored_during = None
+        await self.check(what, None if exc is CANCELLED else exc)
+
+    async def _held_pages(self) -> set[bytes]:
+        """Storage page hashes of everything that may be written from now on: tree copies, plans of
+        live requests and sessions, and what retired requests hold (decode offload: their offloads
+        still land and are written after the caller's finish or abort)."""
+        (device, host, _), retired = await self.inspect(lambda core: (_resident_pages(core), [
+            (z.rec.tokens.copy(), z.rec.extra_key) for z in _retired(core).values()]))
+        out = set(device | host)
+        for plan, ns in retired + [(r.plan, r.ns) for r in self.reqs.values()] + \
+                [(x.plan, x.ns) for x in self.sessions.values()]:
+            out.update(self._storage_pages(plan, ns))
+        return out
+
+    async def wait_controls(self, timeout: float = CALL_TIMEOUT_S) -> None:
+        """Until the tree actor has no storage control queued (one whose await was cancelled)."""
+        tree = self.rt._tree
+        deadline = asyncio.get_running_loop().time() + timeout
+        while await self.inspect(lambda core: bool(tree.controls)):
+            if asyncio.get_running_loop().time() > deadline:
+                raise self.fail("hang", f"storage controls still queued after {timeout} s")
+            await asyncio.sleep(0.0005)
 
     async def x_batch(self, items: list[tuple[str, dict[str, Any]]], cancel: int | None = None) -> None:
         msgs: list[Any] = []
@@ -1393,6 +1546,8 @@ class Driver:
             (14 if fake else 2, self.g_release),
             (1, lambda: ("settle", {})),
             (1, self.g_bad),
+            # last, and 0 without storage: the draws of episodes without storage stay as they were
+            *self._control_weights(),
         ]
         weights = [w for w, _ in table]
         while True:
@@ -1400,6 +1555,33 @@ class Driver:
             step = make()
             if step is not None:
                 return step
+
+    def _control_weights(self) -> list[tuple[float, Callable[[], Step | None]]]:
+        if self.cfg.storage == "none":
+            return [(0, self.g_storage_control)]
+        return [(1.5 if self.attached else 3, self.g_storage_control)]
+
+    def g_storage_control(self, nested: bool = False) -> Step:
+        """clear / detach while attached (now and then the wrong one: a StateError), attach while
+        detached (same backend, a fresh one over the same directory, or junk), with another step
+        running while it drains, or its await cancelled."""
+        rng = self.rng
+        if self.attached:
+            op = rng.choice(("clear", "clear", "detach")) if not self._bad(0.1) else "attach"
+        else:
+            op = "attach" if not self._bad(0.15) else rng.choice(("clear", "detach"))
+        args: dict[str, Any] = {}
+        if op == "attach":
+            args = {"fresh": rng.random() < 0.3, "bad": self._bad(0.05)}
+        if not nested and rng.random() < 0.5:
+            make = rng.choice((self.g_admit, self.g_prepare, self.g_finish, self.g_release, self.g_crowd,
+                               lambda: ("flush", {}), lambda: self.g_storage_control(nested=True)))
+            during = make()
+            if during is not None and during[0] != "clear_storage":  # (one clear at a time: `may_store`)
+                args["during"] = during
+        if not nested and rng.random() < 0.15:
+            args["cancel"] = rng.choice((0, 1))
+        return f"{op}_storage", args
 
     def _bad(self, p: float = 0.12) -> bool:
         return self.rng.random() < p
@@ -1703,8 +1885,16 @@ async def _close(rt: CacheRuntime, engine: FakeCopyEngine | None) -> None:
     await closing
 
 
-def _resident_pages(core: Any) -> tuple[frozenset[bytes], frozenset[bytes], frozenset[bytes]]:
-    """Page hashes of every device copy, every host copy, and the pages storage is known to hold."""
+def _kept(detached: Any, backend: Any) -> set[bytes] | None:
+    """The page hashes the tree actor keeps for a detached `backend` (its weak-keyed record)."""
+    return None if backend is None else detached.get(backend)
+
+
+def _resident_pages(core: Any, detached: set[bytes] | None = None
+                    ) -> tuple[frozenset[bytes], frozenset[bytes], frozenset[bytes]]:
+    """Page hashes of every device copy, every host copy, and the pages storage is known to hold:
+    with no tier attached, `detached` (what the tree actor keeps for the backend detached last: a
+    detach announces no removal, the pages are still in that backend)."""
     tree = core.residency.tree
     identity = KVIdentity.from_config(core.config)
     device: set[bytes] = set()
@@ -1718,7 +1908,7 @@ def _resident_pages(core: Any) -> tuple[frozenset[bytes], frozenset[bytes], froz
             device.update(mine)
         if node.host is not None:
             host.update(mine)
-    known = core.storage.known if core.storage is not None else set()
+    known = core.storage.known if core.storage is not None else detached or set()
     return frozenset(device), frozenset(host), frozenset(known)
 
 
@@ -1734,7 +1924,7 @@ async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Ste
         rt = CacheRuntime(cfg.runtime_config(), engine_factory=_engine_factory(cfg), storage=storage)
         await rt._sup.start()
         engine = rt.engine if isinstance(rt.engine, FakeCopyEngine) else None
-        driver = Driver(rt, cfg, rng)
+        driver = Driver(rt, cfg, rng, tmp)
         try:
             await driver.run(steps)
             if teardown:
@@ -1746,8 +1936,8 @@ async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Ste
         if violation is None and teardown:
             violation = await _after_close(rt, driver)
     finally:
-        if storage is not None:
-            storage.close()
+        for backend in ([storage] if storage is not None else []) + (driver.extra_backends if driver else []):
+            backend.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     assert driver is not None

@@ -16,6 +16,11 @@ Each plant wraps or replaces one function of the core the way a regression would
   part (its events then name pages by the wrong hashes).
 - `stale_batch_rows`: the request table keeps reusing a decode batch's rows after one of its
   requests ended (its row freed, perhaps reused by another request).
+- `clear_leaves_pages`: `clear_storage` forgets the pages known stored (and says so in KV
+  events) but hands none of them to the backend's removal: the pages stay, and a later lookup
+  finds them (only the fuzzer's model of what storage may hold can tell).
+- `detach_forgets_stored`: `detach_storage` keeps none of the page hashes known stored for a
+  re-attach of the same backend: the KV events still announce them, a later clear leaves them.
 
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
@@ -134,6 +139,27 @@ def _split_keeps_page_hashes() -> Callable[[], None]:
     return lambda: setattr(KVEventRecorder, "on_split", on_split)
 
 
+def _clear_leaves_pages() -> Callable[[], None]:
+    from runtime.tree.storage_tier import StorageTier
+
+    forget = StorageTier.forget_stored
+
+    def broken(self: StorageTier) -> list[bytes]:
+        forget(self)
+        return []  # nothing to remove: the hints are gone, the pages are not
+
+    StorageTier.forget_stored = broken
+    return lambda: setattr(StorageTier, "forget_stored", forget)
+
+
+def _detach_forgets_stored() -> Callable[[], None]:
+    from runtime.tree.cache import CacheCore
+
+    disable = CacheCore.disable_storage
+    CacheCore.disable_storage = lambda self: disable(self) and set()
+    return lambda: setattr(CacheCore, "disable_storage", disable)
+
+
 PLANTS: dict[str, Plant] = {
     "remap_duplicates": Plant(_remap_duplicates, frozenset({"slots-changed", "slot-shared", "kv-content"})),
     "shorten_record": Plant(_shorten_record, frozenset({"token-record"})),
@@ -147,6 +173,8 @@ PLANTS: dict[str, Plant] = {
     "host_leaf_ignores_children": Plant(_host_leaf_ignores_children, frozenset({"invariant", "runtime-failed"}),
                                         "evictable host leaves"),
     "split_keeps_page_hashes": Plant(_split_keeps_page_hashes, frozenset({"kv-events"})),
+    "clear_leaves_pages": Plant(_clear_leaves_pages, frozenset({"storage-content"})),
+    "detach_forgets_stored": Plant(_detach_forgets_stored, frozenset({"kv-events", "storage-content"})),
 }
 
 
