@@ -55,7 +55,7 @@ from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, S
 from runtime.errors import CallerError, InternalError, RuntimeClosed, StateError
 from runtime.events.hub import EventHub
 from runtime.tree.cache import CacheCore
-from runtime.tree.records import PrefetchWait
+from runtime.tree.records import PrefetchWait, StoredPages
 
 
 class TreeActor(Actor[TreeMessage]):
@@ -80,7 +80,7 @@ class TreeActor(Actor[TreeMessage]):
         self.storage_removable = callable(getattr(storage, "remove", None))  # clear_storage works
         # page hashes known stored in backends detached earlier: a re-attach (of the same object)
         # gets them back, so that its clear removes the pages written before the detach too
-        self.detached_known: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+        self.detached_known: weakref.WeakKeyDictionary[Any, StoredPages] = weakref.WeakKeyDictionary()
         self._removing = False  # the head control is a clear whose removal runs
         self.handlers = {
             Admit: self.on_admit,
@@ -322,9 +322,9 @@ class TreeActor(Actor[TreeMessage]):
                 return  # on_storage_ack comes back here as the ops drain
             if type(msg) is DetachStorage:
                 controls.popleft()
-                known = self.core.disable_storage()
+                kept = self.core.disable_storage()
                 try:
-                    self.detached_known[self.backend] = known
+                    self.detached_known[self.backend] = kept
                 except TypeError:  # not weak-referenceable: forgotten (a re-attach rewrites, clears less)
                     pass
                 self.backend = None
@@ -336,7 +336,7 @@ class TreeActor(Actor[TreeMessage]):
                 self._removing = False
                 controls.popleft()
 
-    def _take_known(self, backend: Any) -> set[bytes] | None:
+    def _take_known(self, backend: Any) -> StoredPages | None:
         try:
             return self.detached_known.pop(backend, None)
         except TypeError:

@@ -52,7 +52,7 @@ from runtime.tree.decode_offload import COUNTERS as OFFLOAD_COUNTERS
 from runtime.tree.decode_offload import DecodeOffload
 from runtime.tree.radix import MatchResult, Node
 from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFactory
-from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, aligned
+from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, StoredPages, aligned
 from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
 from runtime.tree.storage_tier import COUNTERS as STORAGE_COUNTERS
@@ -101,24 +101,24 @@ class CacheCore:
         events = self.residency.events
         return events.take() if events is not None and events.pending else []
 
-    def enable_storage(self, known: set[bytes] | None = None) -> None:
-        """A storage tier behind the host tier; `known`: the page hashes known stored in its backend
-        (those this runtime knew when it detached the same backend)."""
+    def enable_storage(self, kept: StoredPages | None = None) -> None:
+        """A storage tier behind the host tier; `kept`: what this runtime knew of the backend's pages
+        when it detached the same backend."""
         if self.residency.host is None:
             raise StateError("a storage tier needs the host tier")
         self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config))
-        if known:
-            self.storage.known = known
+        if kept is not None:
+            self.storage.known, self.storage.doubtful = kept.known, kept.doubtful
 
-    def disable_storage(self) -> set[bytes]:
+    def disable_storage(self) -> StoredPages:
         """`detach_storage`, once no storage op is in flight: the tier goes, and with it the records
         of rids prepared but not admitted (a later abort of one is an unknown rid). Returns the page
-        hashes it knew stored (kept by the caller with that backend, for a later re-attach)."""
+        hashes it knew stored or in doubt (kept by the caller with that backend, for a re-attach)."""
         if self.storage is None or self.storage.ops:
             raise InternalError("storage detached with storage ops in flight")
-        known = self.storage.known
+        kept = StoredPages(self.storage.known, self.storage.doubtful)
         self.storage = None
-        return known
+        return kept
 
     def forget_storage(self) -> list[bytes]:
         """`clear_storage`, once no storage op is in flight: forget every page hash known stored and

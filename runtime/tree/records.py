@@ -197,6 +197,17 @@ class Prefetch:
     anchor_host_len: int = 0  # ...this many tokens (its host-only part)
 
 
+@dataclass(frozen=True, slots=True)
+class StoredPages:
+    """What a storage tier knows of its backend's pages, kept across a detach for a re-attach:
+    `known` stored (written, or found by a lookup or read), and `doubtful` ones: known once, put
+    in doubt by a lookup or read that stopped at an earlier missing page (not known any more, so
+    they are written again, but a clear removes them too)."""
+
+    known: set[bytes]
+    doubtful: set[bytes]
+
+
 @dataclass(slots=True)
 class StorageOp:
     op_id: int

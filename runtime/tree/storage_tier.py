@@ -66,6 +66,7 @@ class StorageTier:
         self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
         self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
         self.known: set[bytes] = set()  # page hashes this runtime wrote or found stored (skip rewriting them)
+        self.doubtful: set[bytes] = set()  # known once, in doubt since (`StoredPages`): a clear removes them too
         self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
         self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
@@ -269,10 +270,11 @@ class StorageTier:
         caller removes them from the backend; KV events report them removed)."""
         if self.ops:
             raise InternalError(f"storage clear with {len(self.ops)} storage ops in flight")
-        out = sorted(self.known)
+        if self.residency.events is not None:  # (the doubtful ones were reported removed when doubted)
+            self.residency.events.removed_pages(sorted(self.known), STORAGE)
+        out = sorted(self.known | self.doubtful)
         self.known.clear()
-        if self.residency.events is not None:
-            self.residency.events.removed_pages(out, STORAGE)
+        self.doubtful.clear()
         return out
 
     def take_requests(self) -> list[StorageRequest]:
@@ -330,10 +332,16 @@ class StorageTier:
         self.known.update(keys)
 
     def _gone(self, keys: list[bytes]) -> None:
-        """Pages storage no longer holds: no longer known stored (a STORAGE removal of those that were)."""
-        if self.residency.events is not None:
-            self.residency.events.removed_pages([k for k in keys if k in self.known], STORAGE)
-        self.known.difference_update(keys)
+        """A lookup or read stopped at `keys[0]`, missing: it and the pages after it (likely evicted
+        with it; written again next time) are no longer known stored (a STORAGE removal of those that
+        were); those after it may still be there, so a clear still removes them (`doubtful`)."""
+        known = self.known
+        was = [k for k in keys if k in known]
+        if was:
+            if self.residency.events is not None:
+                self.residency.events.removed_pages(was, STORAGE)
+            known.difference_update(was)
+            self.doubtful.update(was)
 
     def _lookup_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None) -> Prefetch | None:
         """A lookup found the leading `pages` of its keys: read them, or end the prefetch here."""

@@ -1887,7 +1887,8 @@ async def _close(rt: CacheRuntime, engine: FakeCopyEngine | None) -> None:
 
 def _kept(detached: Any, backend: Any) -> set[bytes] | None:
     """The page hashes the tree actor keeps for a detached `backend` (its weak-keyed record)."""
-    return None if backend is None else detached.get(backend)
+    kept = None if backend is None else detached.get(backend)
+    return None if kept is None else kept.known
 
 
 def _resident_pages(core: Any, detached: set[bytes] | None = None

@@ -17,6 +17,7 @@ from runtime.messages import Admit
 from runtime.runtime import CacheRuntime
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
+from runtime.storage.hashing import KVIdentity, page_hashes
 from tests.integration.support import bad_positions, compute, small_config, toks
 from tests.integration.test_storage_tier import N, backend, cfg, quiescent, readmit_ok, serve, settle_all, stored_pages
 
@@ -61,6 +62,28 @@ async def test_clear_removes_our_pages_and_no_later_admit_hits_them(tmp_path):
         await no_leak(ra)
         await no_leak(rb)
     fa.close()
+    fb.close()
+
+
+async def test_clear_removes_pages_a_lookup_put_in_doubt(tmp_path):
+    """A page evicted from the backend behind the runtime's back: the next lookup stops there, so
+    it and the pages after it are no longer known stored (written again next time), but those after
+    it are still on disk, and a clear removes them too. (Checked failing with `_gone` forgetting
+    them outright, as before `StoredPages.doubtful`: pages 4..9 stayed in the directory.)"""
+    config = cfg()
+    fb = backend(tmp_path, config)
+    a = toks(N + 1, 7)
+    keys = page_hashes(a[:N], config.page_size, None, KVIdentity.from_config(config))
+    async with CacheRuntime.open(config, storage=fb) as rt:
+        await serve(rt, "a", a)
+        assert stored_pages(fb, config, a) == PAGES
+        assert fb.remove([keys[3]]) == 1  # evicted by someone else
+        await rt.flush()
+        assert await readmit_ok(rt, "a2", a) == 3 * config.page_size  # the lookup stops at page 3
+        assert await rt.inspect(lambda core: sorted(core.storage.doubtful)) == sorted(keys[3:])
+        await rt.clear_storage()
+        assert sum(fb.exists_prefix([k]) for k in keys) == 0  # pages 4.. are gone as well
+        await no_leak(rt)
     fb.close()
 
 
