@@ -8,12 +8,12 @@
 - the tokens of a page are ``page_size`` int32 values in little-endian byte order;
 - ``seed = H(seed_bytes(extra_key, identity))``, a fixed, versioned, length-prefixed
   encoding of the namespace and of the KV identity (model id, weight version, KV dtype,
-  layers, KV heads, head dim, and when set the page layout and the tensor-parallel shard). The namespace (``extra_key``) is what the façade accepts:
-  ``None``, ``str``, ``bytes``, ``int`` (exactly: not ``bool``, not numpy integers) and tuples
-  of these, nested. Its encoding is typed (a tag byte per type) and length-prefixed, tuples
-  recursively, so that values which Python finds equal or which print alike never share a
-  seed: ``None``, ``""``, ``b""``, ``()``, ``0``, ``"0"``, ``b"0"``, ``(0,)`` and ``((0,),)``
-  all differ.
+  layers, KV heads, head dim; when set, the page layout and the tensor-parallel shard). The
+  namespace (``extra_key``) is what the façade accepts: ``None``, ``str``, ``bytes``, ``int``
+  (exactly: not ``bool``, not numpy integers) and tuples of these, nested. Its encoding is
+  typed (a tag byte per type) and length-prefixed, tuples recursively, so that values which
+  Python finds equal or which print alike never share a seed: ``None``, ``""``, ``b""``,
+  ``()``, ``0``, ``"0"``, ``b"0"``, ``(0,)`` and ``((0,),)`` all differ.
 
 Nothing here depends on Python's salted ``hash()``, on the host pool layout or on the
 process, so two processes (or machines) with the same model and tokens agree on every
