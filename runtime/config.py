@@ -35,6 +35,10 @@ class RuntimeConfig:
     kv_dtype: str = "float32"
     model_id: str = "model"
     weight_version: str = "0"
+    # Tensor parallelism: this runtime's rank of tp_size, each rank holding its own KV heads
+    # (num_kv_heads is the rank's); the shard is part of the storage identity (docs/STORAGE.md)
+    tp_rank: int = 0
+    tp_size: int = 1
     # Device pool
     device: str = "cpu"
     page_size: int = 16
@@ -97,6 +101,9 @@ class RuntimeConfig:
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
                  f"{name} must be a positive integer, got {value!r}")
+        need(type(self.tp_size) is int and self.tp_size > 0, f"tp_size must be a positive integer, got {self.tp_size!r}")
+        need(type(self.tp_rank) is int and 0 <= self.tp_rank < self.tp_size,
+             f"tp_rank must be an int in [0, tp_size) = [0, {self.tp_size}), got {self.tp_rank!r}")
         ps = self.page_size
         need(isinstance(ps, int) and 1 <= ps <= 256 and ps & (ps - 1) == 0,
              f"page_size must be a power of two in 1..256, got {ps!r}")

@@ -505,7 +505,11 @@ def _open_storage(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra
         return None
     if not isinstance(path, str) or not path:
         raise ConfigError(f"kv_connector_extra_config.storage_dir must be a directory path, got {path!r}")
-    if vllm_config.parallel_config.tensor_parallel_size > 1:  # each rank holds its own heads: not in the identity yet
+    # Each rank holds its own heads, so each needs its own keys (KVIdentity.shard, tp_shard(rank,
+    # size)); the scheduler picks a page's keys and has no rank, so the per-rank key lists of
+    # docs/ARCHITECTURE.md "Tensor parallelism" come first; until then, refusing storage under TP is
+    # what keeps a rank off another rank's shard
+    if vllm_config.parallel_config.tensor_parallel_size > 1:
         raise ConfigError("HiCacheConnector's storage tier supports tensor_parallel_size 1 for now")
     group = kv_cache_config.kv_cache_groups[0]  # a page: one block of every layer
     return FileBackend(path, len(group.layer_names) * group.kv_cache_spec.page_size_bytes,

@@ -8,12 +8,12 @@
 - the tokens of a page are ``page_size`` int32 values in little-endian byte order;
 - ``seed = H(seed_bytes(extra_key, identity))``, a fixed, versioned, length-prefixed
   encoding of the namespace and of the KV identity (model id, weight version, KV dtype,
-  layers, KV heads, head dim). The namespace (``extra_key``) is what the façade accepts:
-  ``None``, ``str``, ``bytes``, ``int`` (exactly: not ``bool``, not numpy integers) and tuples
-  of these, nested. Its encoding is typed (a tag byte per type) and length-prefixed, tuples
-  recursively, so that values which Python finds equal or which print alike never share a
-  seed: ``None``, ``""``, ``b""``, ``()``, ``0``, ``"0"``, ``b"0"``, ``(0,)`` and ``((0,),)``
-  all differ.
+  layers, KV heads, head dim; when set, the page layout and the tensor-parallel shard). The
+  namespace (``extra_key``) is what the façade accepts: ``None``, ``str``, ``bytes``, ``int``
+  (exactly: not ``bool``, not numpy integers) and tuples of these, nested. Its encoding is
+  typed (a tag byte per type) and length-prefixed, tuples recursively, so that values which
+  Python finds equal or which print alike never share a seed: ``None``, ``""``, ``b""``,
+  ``()``, ``0``, ``"0"``, ``b"0"``, ``(0,)`` and ``((0,),)`` all differ.
 
 Nothing here depends on Python's salted ``hash()``, on the host pool layout or on the
 process, so two processes (or machines) with the same model and tokens agree on every
@@ -24,6 +24,7 @@ Only whole pages are hashed; a trailing partial page has no hash.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from dataclasses import dataclass
 from typing import Union
@@ -36,6 +37,22 @@ DIGEST_NAME = "sha256-128"
 HASH_BYTES = 16
 _FORMAT_TAG = b"hicache-page-hash-v1\x00"
 _sha256 = hashlib.sha256
+# a shard's KV is the same on every rank (MLA's latent): one stored copy serves every rank and TP size
+REPLICATED = "replicated"
+_TP_SHARD = re.compile(r"tp(0|[1-9][0-9]*)of([1-9][0-9]*)")
+
+
+def tp_shard(tp_rank: int, tp_size: int) -> str:
+    """The `KVIdentity.shard` of rank `tp_rank` of `tp_size` whose KV heads are split across ranks:
+    "" (unsharded) when `tp_size` is 1, else "tp{rank}of{size}"."""
+    for name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
+        if type(value) is not int:
+            raise ValidationError(f"{name} must be an int, got {value!r}")
+    if tp_size < 1:
+        raise ValidationError(f"tp_size must be >= 1, got {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValidationError(f"tp_rank must be in [0, tp_size) = [0, {tp_size}), got {tp_rank}")
+    return "" if tp_size == 1 else f"tp{tp_rank}of{tp_size}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +68,21 @@ class KVIdentity:
     # how a page's bytes are laid out, when not the runtime's own host pool layout ("": that one;
     # e.g. a vLLM connector's pages are vLLM blocks): pages of different layouts never share a hash
     page_layout: str = ""
+    # which part of the instance's KV a page holds under tensor parallelism: "" (all of it: one
+    # rank, the default), "tp{r}of{n}" (rank r's KV heads of n ranks; `tp_shard`), or REPLICATED
+    # (the same bytes on every rank, MLA's latent). Shards never share a hash, so a rank never
+    # reads another rank's heads from a shared storage directory.
+    shard: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "weight_version", "kv_dtype", "page_layout"):
+        for name in ("model_id", "weight_version", "kv_dtype", "page_layout", "shard"):
             if not isinstance(getattr(self, name), str):
                 raise ValidationError(f"KVIdentity.{name} must be a str, got {getattr(self, name)!r}")
+        if self.shard not in ("", REPLICATED):
+            m = _TP_SHARD.fullmatch(self.shard)
+            if m is None or not 0 <= int(m[1]) < int(m[2]) or m[2] == "1":
+                raise ValidationError(f"KVIdentity.shard must be '', {REPLICATED!r} or 'tp<rank>of<size>' with "
+                                      f"0 <= rank < size and size >= 2, got {self.shard!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -71,18 +98,26 @@ class KVIdentity:
             num_layers=config.num_layers,  # type: ignore[attr-defined]
             num_kv_heads=config.num_kv_heads,  # type: ignore[attr-defined]
             head_dim=config.head_dim,  # type: ignore[attr-defined]
+            shard=tp_shard(getattr(config, "tp_rank", 0), getattr(config, "tp_size", 1)),
         )
 
     def encode(self) -> bytes:
         """Fixed byte encoding: length-prefixed UTF-8 strings, then three little-endian u64, then
-        the page layout as a length-prefixed string when it is set (the runtime's own layout
-        encodes as before it existed, so its hashes did not change)."""
+        the page layout as a length-prefixed string when it or the shard is set, then the shard as
+        one when it is set. Defaults add nothing (the runtime's own layout, one rank encode as
+        before these fields existed, so their hashes did not change); a shard always follows a
+        layout string (maybe empty), so zero, one or two trailing strings parse back one way only."""
+        tail = b""
+        if self.shard:
+            tail = _enc_str(self.page_layout) + _enc_str(self.shard)
+        elif self.page_layout:
+            tail = _enc_str(self.page_layout)
         return (
             _enc_str(self.model_id)
             + _enc_str(self.weight_version)
             + _enc_str(self.kv_dtype)
             + struct.pack("<QQQ", self.num_layers, self.num_kv_heads, self.head_dim)
-            + (_enc_str(self.page_layout) if self.page_layout else b"")
+            + tail
         )
 
 

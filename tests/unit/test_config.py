@@ -201,3 +201,23 @@ def test_file_then_env_layering(tmp_path):
     path.write_text('page_size = 16\nhost_bytes = "8GiB"\nmodel_id = "llama-3-8b"\n')
     cfg = RuntimeConfig.from_env({"HICACHE_HOST_BYTES": "4GiB"}, base=RuntimeConfig.from_file(path))
     assert (cfg.page_size, cfg.host_bytes, cfg.model_id) == (16, 4 * GiB, "llama-3-8b")
+
+
+# -- tensor parallelism -----------------------------------------------------------------
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(tp_size=0), "tp_size must be a positive integer, got 0"),
+    (dict(tp_size=True), "tp_size must be a positive integer, got True"),
+    (dict(tp_rank=2, tp_size=2), "tp_rank must be an int in [0, tp_size) = [0, 2), got 2"),
+    (dict(tp_rank=-1, tp_size=2), "tp_rank must be an int in [0, tp_size) = [0, 2), got -1"),
+    (dict(tp_rank=1), "tp_rank must be an int in [0, tp_size) = [0, 1), got 1"),
+    (dict(tp_rank=1.0, tp_size=2), "tp_rank must be an int"),
+])
+def test_tp_rank_and_size_are_validated(changes, says):
+    assert says in error(RuntimeConfig, **changes)
+
+
+def test_tp_fields_from_env():
+    cfg = RuntimeConfig.from_env({"HICACHE_TP_RANK": "3", "HICACHE_TP_SIZE": "4"})
+    assert (cfg.tp_rank, cfg.tp_size) == (3, 4)
+    assert "tp_rank" in error(RuntimeConfig.from_env, {"HICACHE_TP_RANK": "4", "HICACHE_TP_SIZE": "4"})

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from runtime.errors import LengthError, ValidationError
-from runtime.storage.hashing import HASH_BYTES, KVIdentity, chain_seed, page_hashes, seed_bytes
+from runtime.storage.hashing import (HASH_BYTES, REPLICATED, KVIdentity, chain_seed, page_hashes, seed_bytes,
+                                     tp_shard)
 
 IDENT = KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64)
 TOKENS = np.arange(48, dtype=np.int32)
@@ -80,6 +81,8 @@ def test_shape_and_partial_pages():
     dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 2, 64)),
     dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 128)),
     dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, "vllm-block")),
+    dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, shard="tp0of2")),
+    dict(identity=KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, shard=REPLICATED)),
 ])
 def test_namespace_and_identity_isolation(other):
     base = page_hashes(TOKENS, 16, "tenant-a", IDENT)
@@ -198,12 +201,67 @@ def test_validation():
         KVIdentity("m", "w", "bfloat16", 0, 3, 64)
 
 
+# -- tensor-parallel shards ------------------------------------------------------------------
+
+# Pinned before the shard field existed: a page layout alone encodes as it did, so the vLLM
+# connector's stored pages keep their addresses (the default identity's are KNOWN, above).
+KNOWN_LAYOUT = ["5b965626fe0d012620bc551064b84254", "a5d0f37b70cd18732bc63ce849a6a32c", "054bb414d817056765a0e96d07bb0639"]
+KNOWN_TP1OF2 = ["f3c005c74067f183a4880bf3bc3eb921", "c7c39079fcf4ae070177b238e45c1e1c", "f8120b9a1b341052f1ef7250dfe8760f"]
+
+
+def test_known_vectors_with_layout_and_shard():
+    layout = KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, "vllm-block:3x16x128")
+    assert [h.hex() for h in page_hashes(TOKENS, 16, None, layout)] == KNOWN_LAYOUT
+    shard = KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, shard=tp_shard(1, 2))
+    assert [h.hex() for h in page_hashes(TOKENS, 16, "tenant-a", shard)] == KNOWN_TP1OF2
+    # one rank of one is the unsharded identity: its hashes are the pinned ones
+    one = KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, shard=tp_shard(0, 1))
+    assert one == IDENT and [h.hex() for h in page_hashes(TOKENS, 16, "tenant-a", one)] == KNOWN
+
+
+def test_shard_encoding_spec():
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return struct.pack("<I", len(b)) + b
+
+    head = s("m") + s("w") + s("bfloat16") + struct.pack("<QQQ", 30, 3, 64)
+    assert KVIdentity("m", "w", "bfloat16", 30, 3, 64, shard="tp1of2").encode() == head + s("") + s("tp1of2")
+    assert KVIdentity("m", "w", "bfloat16", 30, 3, 64, "L", shard="tp1of2").encode() == head + s("L") + s("tp1of2")
+    # a layout spelled like a shard is not that shard: the shard always comes second
+    assert KVIdentity("m", "w", "bfloat16", 30, 3, 64, "tp1of2").encode() == head + s("tp1of2")
+    assert chain_seed(None, KVIdentity("m", "w", "bfloat16", 30, 3, 64, "tp1of2")) != chain_seed(
+        None, KVIdentity("m", "w", "bfloat16", 30, 3, 64, shard="tp1of2"))
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_every_rank_and_size_has_its_own_pages(size):
+    others = [tp_shard(r, n) for n in (2, 4, 8) for r in range(n)] + ["", REPLICATED]
+    mine = {tp_shard(r, size) for r in range(size)}
+    chains = {sh: set(page_hashes(TOKENS, 16, None, KVIdentity("m", "w", "bfloat16", 30, 3, 64, shard=sh)))
+              for sh in others}
+    for sh in mine:
+        assert all(not chains[sh] & chains[o] for o in others if o != sh)
+
+
+@pytest.mark.parametrize("rank,size", [(-1, 2), (2, 2), (0, 0), (1, 1), (True, 2), (0, 2.0)])
+def test_tp_shard_validation(rank, size):
+    with pytest.raises(ValidationError):
+        tp_shard(rank, size)
+
+
+@pytest.mark.parametrize("bad", ["tp2of2", "tp0of1", "tp01of2", "tp-1of2", "tp0of02", "TP0OF2", "tp0of2 ", "rep", 3])
+def test_shard_validation(bad):
+    with pytest.raises(ValidationError):
+        KVIdentity("m", "w", "bfloat16", 30, 3, 64, shard=bad)
+
+
 def test_from_config():
     from runtime.config import RuntimeConfig
 
     cfg = RuntimeConfig(num_layers=30, num_kv_heads=3, head_dim=64, kv_dtype="bfloat16",
                         model_id="HuggingFaceTB/SmolLM2-135M", weight_version="main")
     assert KVIdentity.from_config(cfg) == IDENT
+    assert KVIdentity.from_config(cfg.replace(tp_rank=3, tp_size=4)).shard == "tp3of4"
 
 
 def test_cost_per_page_is_small():

@@ -1,0 +1,133 @@
+"""Tensor-parallel shards in storage: 2 and 4 simulated ranks on CPU, each its own runtime and
+pools, sharing one file storage directory (docs/ARCHITECTURE.md, "Tensor parallelism").
+
+Every rank serves the same prompt (one instance's ranks see the same requests) and writes its own
+shard's KV: the fingerprint oracle with the rank folded into its seed, so rank r's heads differ
+from every other rank's for the same tokens. After each rank's backups are written through and
+its device and host tiers are flushed, a storage prefetch must bring each rank its own shard: the
+whole prefix from storage, every position equal to that rank's fingerprint.
+
+The broken variant (the storage identity without the shard, as before it existed) makes this
+fail: every rank then addresses the same page hashes, rank 0's pages land first, and rank r >= 1
+finds them at its first admit and is served rank 0's heads (had it written first, its write would
+have found rank 0's pages present and kept them: pages are immutable). `test_identity_without_the_shard_reads_another_ranks_heads` runs that variant and asserts
+that the oracle flags it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+
+from runtime.config import RuntimeConfig
+from runtime.invariants import check_invariants
+from runtime.runtime import CacheRuntime
+from runtime.storage.file_backend import FileBackend
+from runtime.storage.hashing import KVIdentity, page_hashes
+from tests.integration.support import bad_positions, compute, settle, small_config, toks
+
+N = 40  # tokens written through to storage (10 pages of 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    first_cached: int  # tokens the first admit found (before this rank wrote anything: must be 0)
+    stored_pages: int  # pages of the prompt under this rank's own keys after its write-through
+    cached: int  # tokens the admit after the flush found (all from storage)
+    storage_hits: int
+    bad: list[int]  # positions whose KV is not this rank's shard, over both admits' cached parts
+
+
+def rank_config(rank: int, size: int) -> RuntimeConfig:
+    return small_config(copy_engine="cpu", host_tokens=256, tp_rank=rank, tp_size=size)
+
+
+def shard_seed(rank: int, size: int) -> tuple:
+    """The fingerprint's namespace for rank `rank`'s heads: the runtime's namespace stays None."""
+    return ("tp-shard", rank, size)
+
+
+async def cached_admit(rt: CacheRuntime, rid: str, prompt):
+    """Admit and wait until what it found (loaded from host or storage) is on device."""
+    res = await rt.admit(rid, prompt)
+    for readiness in res.readiness:
+        await readiness.wait_all()
+    await settle(rt)
+    return res
+
+
+async def run_ranks(directory: Path, size: int, prompt) -> list[RankResult]:
+    """One instance of `size` ranks over one storage directory: each rank serves `prompt` (its
+    own shard's KV), writes it through, flushes its tiers and admits the prompt again."""
+    configs = [rank_config(r, size) for r in range(size)]
+    async with AsyncExitStack() as stack:
+        backends = [FileBackend(directory, c.page_size * c.bytes_per_token) for c in configs]
+        for fb in backends:
+            stack.callback(fb.close)
+        ranks = [await stack.enter_async_context(CacheRuntime.open(c, storage=fb))
+                 for c, fb in zip(configs, backends)]
+        first = []
+        for r, (rt, c, fb) in enumerate(zip(ranks, configs, backends)):  # rank order: rank 0 writes first
+            res = await cached_admit(rt, "a", prompt)
+            compute(rt, res.slots, prompt, shard_seed(r, size), start=res.cached)
+            bad = bad_positions(rt.device_pool, res.slots[:res.cached], prompt[:res.cached], shard_seed(r, size))
+            await rt.finish("a", prompt[:N])
+            await settle(rt)
+            keys = page_hashes(prompt[:N], c.page_size, None, KVIdentity.from_config(c))
+            first.append((res.cached, fb.exists_prefix(keys), bad))
+        for rt in ranks:
+            assert await rt.flush() > 0
+        results = []
+        for r, rt in enumerate(ranks):
+            res = await cached_admit(rt, "b", prompt)
+            bad = bad_positions(rt.device_pool, res.slots[:res.cached], prompt[:res.cached], shard_seed(r, size))
+            hits = (await rt.stats())["storage"]["hit_tokens"]
+            await rt.abort("b")
+            await settle(rt)
+            await rt.inspect(lambda core: check_invariants(core, quiescent=True))
+            first_cached, stored, first_bad = first[r]
+            results.append(RankResult(first_cached, stored, res.cached, hits, sorted(set(first_bad + bad))))
+        return results
+
+
+@pytest.mark.parametrize("size", [2, 4])
+async def test_each_rank_reads_back_its_own_shard(tmp_path, size):
+    prompt = toks(N + 1, 7)
+    results = await run_ranks(tmp_path, size, prompt)
+    pages = N // rank_config(0, size).page_size
+    assert results == [RankResult(0, pages, N, N, []) for _ in range(size)]
+    # one file per page per rank: no rank's write was taken for another's
+    assert len(list(tmp_path.glob("*/*.kv"))) == size * pages
+
+
+async def test_instances_of_other_sizes_share_nothing(tmp_path):
+    """A 4-rank instance over the directory a 2-rank instance filled finds none of its pages
+    there (rank 0 of 2 holds other heads than rank 0 of 4), then stores and reads its own."""
+    prompt = toks(N + 1, 8)
+    await run_ranks(tmp_path, 2, prompt)
+    config = rank_config(0, 4)
+    fb = FileBackend(tmp_path, config.page_size * config.bytes_per_token)
+    try:
+        keys = page_hashes(prompt[:N], config.page_size, None, KVIdentity.from_config(config))
+        assert fb.exists_prefix(keys) == 0
+    finally:
+        fb.close()
+    results = await run_ranks(tmp_path, 4, prompt)
+    assert all(r.cached == N and r.bad == [] for r in results)
+
+
+async def test_identity_without_the_shard_reads_another_ranks_heads(tmp_path, monkeypatch):
+    """Broken variant: the storage identity drops the shard. The scenario above then fails: every
+    rank after rank 0 is served rank 0's heads from storage (all its positions are wrong) at its
+    first admit already, and again after the flush."""
+    with_shard = KVIdentity.from_config
+    monkeypatch.setattr(KVIdentity, "from_config",
+                        staticmethod(lambda config: dataclasses.replace(with_shard(config), shard="")))
+    prompt = toks(N + 1, 9)
+    results = await run_ranks(tmp_path, 2, prompt)
+    assert results[0] == RankResult(0, N // rank_config(0, 2).page_size, N, N, [])
+    assert (results[1].first_cached, results[1].cached) == (N, N) and results[1].bad == list(range(N))
+    assert len(list(tmp_path.glob("*/*.kv"))) == N // rank_config(0, 2).page_size  # one copy, rank 0's
