@@ -201,3 +201,20 @@ def test_file_then_env_layering(tmp_path):
     path.write_text('page_size = 16\nhost_bytes = "8GiB"\nmodel_id = "llama-3-8b"\n')
     cfg = RuntimeConfig.from_env({"HICACHE_HOST_BYTES": "4GiB"}, base=RuntimeConfig.from_file(path))
     assert (cfg.page_size, cfg.host_bytes, cfg.model_id) == (16, 4 * GiB, "llama-3-8b")
+
+
+# -- KV dtypes --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, itemsize", [("float32", 4), ("float16", 2), ("bfloat16", 2),
+                                            ("float8_e4m3fn", 1), ("float8_e5m2", 1)])
+def test_kv_dtype_sets_the_torch_dtype_and_bytes_per_token(name, itemsize):
+    cfg = RuntimeConfig(num_layers=3, num_kv_heads=2, head_dim=8, kv_dtype=name, host_bytes=1 << 20)
+    assert str(cfg.torch_dtype) == f"torch.{name}"
+    assert cfg.bytes_per_token == 2 * 3 * 2 * 8 * itemsize
+    assert cfg.host_slots == (1 << 20) // cfg.bytes_per_token // cfg.page_size * cfg.page_size
+    assert RuntimeConfig.from_env({"HICACHE_KV_DTYPE": name}).kv_dtype == name
+
+
+def test_kv_dtype_unknown_is_refused_naming_the_field():
+    for bad in ("float8", "fp8", "float64", "int8"):
+        assert error(RuntimeConfig, kv_dtype=bad).startswith("kv_dtype must be one of")
