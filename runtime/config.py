@@ -23,7 +23,10 @@ HOST_LAYOUTS = ("layer_first", "page_first")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 COPY_ENGINES = ("auto", "cpu", "cuda", "fake")
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# fp8 pools hold the engine's already-quantized KV: the cache moves and stores bytes, the model
+# keeps any per-layer scales (docs/ARCHITECTURE.md, "KV dtypes")
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,15 @@ class KVShape:
         return 2 * self.num_layers * self.token_elems * self.itemsize
 
 
+# CPU torch has no index_copy_ for the fp8 dtypes: their slots are written through a uint8 view
+# of the same bytes (the copy engines and storage already move every dtype as bytes)
+_BYTE_FLOATS = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def _indexable(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t
+
+
 def _check_geometry(num_slots: int, page_size: int) -> None:
     if not isinstance(page_size, int) or page_size <= 0:
         raise ConfigError(f"page_size must be a positive int, got {page_size!r}")
@@ -138,7 +147,8 @@ class DevicePool:
     def write_slots(self, slots: np.ndarray | torch.Tensor, data: torch.Tensor) -> None:
         """Write ``data`` (``[L, 2, n, H, D]``) into ``slots``."""
         idx = _slots_array(slots, self.num_slots).to(self.device)
-        self.buffer.index_copy_(2, idx, data.to(self.device, self.shape.dtype).transpose(0, 1))
+        data = data.to(self.device, self.shape.dtype).transpose(0, 1)
+        _indexable(self.buffer).index_copy_(2, idx, _indexable(data))
 
     def __repr__(self) -> str:
         return f"DevicePool(slots={self.num_slots}, page_size={self.page_size}, device={self.device}, {self.shape})"
@@ -282,7 +292,7 @@ class HostPool:
         idx = _slots_array(slots, self.num_slots)
         data = data.to("cpu", self.shape.dtype)
         if self.layout == "layer_first":
-            self.buffer.index_copy_(2, idx, data.transpose(0, 1))
+            _indexable(self.buffer).index_copy_(2, idx, _indexable(data.transpose(0, 1)))
         else:
             ps = self.page_size
             self.buffer[idx // ps, :, :, idx % ps] = data.permute(2, 0, 1, 3, 4)

@@ -221,3 +221,20 @@ def test_tp_fields_from_env():
     cfg = RuntimeConfig.from_env({"HICACHE_TP_RANK": "3", "HICACHE_TP_SIZE": "4"})
     assert (cfg.tp_rank, cfg.tp_size) == (3, 4)
     assert "tp_rank" in error(RuntimeConfig.from_env, {"HICACHE_TP_RANK": "4", "HICACHE_TP_SIZE": "4"})
+
+
+# -- KV dtypes --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, itemsize", [("float32", 4), ("float16", 2), ("bfloat16", 2),
+                                            ("float8_e4m3fn", 1), ("float8_e5m2", 1)])
+def test_kv_dtype_sets_the_torch_dtype_and_bytes_per_token(name, itemsize):
+    cfg = RuntimeConfig(num_layers=3, num_kv_heads=2, head_dim=8, kv_dtype=name, host_bytes=1 << 20)
+    assert str(cfg.torch_dtype) == f"torch.{name}"
+    assert cfg.bytes_per_token == 2 * 3 * 2 * 8 * itemsize
+    assert cfg.host_slots == (1 << 20) // cfg.bytes_per_token // cfg.page_size * cfg.page_size
+    assert RuntimeConfig.from_env({"HICACHE_KV_DTYPE": name}).kv_dtype == name
+
+
+def test_kv_dtype_unknown_is_refused_naming_the_field():
+    for bad in ("float8", "fp8", "float64", "int8"):
+        assert error(RuntimeConfig, kv_dtype=bad).startswith("kv_dtype must be one of")
