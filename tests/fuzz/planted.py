@@ -154,9 +154,10 @@ def _clear_leaves_pages() -> Callable[[], None]:
 
 def _detach_forgets_stored() -> Callable[[], None]:
     from runtime.tree.cache import CacheCore
+    from runtime.tree.records import StoredPages
 
     disable = CacheCore.disable_storage
-    CacheCore.disable_storage = lambda self: disable(self) and set()
+    CacheCore.disable_storage = lambda self: disable(self) and StoredPages(set(), set())
     return lambda: setattr(CacheCore, "disable_storage", disable)
 
 
