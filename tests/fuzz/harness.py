@@ -34,6 +34,11 @@ call:
   made, nothing prefetches without it, the KV events announce what the tier (or the backend
   detached last) knows stored, and on file storage nothing is found stored that the runtime
   cannot have written since the last clear.
+- pages lost behind the runtime's back (file storage: `evict_pages` deletes a few page files, as
+  another process or a size cap would): every page file in the directory is one the tier knows
+  stored, holds in doubt or is writing (what a clear would leave otherwise), and every page it
+  knows stored is there unless the harness deleted it (every `TREE_EVERY` calls, after each
+  clear and at the end).
 
 Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
 debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
@@ -79,10 +84,11 @@ from runtime.messages import Abort, Admit, AdmitResult, Cache, Commit, Direction
 from runtime.runtime import CacheRuntime
 from runtime.stats import STATS, Kind
 from runtime.storage.backend import FaultPlan, FaultyBackend
-from runtime.storage.file_backend import FileBackend
+from runtime.storage.file_backend import FANOUT, PAGE_SUFFIX, FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.transfer.cpu_engine import CpuCopyEngine
 from runtime.transfer.fake_engine import FakeCopyEngine
+from runtime.tree.records import StoredPages
 
 Step = tuple[str, dict[str, Any]]
 
@@ -480,6 +486,11 @@ class Driver:
         # known stored outside it is a page that a clear left behind
         self.may_store: set[bytes] | None = set() if cfg.storage == "file" else None
         self.stored_during: set[bytes] | None = None  # what `_may_store` added while a clear ran
+        # pages the harness deleted from the directory behind the runtime's back (`x_evict_pages`),
+        # through a handle of its own (another process, as far as the runtime can tell)
+        self.evicted: set[bytes] = set()
+        self.evictor: Any = None
+        self._vocab_chains: list[tuple[np.ndarray, Hashable, list[bytes]]] | None = None
 
     # -- running ---------------------------------------------------------------------------------
     async def run(self, steps: list[Step] | None) -> None:
@@ -910,6 +921,7 @@ class Driver:
         if errors:
             raise self.fail("tree-kv-content", f"after {what}: " + "; ".join(errors))
         await self.check_events(what)
+        await self.check_directory(what)
 
     async def check_events(self, what: str) -> None:
         """The index rebuilt from the KV events alone holds exactly the pages each tier holds (by
@@ -930,6 +942,37 @@ class Driver:
                 raise self.fail("kv-events", f"after {what}: the events say {len(got)} {medium} pages, the runtime "
                                 f"holds {len(pages)}: {len(got - pages)} announced but not held, {len(pages - got)} "
                                 "held but not announced")
+
+    async def check_directory(self, what: str) -> None:
+        """File storage, in one tree-actor turn (no clear removing): every page file in the directory
+        is one the tier (or the record kept for the backend detached last) knows stored, holds in
+        doubt, or is writing - a page outside them is one a clear would leave behind; and every page
+        known stored is in the directory unless the harness deleted it (`x_evict_pages`)."""
+        if self.may_store is None or self.storage_dir is None:
+            return
+        tree, backend, directory = self.rt._tree, self.backend, self.storage_dir
+
+        def read(core: Any) -> tuple[set[bytes], set[bytes], set[bytes], set[bytes]] | None:
+            if tree._removing:
+                return None
+            st = core.storage
+            rec = StoredPages(st.known, st.doubtful) if st is not None else _kept_record(tree.detached_known, backend)
+            writing = {k for op in st.ops.values() if op.write for k in op.keys} if st is not None else set()
+            known, doubtful = (set(rec.known), set(rec.doubtful)) if rec is not None else (set(), set())
+            return _page_files(directory), known, doubtful, writing
+
+        seen = await self.inspect(read)
+        if seen is None:
+            return
+        files, known, doubtful, writing = seen
+        stray = files - known - doubtful - writing
+        if stray:
+            raise self.fail("storage-content", f"after {what}: {len(stray)} page files in the storage directory that the "
+                            "runtime neither knows stored nor holds in doubt nor is writing (a clear_storage leaves them)")
+        lost = known - files - self.evicted
+        if lost:
+            raise self.fail("storage-content", f"after {what}: {len(lost)} pages known stored are not in the storage "
+                            "directory, and nobody deleted them behind the runtime's back")
 
     # -- copies ---------------------------------------------------------------------------------------
     async def wait_acks(self, timeout: float = 10.0) -> None:
@@ -1294,14 +1337,16 @@ class Driver:
     async def x_attach_storage(self, fresh: bool = False, bad: bool = False, cancel: int | None = None,
                                during: Step | None = None) -> None:
         """`fresh`: a new backend over the same directory instead of the one detached (only when
-        the tree actor keeps no page of that one: the events would still announce those, and
-        whether the new tier relearns or forgets each one is its own history); `bad`: not a backend."""
+        the tree actor keeps no page of that one, known or in doubt: the events would still
+        announce those, whether the new tier relearns or forgets each one is its own history, and
+        a clear through it would leave those in doubt); `bad`: not a backend."""
         backend = self.backend
         if bad:
             backend = object()
         elif fresh and not self.attached and not self.controls_pending and self.storage_dir is not None:
             detached, old = self.rt._tree.detached_known, self.backend
-            if not await self.inspect(lambda core: _kept(detached, old)):
+            kept = await self.inspect(lambda core: _kept_record(detached, old))
+            if kept is None or not (kept.known or kept.doubtful):
                 backend = _storage_for(self.cfg, self.storage_dir)
                 self.extra_backends.append(backend)
         await self._control("attach", cancel, during, backend, bad)
@@ -1313,7 +1358,8 @@ class Driver:
         awaited. An invalid one (attach while attached, detach or clear while detached, not a
         backend) is a typed error that changes nothing."""
         rt = self.rt
-        what = f"{op}_storage({'fresh ' if backend is not self.backend and not bad else ''}{'junk' if bad else ''})"
+        fresh = op == "attach" and backend is not self.backend and not bad
+        what = f"{op}_storage({'fresh' if fresh else ''}{'junk' if bad else ''})"
         make: Callable[[], Awaitable[Any]] = {
             "clear": rt.clear_storage, "detach": rt.detach_storage, "attach": lambda: rt.attach_storage(backend)}[op]
         must: tuple[type, ...] = (ConfigError,) if bad else ((StateError,) if self.attached == (op == "attach") else ())
@@ -1347,6 +1393,7 @@ class Driver:
             assert self.stored_during is not None
             self.may_store = before | self.stored_during | await self._held_pages()
             self.stored_during = None
+            await self.check_directory(what)  # nothing the clear should have removed is left
         await self.check(what, None if exc is CANCELLED else exc)
 
     async def _held_pages(self) -> set[bytes]:
@@ -1369,6 +1416,75 @@ class Driver:
             if asyncio.get_running_loop().time() > deadline:
                 raise self.fail("hang", f"storage controls still queued after {timeout} s")
             await asyncio.sleep(0.0005)
+
+    # -- pages lost behind the runtime's back ---------------------------------------------------------
+    async def x_evict_pages(self, pick: float, count: int, flush: bool = False, probe: Hashable = None) -> None:
+        """Another process (or a size cap) deletes `count` page files of a chain, from a page the
+        runtime knows stored: the runtime learns it only when a lookup or read stops there (it and
+        the pages after it are then no longer known stored, those after it held in doubt). Then
+        `flush`, and `probe`: prepare that rid for the chain's tokens through its last page known
+        stored. The deletion is not an API call; file storage only."""
+        if self.may_store is None or self.storage_dir is None:
+            return
+        detached, backend = self.rt._tree.detached_known, self.backend
+        known = await self.inspect(lambda core: set(core.storage.known) if core.storage is not None
+                                   else set(_kept(detached, backend) or ()))
+        keys, tokens, ns = self._eviction(known, pick, count)
+        if not keys:
+            return
+        if self.evictor is None:
+            self.evictor = _storage_for(self.cfg, self.storage_dir)
+            self.extra_backends.append(self.evictor)
+        self.evicted.update(keys)
+        removed = self.evictor.remove(keys)
+        self.outcomes.append(f"evict {len(keys)} pages -> {removed} removed")
+        await self.check(f"deleting {removed} page files behind the runtime's back", None)
+        if flush:
+            await self.x_flush()
+        if probe is not None and tokens and probe not in self.reqs and probe not in self.prepared:
+            await self.x_prepare(probe, tokens, ns)
+            await self.landed(probe)
+            # its lookup stopped at the first page deleted: the events report it and the pages after
+            # it removed from STORAGE as the tier forgets them
+            await self.check_events("deleting page files, a prepare")
+        await self.check_directory(f"deleting page files{', a prepare' if probe is not None else ''}")
+
+    async def landed(self, rid: Hashable, timeout: float = CALL_TIMEOUT_S) -> None:
+        """Until the prefetch of prepared `rid` (if any) has landed: its lookup and read acked (the
+        fake engine plays no part in them)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while await self.inspect(lambda core: rid in _prefetches(core)):
+            if asyncio.get_running_loop().time() > deadline:
+                raise self.fail("hang", f"the prefetch of {rid!r} did not land in {timeout} s")
+            await asyncio.sleep(0.0005)
+
+    def _eviction(self, known: set[bytes], pick: float, count: int) -> tuple[list[bytes], list[int], Hashable]:
+        """The pages to delete, with the tokens of their chain through its last page known stored
+        (and one more token) and its namespace: from a page known stored with a page known stored
+        after it in one of the model's chains (plans of live requests and sessions, the
+        vocabulary's conversations in every namespace), `count` pages on but never its last page
+        known stored (a lookup stopping there must leave a page behind); else any page known."""
+        cands: list[tuple[list[bytes], list[int], Hashable]] = []
+        seen: set[bytes] = set()
+        for plan, ns, chain in self._chains():
+            stored = [i for i, h in enumerate(chain) if h in known]
+            toks = [int(t) for t in plan[: (stored[-1] + 1) * self.ps + 1]] if stored else []
+            for i in stored[:-1]:  # a lookup stops there while later pages remain
+                if chain[i] not in seen:
+                    seen.add(chain[i])
+                    cands.append((chain[i: min(i + count, stored[-1])], toks, ns))
+        if not cands:
+            cands = [([h], [], None) for h in sorted(known)]
+        return cands[int(pick * len(cands))] if cands else ([], [], None)
+
+    def _chains(self) -> list[tuple[np.ndarray, Hashable, list[bytes]]]:
+        """(plan, namespace, storage page hashes) of the model's chains."""
+        if self._vocab_chains is None:
+            self._vocab_chains = [(p, ns, self._storage_pages(p, ns)) for p in
+                                  (np.asarray(toks, np.int32) for toks, _ in self.vocab.convs)
+                                  for ns in dict.fromkeys(Vocab.NAMESPACES)]
+        live = [(r.plan, r.ns) for r in self.reqs.values()] + [(s.plan, s.ns) for s in self.sessions.values()]
+        return [(plan, ns, self._storage_pages(plan, ns)) for plan, ns in live] + self._vocab_chains
 
     async def x_batch(self, items: list[tuple[str, dict[str, Any]]], cancel: int | None = None) -> None:
         msgs: list[Any] = []
@@ -1548,6 +1664,7 @@ class Driver:
             (1, self.g_bad),
             # last, and 0 without storage: the draws of episodes without storage stay as they were
             *self._control_weights(),
+            (2 if self.may_store is not None else 0, self.g_evict_pages),
         ]
         weights = [w for w, _ in table]
         while True:
@@ -1582,6 +1699,14 @@ class Driver:
         if not nested and rng.random() < 0.15:
             args["cancel"] = rng.choice((0, 1))
         return f"{op}_storage", args
+
+    def g_evict_pages(self) -> Step:
+        """A few page files go behind the runtime's back: which ones is picked when the step runs,
+        from what the runtime then knows stored (`pick`: where in the list of candidates); often
+        a flush and a prepare of their chain follow (the lookup then starts before them)."""
+        rng = self.rng
+        return "evict_pages", {"pick": rng.random(), "count": rng.choice((1, 1, 2, 3)), "flush": rng.random() < 0.4,
+                               "probe": self._new_rid() if rng.random() < 0.7 else None}
 
     def _bad(self, p: float = 0.12) -> bool:
         return self.rng.random() < p
@@ -1885,10 +2010,24 @@ async def _close(rt: CacheRuntime, engine: FakeCopyEngine | None) -> None:
     await closing
 
 
+def _kept_record(detached: Any, backend: Any) -> StoredPages | None:
+    """What the tree actor keeps for a detached `backend` (its weak-keyed record)."""
+    return None if backend is None else detached.get(backend)
+
+
 def _kept(detached: Any, backend: Any) -> set[bytes] | None:
-    """The page hashes the tree actor keeps for a detached `backend` (its weak-keyed record)."""
-    kept = None if backend is None else detached.get(backend)
+    """The page hashes the tree actor keeps known stored for a detached `backend`."""
+    kept = _kept_record(detached, backend)
     return None if kept is None else kept.known
+
+
+def _page_files(directory: str) -> set[bytes]:
+    """The page hashes of the page files in a `FileBackend` directory (its fan-out layout)."""
+    out: set[bytes] = set()
+    for sub in FANOUT:
+        with os.scandir(os.path.join(directory, sub)) as it:
+            out.update(bytes.fromhex(e.name[:-len(PAGE_SUFFIX)]) for e in it if e.name.endswith(PAGE_SUFFIX))
+    return out
 
 
 def _resident_pages(core: Any, detached: set[bytes] | None = None

@@ -21,6 +21,9 @@ Each plant wraps or replaces one function of the core the way a regression would
   finds them (only the fuzzer's model of what storage may hold can tell).
 - `detach_forgets_stored`: `detach_storage` keeps none of the page hashes known stored for a
   re-attach of the same backend: the KV events still announce them, a later clear leaves them.
+- `gone_forgets_doubtful`: a lookup or read that stops at a missing page forgets it and the pages
+  after it outright, holding none in doubt (the behaviour before `StorageTier.doubtful`): those
+  after it stay on disk, and a clear leaves them (found with the fuzzer's `evict_pages`).
 
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
@@ -154,10 +157,24 @@ def _clear_leaves_pages() -> Callable[[], None]:
 
 def _detach_forgets_stored() -> Callable[[], None]:
     from runtime.tree.cache import CacheCore
+    from runtime.tree.records import StoredPages
 
     disable = CacheCore.disable_storage
-    CacheCore.disable_storage = lambda self: disable(self) and set()
+    CacheCore.disable_storage = lambda self: disable(self) and StoredPages(set(), set())
     return lambda: setattr(CacheCore, "disable_storage", disable)
+
+
+def _gone_forgets_doubtful() -> Callable[[], None]:
+    from runtime.tree.storage_tier import StorageTier
+
+    gone = StorageTier._gone
+
+    def broken(self: StorageTier, keys: list[bytes]) -> None:
+        gone(self, keys)
+        self.doubtful.difference_update(keys)  # forgotten: a clear removes none of them
+
+    StorageTier._gone = broken
+    return lambda: setattr(StorageTier, "_gone", gone)
 
 
 PLANTS: dict[str, Plant] = {
@@ -175,6 +192,7 @@ PLANTS: dict[str, Plant] = {
     "split_keeps_page_hashes": Plant(_split_keeps_page_hashes, frozenset({"kv-events"})),
     "clear_leaves_pages": Plant(_clear_leaves_pages, frozenset({"storage-content"})),
     "detach_forgets_stored": Plant(_detach_forgets_stored, frozenset({"kv-events", "storage-content"})),
+    "gone_forgets_doubtful": Plant(_gone_forgets_doubtful, frozenset({"storage-content"})),
 }
 
 
