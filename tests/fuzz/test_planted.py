@@ -27,7 +27,7 @@ BUDGET = CI_CALLS
 def test_fuzzer_finds_the_planted_bug(plant, capsys):
     proc = subprocess.run(
         [sys.executable, "-m", "tests.fuzz.planted", plant, "--seed", str(SEED), "--calls", str(BUDGET),
-         "--shrink-s", "30"],
+         "--shrink-s", "8"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
