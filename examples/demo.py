@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--storage-dir", help="local file storage tier (default: a fresh temporary directory)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device of the model and the device pool (default cpu; "
+                   "cuda: the CUDA copy engine moves KV)")
     p.add_argument("--no-uvloop", action="store_true", help="plain asyncio even when uvloop is installed")
     args = p.parse_args(argv)
     args.storage_dir = args.storage_dir or tempfile.mkdtemp(prefix="hicache-demo-storage-")
@@ -139,7 +141,7 @@ def runtime_config(model: Any, tok: Any, args: argparse.Namespace) -> RuntimeCon
     return RuntimeConfig(
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
         kv_dtype={torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[model.dtype],
-        model_id="tiny-llama" if args.tiny else "SmolLM2-135M-Instruct", device="cpu", page_size=page,
+        model_id="tiny-llama" if args.tiny else "SmolLM2-135M-Instruct", device=args.device, page_size=page,
         device_slots=device, host_tokens=args.host_tokens or 2 * device, write_policy=args.write_policy,
         trace_path=args.trace, storage_backend="file", storage_dir=args.storage_dir,
     )
@@ -281,7 +283,8 @@ async def chat(args: argparse.Namespace) -> int:
               flush=True)
         model, tok = load_smollm2(args.model_cache)
         eos = [tok.eos_token_id]
-        what = "SmolLM2-135M-Instruct (fp32, CPU)"
+        what = f"SmolLM2-135M-Instruct (fp32, {args.device})"
+    model = model.to(args.device)
     t_loaded = time.perf_counter()
     cfg = runtime_config(model, tok, args)
     loop_name = type(asyncio.get_running_loop()).__module__.split(".")[0]

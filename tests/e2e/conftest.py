@@ -15,8 +15,9 @@ import pytest
 @pytest.fixture(scope="module")
 def model():
     from runtime.integrations.hf_llama import tiny_llama
+    from tests.e2e.support import DEVICE
 
-    return tiny_llama(seed=0)
+    return tiny_llama(seed=0).to(DEVICE)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ Import it only after ``pytest.importorskip("transformers")``: it uses the Huggin
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from runtime.config import RuntimeConfig
@@ -12,13 +14,16 @@ from runtime.integrations.hf_llama import kv_geometry
 
 TOL = 1e-5  # max abs logit difference from transformers' own forward (fp32)
 PAGE = 16
+# the model's and the device pool's torch device: HICACHE_TEST_DEVICE=cuda runs the end-to-end
+# tests on a GPU, the CUDA copy engine moving the KV (docs/TESTING.md)
+DEVICE = os.environ.get("HICACHE_TEST_DEVICE", "cpu")
 
 
 def runtime_config(model, *, device_slots: int, **kw) -> RuntimeConfig:
     """A RuntimeConfig with the model's KV geometry: pages of PAGE, ``device_slots`` device slots,
     2048 host tokens, write-through and invariant checks on; ``kw`` overrides any of them."""
     layers, kv_heads, head_dim = kv_geometry(model.config)
-    base = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=PAGE,
+    base = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=PAGE, device=DEVICE,
                 device_slots=device_slots, host_tokens=2048, write_policy="write_through", debug_invariants=True)
     base.update(kw)
     return RuntimeConfig(**base)

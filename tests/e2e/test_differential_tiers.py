@@ -67,7 +67,7 @@ def mismatches(ref_model, results) -> list[str]:
             bad.append(f"{rid} @{len(prompt)}: tokens {tokens} != {want}")
             continue
         for step, (got, exp) in enumerate(zip(logits, want_logits, strict=True)):
-            err = (got - exp).abs().max().item()
+            err = (got.to(exp.device) - exp).abs().max().item()
             if not err <= TOL:
                 bad.append(f"{rid} @{len(prompt)} step {step}: logits off by {err:.2e}")
                 break

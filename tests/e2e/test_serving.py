@@ -54,7 +54,7 @@ def mismatches(ref_model, results, new: int = NEW) -> list[str]:
             bad.append(f"{c.rid} @{len(prompt)}: tokens {c.tokens} != {want}")
             continue
         for step, (got, exp) in enumerate(zip(c.logits, want_logits, strict=True)):
-            err = (got - exp).abs().max().item()
+            err = (got.to(exp.device) - exp).abs().max().item()
             if not err <= TOL:
                 bad.append(f"{c.rid} @{len(prompt)} step {step}: logits off by {err:.2e}")
                 break
