@@ -101,7 +101,7 @@ def _page_rows(buffer: torch.Tensor, *, page_first: bool, shape: KVShape, page_s
     kernel (`runtime.transfer.row_kernel`) moves.
     """
     if buffer.device.type != "cpu":
-        raise TypeError("page_rows() needs a CPU buffer (the CUDA engine copies tensor slices)")
+        raise TypeError("page_rows() needs a CPU buffer (the CUDA engine has its own rows: runtime.transfer.zero_copy)")
     row_bytes = page_size * shape.token_elems * shape.itemsize
     word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8) if row_bytes % np.dtype(w).itemsize == 0)
     raw = buffer.view(torch.uint8).numpy()  # shares memory; works for bf16 too
