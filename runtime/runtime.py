@@ -93,7 +93,7 @@ from runtime.validation import (
 )
 from runtime.validation import tokens as _checked_tokens
 
-if TYPE_CHECKING:  # prometheus_client is imported only when metrics are on (extra "metrics")
+if TYPE_CHECKING:  # prometheus_client is imported only when metrics are on
     from prometheus_client.registry import CollectorRegistry
 
     from runtime.metrics import MetricsEndpoint, StatsCollector
@@ -509,9 +509,14 @@ class CacheRuntime:
         every `metrics_interval_s` anyway); returns a copy of it. `StateError` when metrics are off."""
         if self._metrics is None:
             raise StateError("metrics are off: open the runtime with metrics_registry= or config.metrics_port")
+        return copy.deepcopy(await self._snapshot_metrics())
+
+    async def _snapshot_metrics(self) -> dict[str, dict[str, Any]]:
+        """A `stats()` snapshot handed to the collector (nobody changes it again)."""
+        assert self._metrics is not None
         snapshot = await self.stats()
-        self._metrics.update(snapshot)  # handed over: nobody changes it again
-        return copy.deepcopy(snapshot)
+        self._metrics.update(snapshot)
+        return snapshot
 
     @property
     def metrics_port(self) -> int | None:
@@ -570,7 +575,7 @@ class CacheRuntime:
         """The first snapshot, the endpoint (if asked for), then the periodic refresh."""
         if self._metrics is None:
             return
-        await self.refresh_metrics()
+        await self._snapshot_metrics()
         cfg = self.config
         if cfg.metrics_port is not None:
             from runtime.metrics import MetricsEndpoint
@@ -584,7 +589,7 @@ class CacheRuntime:
         while True:
             await asyncio.sleep(interval_s)
             try:
-                await self.refresh_metrics()
+                await self._snapshot_metrics()  # (no copy: nobody reads it here)
             except HiCacheError:  # closing or failed: the last snapshot stays until close unregisters
                 return
 

@@ -330,7 +330,7 @@ class TreeActor(Actor[TreeMessage]):
                 self.backend = None
                 self._to_transfer(SetStorageBackend(None, reply), reply)
                 continue
-            keys = self.core.forget_storage()  # (KV events: BlockRemoved, medium STORAGE, for these)
+            keys = self.core.forget_storage()  # (the core reports them removed from STORAGE)
             self._removing = True  # the head until its removal is acked (on_storage_cleared)
             if not self._to_transfer(RemoveStoragePages(tuple(keys), self.mailbox, reply), reply):
                 self._removing = False

@@ -122,19 +122,18 @@ class KVEventRecorder:
         """`node`'s page hashes, computed for the pages not hashed yet (a new node, or a leaf a
         request extended), its ancestors' first."""
         blob = node.page_hashes
-        key = node.key
         pb = self._page_bytes
-        if blob is not None and len(blob) // _HB * pb == len(key):
+        if blob is not None and len(blob) // _HB * pb == len(node.key):
             return blob
         chain = []  # node and its ancestors that need hashing, deepest first
-        cur: Node | None = node
-        while cur is not None and cur.parent is not None:
+        cur = node
+        while cur.parent is not None:  # (stops at the first ancestor fully hashed, or the root)
             b = cur.page_hashes
             if b is not None and len(b) // _HB * pb == len(cur.key):
                 break
             chain.append(cur)
             cur = cur.parent
-        prev = self._seed(node.extra_key) if cur is None or cur.parent is None else cur.page_hashes[-_HB:]
+        prev = self._seed(node.extra_key) if cur.parent is None else cur.page_hashes[-_HB:]  # type: ignore[index]
         for cur in reversed(chain):
             b = cur.page_hashes or b""
             if b:

@@ -2,7 +2,7 @@
 
 ``h(0) = H(seed || tokens of page 0)``, ``h(i) = H(h(i-1) || tokens of page i)`` where
 
-- ``H`` is SHA-256 (``hashlib``) truncated to its first 16 bytes (``HASH_BYTES``). 128 bits
+- ``H`` is SHA-256 (the seed through ``hashlib``, the pages through `runtime.storage.hash_chain`) truncated to its first 16 bytes (``HASH_BYTES``). 128 bits
   keep the chance of any collision among 2**40 stored pages below 2**-48; truncation only
   shortens keys and file names.
 - the tokens of a page are ``page_size`` int32 values in little-endian byte order;
@@ -32,6 +32,7 @@ from typing import Union
 import numpy as np
 
 from runtime.errors import LengthError, ValidationError
+from runtime.storage.hash_chain import chain_hashes
 
 DIGEST_NAME = "sha256-128"
 HASH_BYTES = 16
@@ -196,12 +197,5 @@ def page_hashes(
         if not isinstance(parent, (bytes, bytearray)) or len(parent) != HASH_BYTES:
             raise ValidationError(f"parent must be a {HASH_BYTES}-byte page hash")
         prev = bytes(parent)
-    raw = np.ascontiguousarray(arr[: n_pages * page_size]).tobytes()
-    step = page_size * 4
-    out: list[bytes] = []
-    append = out.append
-    sha = _sha256
-    for off in range(0, n_pages * step, step):
-        prev = sha(prev + raw[off : off + step]).digest()[:HASH_BYTES]
-        append(prev)
-    return out
+    blob = chain_hashes(prev, np.ascontiguousarray(arr[: n_pages * page_size]).tobytes(), page_size * 4)
+    return [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]

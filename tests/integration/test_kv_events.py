@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 
-from runtime.errors import CapacityError, ConfigError, StateError
+from runtime.errors import ArgumentError, CapacityError, ConfigError, StateError
 from runtime.events import CPU, GPU, STORAGE, EventsLostError, PrefixIndex
 from runtime.events.subscriber import ZmqEventSubscriber
 from runtime.runtime import CacheRuntime
@@ -127,5 +127,5 @@ async def test_event_calls_validate():
     with pytest.raises(ConfigError, match="ZMQ endpoint"):
         small_config(kv_events=True, kv_events_endpoint="127.0.0.1:5557")
     async with CacheRuntime.open(small_config(kv_events=True)) as rt:
-        with pytest.raises(Exception, match="maxsize"):
+        with pytest.raises(ArgumentError, match="maxsize"):
             rt.kv_events(maxsize=0)

@@ -102,10 +102,10 @@ def test_sizes_are_parsed_by_the_sources_only():
 def test_to_dict_round_trip_of_a_non_default_config():
     cfg = RuntimeConfig(page_size=32, device_slots=1024, host_bytes=3 * GiB, host_layout="page_first",
                         write_policy="write_back", eviction_policy="lfu", decode_offload=True,
-                        offload_stride=64, storage_backend="file", storage_dir="/tmp/x",
+                        offload_stride=64, storage_backend="file", storage_dir="kv-store",
                         storage_cap_bytes=10**9, prefetch_policy="best_effort", vocab_size=32000)
     d = cfg.to_dict()
-    assert d["host_bytes"] == 3 * GiB and d["storage_dir"] == "/tmp/x" and d["trace_path"] is None
+    assert d["host_bytes"] == 3 * GiB and d["storage_dir"] == "kv-store" and d["trace_path"] is None
     assert RuntimeConfig.from_dict(d) == cfg
     assert RuntimeConfig.from_dict(json.loads(json.dumps(d))) == cfg
 
