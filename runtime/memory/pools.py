@@ -4,19 +4,23 @@ Both hold K and V for every layer and slot of one model; only the copy engine an
 model touch their data (the ledgers say who owns which slot).
 
 Storage:
-- `DevicePool.buffer`: one tensor ``[2, L, S, H, D]`` (K = 0, V = 1) on ``device``;
-  ``k[l]`` / ``v[l]`` are ``[S, H, D]`` views of it, so a run of slots is one strided
-  slice over all layers and copies can coalesce.
-- `HostPool.buffer`, layout ``layer_first`` (default): ``[2, L, S, H, D]`` like the device.
-- `HostPool.buffer`, layout ``page_first``: ``[P, L, 2, page_size, H, D]``: one page is
+A token's KV has ``C = KVShape.parts`` parts per layer: 2 (K and V, ``[H, D]`` each: MHA, GQA,
+sliding window) or 1 (one latent vector per token, ``H = 1``, ``D`` = its width: MLA).
+
+Storage:
+- `DevicePool.buffer`: one tensor ``[C, L, S, H, D]`` (K = 0, V = 1) on ``device``;
+  ``k[l]`` / ``v[l]`` are ``[S, H, D]`` views of it (``latent[l]`` with one part), so a run of
+  slots is one strided slice over all layers and copies can coalesce.
+- `HostPool.buffer`, layout ``layer_first`` (default): ``[C, L, S, H, D]`` like the device.
+- `HostPool.buffer`, layout ``page_first``: ``[P, L, C, page_size, H, D]``: one page is
   contiguous across layers (storage reads/writes it without a gather).
 
-The storage format of a page is the canonical ``[L, 2, page_size, H, D]``
+The storage format of a page is the canonical ``[L, C, page_size, H, D]``
 (`HostPool.read_page` / `write_page`), whatever the host layout, so processes with
 different layouts or pool sizes share pages.
 
-`page_rows()` gives the CPU copy engines a zero-copy numpy view ``[2, L, P, W]`` whose rows
-are one page of one layer's K or V (``page_size * H * D * itemsize`` bytes as ``W`` words):
+`page_rows()` gives the CPU copy engines a zero-copy numpy view ``[C, L, P, W]`` whose rows
+are one page of one layer's part (``page_size * H * D * itemsize`` bytes as ``W`` words):
 in both layouts a page row is contiguous, so every copy is a copy of page rows.
 """
 
@@ -38,12 +42,14 @@ _LAYOUTS = ("layer_first", "page_first")
 
 @dataclass(frozen=True)
 class KVShape:
-    """Per-token KV geometry of a model (MHA: K and V per layer, ``[num_kv_heads, head_dim]`` each)."""
+    """Per-token KV geometry of a model: ``parts`` tensors ``[num_kv_heads, head_dim]`` per layer
+    (2: K and V, MHA / GQA; 1: one latent vector, MLA, written ``num_kv_heads=1``)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float16
+    parts: int = 2
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -52,6 +58,8 @@ class KVShape:
                 raise ConfigError(f"KVShape.{name} must be a positive int, got {v!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError(f"KVShape.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.parts not in (1, 2) or type(self.parts) is not int:
+            raise ConfigError(f"KVShape.parts must be 1 (latent) or 2 (K and V), got {self.parts!r}")
 
     @property
     def itemsize(self) -> int:
@@ -59,13 +67,13 @@ class KVShape:
 
     @property
     def token_elems(self) -> int:
-        """Elements of one token in one layer's K (or V): ``num_kv_heads * head_dim``."""
+        """Elements of one token in one layer's part (K, V or latent): ``num_kv_heads * head_dim``."""
         return self.num_kv_heads * self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one token's KV: K and V over all layers."""
-        return 2 * self.num_layers * self.token_elems * self.itemsize
+        """Bytes of one token's KV: every part over all layers."""
+        return self.parts * self.num_layers * self.token_elems * self.itemsize
 
 
 # CPU torch has no index_copy_ for the fp8 dtypes: their slots are written through a uint8 view
@@ -95,7 +103,7 @@ def _slots_array(slots: np.ndarray | torch.Tensor | list[int], num_slots: int) -
 
 
 def _page_rows(buffer: torch.Tensor, *, page_first: bool, shape: KVShape, page_size: int) -> np.ndarray:
-    """Zero-copy numpy view ``[2, L, P, W]``: row ``[kv, layer, page]`` is one page of one layer's K or V.
+    """Zero-copy numpy view ``[C, L, P, W]``: row ``[part, layer, page]`` is one page of one layer's part.
 
     Rows are ``W`` machine words (uint64 when the row size allows), the unit the CPU copy
     kernel (`runtime.transfer.row_kernel`) moves.
@@ -105,17 +113,18 @@ def _page_rows(buffer: torch.Tensor, *, page_first: bool, shape: KVShape, page_s
     row_bytes = page_size * shape.token_elems * shape.itemsize
     word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8) if row_bytes % np.dtype(w).itemsize == 0)
     raw = buffer.view(torch.uint8).numpy()  # shares memory; works for bf16 too
-    L = shape.num_layers
+    L, C = shape.num_layers, shape.parts
     if page_first:
-        rows = raw.reshape(-1, L, 2, row_bytes).view(word)  # [P, L, 2, W]
+        rows = raw.reshape(-1, L, C, row_bytes).view(word)  # [P, L, C, W]
         return rows.transpose(2, 1, 0, 3)
-    return raw.reshape(2, L, -1, row_bytes).view(word)  # [2, L, P, W]
+    return raw.reshape(C, L, -1, row_bytes).view(word)  # [C, L, P, W]
 
 
 class DevicePool:
     """Per-layer K and V buffers ``[num_slots, num_kv_heads, head_dim]`` on ``device``.
 
-    ``buffer`` is ``[2, L, S, H, D]``; ``k[l]`` / ``v[l]`` are views of it.
+    ``buffer`` is ``[C, L, S, H, D]``; ``k[l]`` / ``v[l]`` are views of it (K and V), ``latent[l]``
+    (one part: MLA; ``k`` names the same views so that code reading one part reads either).
     """
 
     def __init__(self, shape: KVShape, num_slots: int, page_size: int, device: torch.device | str = "cpu") -> None:
@@ -126,26 +135,28 @@ class DevicePool:
         self.num_pages = num_slots // page_size
         self.device = torch.device(device)
         self.buffer = torch.zeros(
-            (2, shape.num_layers, num_slots, shape.num_kv_heads, shape.head_dim), dtype=shape.dtype, device=self.device
+            (shape.parts, shape.num_layers, num_slots, shape.num_kv_heads, shape.head_dim), dtype=shape.dtype, device=self.device
         )
         self.k: list[torch.Tensor] = [self.buffer[0, layer] for layer in range(shape.num_layers)]
-        self.v: list[torch.Tensor] = [self.buffer[1, layer] for layer in range(shape.num_layers)]
+        self.v: list[torch.Tensor] = ([self.buffer[1, layer] for layer in range(shape.num_layers)]
+                                      if shape.parts == 2 else [])
+        self.latent: list[torch.Tensor] = self.k if shape.parts == 1 else []
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
     def page_rows(self) -> np.ndarray:
-        """``[2, L, P, W]`` numpy view of page rows (CPU pools only)."""
+        """``[C, L, P, W]`` numpy view of page rows (CPU pools only)."""
         return _page_rows(self.buffer, page_first=False, shape=self.shape, page_size=self.page_size)
 
     def read_slots(self, slots: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Copy of the KV of ``slots``, ``[L, 2, n, H, D]`` on the CPU (tests, fingerprint checks)."""
+        """Copy of the KV of ``slots``, ``[L, C, n, H, D]`` on the CPU (tests, fingerprint checks)."""
         idx = _slots_array(slots, self.num_slots).to(self.device)
         return self.buffer.index_select(2, idx).transpose(0, 1).contiguous().cpu()
 
     def write_slots(self, slots: np.ndarray | torch.Tensor, data: torch.Tensor) -> None:
-        """Write ``data`` (``[L, 2, n, H, D]``) into ``slots``."""
+        """Write ``data`` (``[L, C, n, H, D]``) into ``slots``."""
         idx = _slots_array(slots, self.num_slots).to(self.device)
         data = data.to(self.device, self.shape.dtype).transpose(0, 1)
         _indexable(self.buffer).index_copy_(2, idx, _indexable(data))
@@ -184,7 +195,8 @@ class HostPool:
             pin_memory = torch.cuda.is_available()
         self.pinned = bool(pin_memory)
         L, H, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
-        dims = (2, L, num_slots, H, D) if layout == "layer_first" else (self.num_pages, L, 2, page_size, H, D)
+        C = shape.parts
+        dims = (C, L, num_slots, H, D) if layout == "layer_first" else (self.num_pages, L, C, page_size, H, D)
         self.buffer = torch.empty(dims, dtype=shape.dtype, pin_memory=self.pinned)
         if zero:
             self.buffer.zero_()
@@ -240,7 +252,7 @@ class HostPool:
         return self.buffer[1, layer] if self.layout == "layer_first" else self.buffer[:, layer, 1]
 
     def page_rows(self) -> np.ndarray:
-        """``[2, L, P, W]`` numpy view of page rows (each row contiguous, in both layouts)."""
+        """``[C, L, P, W]`` numpy view of page rows (each row contiguous, in both layouts)."""
         return _page_rows(self.buffer, page_first=self.layout == "page_first", shape=self.shape, page_size=self.page_size)
 
     # ---- storage I/O (canonical page format) -----------------------------------------
@@ -252,7 +264,7 @@ class HostPool:
         return page
 
     def read_page(self, page: int) -> torch.Tensor:
-        """One page in the canonical ``[L, 2, page_size, H, D]`` form, contiguous.
+        """One page in the canonical ``[L, C, page_size, H, D]`` form, contiguous.
 
         page_first: a view of the pool (zero copy); layer_first: a copy. Treat it as
         read-only and use it before the page is freed or rewritten.
@@ -264,10 +276,10 @@ class HostPool:
         return self.buffer[:, :, page * ps : (page + 1) * ps].transpose(0, 1).contiguous()
 
     def write_page(self, page: int, data: torch.Tensor) -> None:
-        """Write one page from its canonical ``[L, 2, page_size, H, D]`` form."""
+        """Write one page from its canonical ``[L, C, page_size, H, D]`` form."""
         page = self._check_page(page)
         L, H, D = self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim
-        expect = (L, 2, self.page_size, H, D)
+        expect = (L, self.shape.parts, self.page_size, H, D)
         if tuple(data.shape) != expect:
             raise LengthError(f"page data must be {expect}, got {tuple(data.shape)}")
         if self.layout == "page_first":
@@ -279,7 +291,7 @@ class HostPool:
     # ---- test helpers ------------------------------------------------------------------
 
     def read_slots(self, slots: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Copy of the KV of ``slots``, ``[L, 2, n, H, D]`` (tests, fingerprint checks)."""
+        """Copy of the KV of ``slots``, ``[L, C, n, H, D]`` (tests, fingerprint checks)."""
         idx = _slots_array(slots, self.num_slots)
         if self.layout == "layer_first":
             return self.buffer.index_select(2, idx).transpose(0, 1).contiguous()
@@ -288,7 +300,7 @@ class HostPool:
         return self.buffer[idx // ps, :, :, idx % ps].permute(1, 2, 0, 3, 4).contiguous()
 
     def write_slots(self, slots: np.ndarray | torch.Tensor, data: torch.Tensor) -> None:
-        """Write ``data`` (``[L, 2, n, H, D]``) into ``slots``."""
+        """Write ``data`` (``[L, C, n, H, D]``) into ``slots``."""
         idx = _slots_array(slots, self.num_slots)
         data = data.to("cpu", self.shape.dtype)
         if self.layout == "layer_first":

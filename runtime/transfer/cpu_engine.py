@@ -158,7 +158,7 @@ class CpuCopyEngine:
             device, _ = self._pools[rt.pool]
             dev_rows, host_rows = self._rows[rt.pool]
             src_rows, dst_rows = (dev_rows, host_rows) if resolved.direction is Direction.BACKUP else (host_rows, dev_rows)
-            step_bytes_per_page = 2 * min(layers_per_call, device.shape.num_layers) * row_bytes_of(device)
+            step_bytes_per_page = device.shape.parts * min(layers_per_call, device.shape.num_layers) * row_bytes_of(device)
             min_pages = -(-SHARD_MIN_BYTES // step_bytes_per_page)
             jobs.append((src_rows, dst_rows, shard_pages(rt.src_pages, rt.dst_pages, self._copy_threads, min_pages)))
         return jobs

@@ -150,10 +150,11 @@ class CudaCopyEngine:
 
 
 def _rows(zero_copy: Any, buffer: torch.Tensor, device: DevicePool, *, page_first: bool) -> Any:
-    """A pool's page rows for the kernel (row = one page of one layer's K or V)."""
+    """A pool's page rows for the kernel (row = one page of one layer's part: K, V, latent, state)."""
     shape = device.shape
     row_bytes = device.page_size * shape.token_elems * shape.itemsize
-    return zero_copy.RowTensor(buffer, page_first=page_first, num_layers=shape.num_layers, row_bytes=row_bytes)
+    return zero_copy.RowTensor(buffer, page_first=page_first, num_layers=shape.num_layers, row_bytes=row_bytes,
+                               parts=shape.parts)
 
 
 class _Finish(CudaEventCompletion):

@@ -17,6 +17,7 @@ import torch
 
 from runtime.errors import LengthError, RuntimeClosed, ValidationError
 from runtime.memory.pools import DevicePool, HostPool, KVShape
+from runtime.memory.state_pool import StateComponent, StatePool, StateShape
 from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.transfer.cpu_engine import CpuCopyEngine
 from runtime.transfer.engine import CopyHandle
@@ -248,6 +249,40 @@ def test_two_pools_in_one_plan(kind):
         wait(h)
         assert torch.equal(host.read_slots(slots([5, 0], 4)), dev.read_slots(slots([1, 2], 4)))
         assert torch.equal(ehost.read_slots(slots([4], 4)), edev.read_slots(slots([3], 4)))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_pool_groups_in_one_plan(kind, layout):
+    """One plan over real pool groups: an MLA-style latent pool (one part per token) and a
+    recurrent-state pool's components (one-slot pages, a component dtype each), both directions."""
+    latent = KVShape(num_layers=2, num_kv_heads=1, head_dim=12, dtype=torch.bfloat16, parts=1)
+    dev, host = make_pools(kind, 4, layout, shape=latent)
+    state = StateShape(2, (StateComponent("conv", (6, 3), torch.float16), StateComponent("ssm", (2, 4, 5))))
+    device = torch.device("cuda") if kind == "cuda" else torch.device("cpu")
+    sdev, shost = StatePool(state, 6, device), StatePool(state, 9, pin_memory=kind == "cuda")
+    gen = torch.Generator().manual_seed(3)
+    for b in sdev.buffers.values():
+        b.copy_(torch.randn(b.shape, generator=gen).to(b.dtype))
+    pools = {"kv": (dev, host), **{name: (d, h) for (name, d), (_, h) in zip(sdev.component_pools(),
+                                                                               shost.component_pools())}}
+    engine = make_engine(kind, pools)
+    try:
+        state_moves = lambda direction, src, dst: tuple(  # noqa: E731
+            PoolTransfer(name, torch.tensor(src), torch.tensor(dst)) for name, _ in sdev.component_pools())
+        h = engine.submit(TransferPlan(1, Direction.BACKUP, (PoolTransfer("kv", slots([1, 6], 4), slots([5, 0], 4)),
+                                                             *state_moves(Direction.BACKUP, [4, 1], [8, 2]))))
+        wait(h)
+        assert torch.equal(host.read_slots(slots([5, 0], 4)), dev.read_slots(slots([1, 6], 4)))
+        for s, d in ((4, 8), (1, 2)):
+            assert torch.equal(shost.read_slot(d), sdev.read_slot(s))
+        h = engine.submit(TransferPlan(2, Direction.LOAD, (PoolTransfer("kv", slots([5], 4), slots([2], 4)),
+                                                           *state_moves(Direction.LOAD, [8], [0]))))
+        wait(h)
+        assert torch.equal(dev.read_slots(slots([2], 4)), dev.read_slots(slots([1], 4)))
+        assert torch.equal(sdev.read_slot(0), sdev.read_slot(4))
+        assert not torch.equal(sdev.read_slot(0), sdev.read_slot(1))
     finally:
         engine.close()
 
