@@ -16,6 +16,7 @@ import torch
 
 from runtime.config_sources import config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
+from runtime.memory.state_pool import StateComponent, StateShape
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
@@ -27,6 +28,26 @@ COPY_ENGINES = ("auto", "cpu", "cuda", "fake")
 # keeps any per-layer scales (docs/ARCHITECTURE.md, "KV dtypes")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def parse_state_components(spec: str) -> tuple[StateComponent, ...]:
+    """ "conv:64x4:float32,ssm:8x16x16:float32" -> the components (ConfigError naming the field)."""
+    out = []
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        try:
+            name, dims, dtype = parts
+            shape = tuple(int(d) for d in dims.split("x"))
+        except ValueError:
+            raise ConfigError(f"state_components: {item.strip()!r} is not name:AxB...:dtype") from None
+        if dtype not in KV_DTYPES:
+            raise ConfigError(f"state_components: dtype {dtype!r} of {name!r} not one of {sorted(KV_DTYPES)}")
+        out.append(StateComponent(name, shape, KV_DTYPES[dtype]))
+    try:
+        StateShape(1, tuple(out))
+    except ConfigError as exc:
+        raise ConfigError(f"state_components: {exc}") from None
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +63,14 @@ class RuntimeConfig:
     # (num_kv_heads is the rank's); the shard is part of the storage identity (docs/STORAGE.md)
     tp_rank: int = 0
     tp_size: int = 1
+    # Recurrent state of a hybrid model (Mamba / linear-attention layers; docs/ARCHITECTURE.md,
+    # "Recurrent state"): `state_layers` recurrent layers, each holding the components of
+    # `state_components` ("name:dim x dim...:dtype", comma separated, e.g.
+    # "conv:64x4:float32,ssm:8x16x16:float32"), in `state_slots` device state slots shared by
+    # running requests and the tree's snapshots. 0 layers: a pure attention model
+    state_layers: int = 0
+    state_components: str = ""
+    state_slots: int = 0
     # Device pool
     device: str = "cpu"
     page_size: int = 16
@@ -112,6 +141,7 @@ class RuntimeConfig:
              f"page_size must be a power of two in 1..256, got {ps!r}")
         need(self.device_slots % ps == 0, f"device_slots ({self.device_slots}) must be a multiple of page_size ({ps})")
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        self._check_state(need)
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -181,7 +211,29 @@ class RuntimeConfig:
              and 0 < self.metrics_interval_s < float("inf"),
              f"metrics_interval_s must be a positive number of seconds, got {self.metrics_interval_s!r}")
 
+    def _check_state(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
+        for name in ("state_layers", "state_slots"):
+            value = getattr(self, name)
+            need(type(value) is int and value >= 0, f"{name} must be a non-negative int, got {value!r}")
+        need(isinstance(self.state_components, str), f"state_components must be a str, got {self.state_components!r}")
+        if self.state_layers == 0:
+            need(self.state_components == "" and self.state_slots == 0,
+                 "state_components and state_slots need state_layers > 0")
+            return
+        self.state_shape  # parses state_components (ConfigError naming the field)
+        need(self.state_slots > 0, "state_layers > 0 needs state_slots > 0 (running requests and snapshots)")
+        # the state rule covers the device tier; host copies, storage, decode offload of states: not yet
+        need(self.host_slots == 0, "recurrent state (state_layers > 0) has no host tier yet: set host_tokens=0")
+        need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
+
     # -- derived -------------------------------------------------------------------
+    @property
+    def state_shape(self) -> StateShape | None:
+        """The recurrent state of one slot (None: no recurrent layers)."""
+        if self.state_layers == 0:
+            return None
+        return StateShape(self.state_layers, parse_state_components(self.state_components))
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return KV_DTYPES[self.kv_dtype]

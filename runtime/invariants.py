@@ -184,6 +184,9 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         if ledger is not None:
             _check_ledger(tier, ledger, expected[tier], pins[tier])
 
+    if core.residency.states is not None:
+        _check_states(core, nodes)
+
     # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
     holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in copy_ops.values()]
     if core.offload is not None:  # decode offload: retired requests
@@ -219,6 +222,47 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         for tier in ("device", "host"):
             if pins[tier]:
                 _fail(f"{tier} pins left at quiescence")
+
+
+def _path(node: "Node") -> list["Node"]:
+    out = []
+    while node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
+    """Recurrent state (docs/ARCHITECTURE.md, "Recurrent state"): every state slot is a live
+    request's running slot, one of its pending snapshots (past its cached prefix), or the snapshot
+    of a live node that holds device KV; the ledger agrees, nothing leaks, nothing is pinned."""
+    states = core.residency.states
+    assert states is not None
+    table: dict[int, Owner] = {}
+    if set(states.running) != set(core.requests):
+        _fail(f"running state slots {sorted(map(repr, states.running))[:5]} != live requests "
+              f"{sorted(map(repr, core.requests))[:5]}")
+    for rid, slot in states.running.items():
+        _claim(table, "state", 1, np.array([slot]), core.requests[rid].owner, f"running state of {rid!r}")
+    for rid, mine in states.pending.items():
+        rec = core.requests.get(rid)
+        if rec is None:
+            _fail(f"pending snapshots of {rid!r}, which is not live")
+        for position, slot in mine.items():
+            if position % core.page_size or not rec.cached_len < position <= rec.seq_len:
+                _fail(f"{rid!r}: pending snapshot at {position} outside ({rec.cached_len}, {rec.seq_len}] or unaligned")
+            _claim(table, "state", 1, np.array([slot]), rec.owner, f"snapshot of {rid!r} at {position}")
+    live = set(nodes)
+    for node, slot in states.node_state.items():
+        if node not in live:
+            _fail(f"state snapshot {slot} held by node {node.id}, which is not in the tree")
+        if node.device is None:
+            _fail(f"node {node.id} holds a state snapshot but no device KV (a hit would restore state alone)")
+        end = sum(n.num_tokens for n in _path(node))
+        if states.position.get(slot) != end:
+            _fail(f"node {node.id} ends at {end} but holds the state snapshot taken at {states.position.get(slot)}")
+        _claim(table, "state", 1, np.array([slot]), node.owner, f"snapshot of node {node.id}")
+    _check_ledger("state", states.ledger, table, Counter())
 
 
 # -- shared by both cores -------------------------------------------------------------------

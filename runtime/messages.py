@@ -99,6 +99,10 @@ class AdmitResult:
     loaded_host: int  # tokens being loaded from host (ready per layer through `readiness`)
     readiness: tuple["LayerReadiness", ...]  # every load the cached prefix waits on
     loaded_storage: int = 0  # of `loaded_host`: tokens this request's prefetch brought from storage
+    # recurrent state (state_layers > 0): the request's running state slot, and the snapshot slot
+    # its hit resumes from (copy it into `state_slot` before the first forward; None: start at zero)
+    state_slot: int | None = None
+    state_from: int | None = None
 
     @property
     def cached(self) -> int:
@@ -166,6 +170,13 @@ class Abort:
 class Rewind:
     rid: Hashable
     new_len: int
+    reply: "Reply[int] | None" = field(default=None, compare=False)
+
+
+@message
+class Snapshot:
+    rid: Hashable
+    position: int
     reply: "Reply[int] | None" = field(default=None, compare=False)
 
 
@@ -488,7 +499,7 @@ class PrefetchDeadline:
     reply: None = None
 
 
-TreeMessage = (Admit | Extend | DecodeStep | Commit | Cache | Finish | Abort | Rewind | OpenSession | CloseSession | ReleaseAbandoned
+TreeMessage = (Admit | Extend | DecodeStep | Commit | Cache | Finish | Abort | Rewind | Snapshot | OpenSession | CloseSession | ReleaseAbandoned
                | MatchPrefix | CanAdmit | Available | Flush | TreeStats | DrainTree | Inspect | TransferAck | Prepare
                | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline
                | AttachStorage | DetachStorage | ClearStorage | StorageCleared)

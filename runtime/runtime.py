@@ -44,6 +44,7 @@ from runtime.errors import (
 from runtime.events.hub import EventHub, EventSubscription
 from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
+from runtime.memory.state_pool import StatePool
 from runtime.messages import (
     Abort,
     Admit,
@@ -69,6 +70,7 @@ from runtime.messages import (
     Prepare,
     ReleaseAbandoned,
     Rewind,
+    Snapshot,
     TransferStats,
     TreeMessage,
     TreeStats,
@@ -209,6 +211,9 @@ class CacheRuntime:
         self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
         self.host_pool = (HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
                           if config.host_slots > 0 else None)
+        # a hybrid model's recurrent states: running requests' and the tree's snapshots
+        self.state_pool = (StatePool(config.state_shape, config.state_slots, torch.device(config.device))
+                           if config.state_shape is not None else None)
         sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
         self.tracer = SlotTracer(config.page_size, sinks)
         storage, own = make_storage(config, storage)
@@ -411,6 +416,14 @@ class CacheRuntime:
     async def rewind(self, rid: Hashable, new_len: int) -> int:
         """Forget tokens past `new_len` (a retraction); whole pages past it are freed."""
         msg = Rewind(check_id(rid), check_count(new_len, "new_len"), Reply())
+        return await self._sup.ask(self._tree.mailbox, msg)
+
+    async def snapshot(self, rid: Hashable, position: int) -> int:
+        """A hybrid model's recurrent state after the first `position` tokens of `rid` (page-aligned,
+        past its cached prefix): returns a slot of `state_pool` to copy that state into, once the
+        engine has computed exactly `position` tokens. An insert reaching `position` (cache,
+        finish) keeps it with the tree node ending there: later hits can end there."""
+        msg = Snapshot(check_id(rid), check_count(position, "position"), Reply())
         return await self._sup.ask(self._tree.mailbox, msg)
 
     async def open_session(self, sid: Hashable, extra_key: Hashable = None) -> None:

@@ -118,6 +118,15 @@ STATS: tuple[Stat, ...] = (
        "hicache_evicted_tokens", tier="host"),
     _s("host", "free_slots", T, "host_free_slots", G, "free slots (one slot holds one token's KV)",
        "hicache_free_slots", tier="host"),
+    # recurrent state (hybrid models): snapshots of the state after a node's last token
+    _s("state", "snapshots_taken", T, "state_snapshots_taken", C, "state snapshots the engine was given a slot for",
+       "hicache_state_snapshots_taken"),
+    _s("state", "snapshots_kept", T, "state_snapshots_kept", C, "snapshots kept by the tree node ending at them",
+       "hicache_state_snapshots_kept"),
+    _s("state", "snapshots_evicted", T, "state_snapshots_evicted", C,
+       "snapshots dropped for a state slot (their nodes kept their KV)", "hicache_state_snapshots_evicted"),
+    _s("state", "hits", T, "state_hits", C, "admissions that resumed from a snapshot", "hicache_state_hits"),
+    _s("state", "free_slots", T, "state_free_slots", G, "free device state slots", "hicache_state_free_slots"),
     # the tree actor's device <-> host copies
     _s("copies", "backups_issued", T, "backups_issued", C, "device -> host backups issued",
        "hicache_copies_issued", direction="device_to_host"),

@@ -44,6 +44,7 @@ from runtime.messages import (
     ReleaseAbandoned,
     Prepare,
     Rewind,
+    Snapshot,
     StorageAck,
     StorageOverdue,
     TransferAck,
@@ -91,6 +92,7 @@ class TreeActor(Actor[TreeMessage]):
             Finish: self.on_finish,
             Abort: self.on_abort,
             Rewind: self.on_rewind,
+            Snapshot: self.on_snapshot,
             OpenSession: self.on_open_session,
             CloseSession: self.on_close_session,
             ReleaseAbandoned: self.on_release_abandoned,
@@ -141,6 +143,9 @@ class TreeActor(Actor[TreeMessage]):
 
     def on_rewind(self, msg: Rewind) -> int:
         return self.core.rewind(msg.rid, msg.new_len)
+
+    def on_snapshot(self, msg: Snapshot) -> int:
+        return self.core.snapshot(msg.rid, msg.position)
 
     def on_open_session(self, msg: OpenSession) -> None:
         self.core.open_session(msg.sid, msg.extra_key)

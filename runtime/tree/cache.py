@@ -55,6 +55,7 @@ from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFact
 from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, StoredPages, aligned
 from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
+from runtime.tree.recurrent import COUNTERS as STATE_COUNTERS
 from runtime.tree.storage_tier import COUNTERS as STORAGE_COUNTERS
 from runtime.tree.storage_tier import StorageRequest, StorageTier
 
@@ -145,6 +146,9 @@ class CacheCore:
             raise CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {res.device.num_free_pages()} free, "
                 f"{res.evictable_device_pages()} evictable")
+        states = res.states
+        if states is not None and not states.can_admit():
+            raise CapacityError(f"request {rid!r} needs a state slot; none is free or evictable")
 
         m = tree.settle(look)  # = match(split=True, touch=True), without a second walk
         generation = next(self._generations)
@@ -158,10 +162,15 @@ class CacheCore:
         # held for as long as the request is filed: its pages move to the tree and new ones come
         # (extend, decode steps) without the ledger dropping and re-issuing its code each time
         code = res.device.hold(owner)
+        state_slot = None
         try:
+            # (a state slot may evict unlocked snapshots: never the hit's, locked above)
+            state_slot = states.admit(rid, owner) if states is not None else None
             fresh = self._alloc_device(host_len // ps + own_pages, owner, rid=rid)
         except CapacityError:
             # write-back evictions may still be copying: nothing of this request stays behind
+            if state_slot is not None:
+                states.release(rid, owner)  # type: ignore[union-attr]
             res.device.unhold(owner)
             if lock_node is not None:
                 tree.unlock(lock_node)
@@ -196,8 +205,9 @@ class CacheCore:
         # a lookup that landed while this admit waited marked it prepared
         from_storage = self.storage.admitted(rid, host_len) if self.storage is not None else 0
         # `slots` is this call's own array (the table copied it into its row)
+        state_from = states.hit_state(lock_node) if states is not None else None
         return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)]), m.device_len, host_len,
-                           tuple(readiness), from_storage)
+                           tuple(readiness), from_storage, state_slot, state_from)
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
                       session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
@@ -286,6 +296,23 @@ class CacheCore:
             self.offload.note_commit(rec)
         return committed_len
 
+    def snapshot(self, rid: Hashable, position: int) -> int:
+        """A device state slot for the recurrent state of `rid` after its first `position` tokens
+        (page-aligned, past its cached prefix, within its slots). The engine copies the state there
+        when it has computed exactly `position` tokens; the slot is the request's until an insert
+        reaches `position` (it then stays with the tree node ending there) or the request ends."""
+        states = self.residency.states
+        if states is None:
+            raise StateError("snapshot needs recurrent state (state_layers > 0)")
+        rec = self._record(rid)
+        if (not isinstance(position, int) or isinstance(position, bool) or position % self.page_size
+                or not rec.cached_len < position <= rec.seq_len):
+            raise LengthError(f"snapshot of {rid!r} must be a multiple of page_size {self.page_size} in "
+                              f"({rec.cached_len}, {rec.seq_len}], got {position!r}")
+        if states.has_pending(rid, position):
+            raise StateError(f"{rid!r} already has a snapshot at {position}")
+        return states.snapshot(rid, rec.owner, position)
+
     def cache(self, rid: Hashable, tokens: np.ndarray) -> int:
         """Insert the page-aligned part of `tokens` (whose KV is computed) and keep going."""
         rec = self._record(rid)
@@ -351,6 +378,8 @@ class CacheCore:
         if self.offload is not None:
             self.offload.check_rewind(rec, new_len)
         self._free_tail(rec, new_len)
+        if self.residency.states is not None:  # a snapshot of retracted tokens describes no prefix
+            self.residency.states.forget_after(rid, rec.owner, new_len)
         rec.seq_len = new_len
         rec.committed_len = min(rec.committed_len, new_len)
         rec.tokens = rec.tokens[:new_len].copy()
@@ -365,6 +394,8 @@ class CacheCore:
 
     # -- streaming sessions ----------------------------------------------------------------
     def open_session(self, sid: Hashable, extra_key: Hashable = None) -> None:
+        if self.residency.states is not None:
+            raise StateError("streaming sessions do not keep recurrent state yet (state_layers > 0)")
         if sid in self.sessions:
             raise DuplicateRequestError(f"session {sid!r} is already open")
         self.sessions[sid] = SessionRecord(sid, Owner.session(sid), extra_key, np.zeros(0, np.int32), EMPTY)
@@ -464,6 +495,8 @@ class CacheCore:
         parts = [self.residency.stats, self.copies.stats]
         parts.append(self.offload.stats if self.offload is not None else dict.fromkeys(OFFLOAD_COUNTERS, 0))
         parts.append(self.storage.stats if self.storage is not None else dict.fromkeys(STORAGE_COUNTERS, 0))
+        states = self.residency.states
+        parts.append(states.stats if states is not None else dict.fromkeys(STATE_COUNTERS, 0))
         for part in parts:
             for name, value in part.items():
                 out[name] = out.get(name, 0) + value
@@ -479,6 +512,7 @@ class CacheCore:
             "tree_nodes": res.tree.num_nodes,
             "device_free_slots": res.device.num_free_slots(),
             "host_free_slots": res.host.num_free_slots() if res.host is not None else 0,
+            "state_free_slots": res.states.ledger.num_free_slots() if res.states is not None else 0,
         }
         out.update(self.offload.counts() if self.offload is not None
                    else {"inflight_offloads": 0, "offload_retired_requests": 0})
@@ -588,8 +622,10 @@ class CacheCore:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
-        # a request's own leaf (its lock the only one, no copy in flight) grows in place
-        extend = start is not None and not copies.busy(start)
+        # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless
+        # it holds a state snapshot: that is the state after the leaf's last token, not a later one
+        states = self.residency.states
+        extend = start is not None and not copies.busy(start) and (states is None or start not in states.node_state)
         res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
                                     rec.priority)
         duplicates = res.duplicate_slots
@@ -603,6 +639,8 @@ class CacheCore:
         self.residency.tree.relock(rec.last_node, new_last)
         rec.last_node = new_last
         rec.cached_len = n
+        if self.residency.states is not None:
+            self._keep_snapshots(rec)
         rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
         self._write_through(res.adopted)
 
@@ -628,9 +666,27 @@ class CacheCore:
             device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
         if rec.last_node is not None:
             self.residency.tree.unlock(rec.last_node)
+        if self.residency.states is not None:
+            self.residency.states.release(rec.rid, rec.owner)
         for r in rec.readiness:
             self.copies.drop_user(r, rec.rid)
         self._unfile(rec)
+
+    def _keep_snapshots(self, rec: RequestRecord) -> None:
+        """The request's snapshots at positions its insert reached pass to the nodes ending there
+        (a node is split at a snapshot's position when it spans it)."""
+        states = self.residency.states
+        assert states is not None
+        tree = self.residency.tree
+        node, end = rec.last_node, rec.cached_len
+        for position, slot in states.pending_upto(rec.rid, rec.cached_len):  # deepest first
+            while end - node.num_tokens >= position:  # walk up to the node spanning the position
+                end -= node.num_tokens
+                node = node.parent
+            if end > position:  # inside: the upper half of a split ends there
+                node = tree.split(node, position - (end - node.num_tokens))
+                end = position
+            states.attach(node, slot, rec.owner)
 
     def _retire(self, rec: RequestRecord, final_len: int | None) -> None:
         self._unfile(rec, keep_reading=True)

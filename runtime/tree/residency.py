@@ -25,6 +25,7 @@ from runtime.trace import SlotTracer
 from runtime.tree.policies import policy_by_name
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
 from runtime.tree.records import EMPTY, aligned
+from runtime.tree.recurrent import RecurrentStates
 
 
 def node_owner(node: Node) -> Owner:
@@ -39,9 +40,11 @@ def node_owner(node: Node) -> Owner:
 class Residency:
     # -- state -------------------------------------------------------------------
     def __init__(self, page_size: int, device_slots: int, host_slots: int, *, eviction_policy: str = "lru",
-                 write_back: bool = False, tracer: SlotTracer | None = None) -> None:
+                 write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0) -> None:
         """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
-        device memory): a tree of host copies over the host ledger."""
+        device memory): a tree of host copies over the host ledger. `state_slots` > 0: a hybrid
+        model's recurrent states (`RecurrentStates`): node snapshots go with the node's device KV
+        and a match is cut back to the deepest snapshot."""
         self.page_size = page_size
         self.write_back = host_slots > 0 and write_back
         self.tracer = tracer
@@ -51,6 +54,7 @@ class Residency:
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | None = None
+        self.states: RecurrentStates | None = RecurrentStates(state_slots) if state_slots > 0 else None
 
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder
@@ -58,7 +62,7 @@ class Residency:
     @classmethod
     def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None) -> "Residency":
         return cls(config.page_size, config.device_slots, config.host_slots, eviction_policy=config.eviction_policy,
-                   write_back=config.write_policy == "write_back", tracer=tracer)
+                   write_back=config.write_policy == "write_back", tracer=tracer, state_slots=config.state_slots)
 
     # -- allocation --------------------------------------------------------------
     def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
@@ -109,6 +113,8 @@ class Residency:
             self.delete(node)
 
     def drop_device(self, node: Node) -> None:
+        if self.states is not None:
+            self.states.drop(node)
         slots = self.tree.detach_device(node)
         self.device.free(slots, node_owner(node), node=node.id, reason="evict")
         if self.events is not None:
@@ -125,6 +131,8 @@ class Residency:
                     self.events.removed(node, GPU)
                 if node.host is not None:
                     self.events.removed(node, CPU)
+            if self.states is not None:
+                self.states.drop(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
                 self.device.free(device, node_owner(node), node=node.id, reason="evict")
@@ -314,6 +322,10 @@ class Residency:
         needs its logits), so at most len - 1 tokens match."""
         ps = self.page_size
         look = self.tree.match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, split=False, touch=False)
+        if self.states is not None and look.device_len:  # a hit ends at a state snapshot, or is none
+            usable = self.states.usable_end(look)
+            if usable < look.device_len:
+                look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
         host_len = look.host_len if self.host is not None else 0
         return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
 
