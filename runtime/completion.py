@@ -278,7 +278,12 @@ class LayerReadiness:
         if handle.layer_events is not None:
             self._events = tuple(handle.layer_events)
         by_id: dict[int, asyncio.Future] = {}
-        for target, c in zip(self._futs, handle.layers):
+        layers = list(handle.layers)
+        if len(layers) > len(self._futs):
+            # the plan's pools have more layers than this readiness (a recurrent state's beside the
+            # KV's): the last one waits for the copy's last layer, which finishes after all others
+            layers[len(self._futs) - 1] = layers[-1]
+        for target, c in zip(self._futs, layers):
             src = by_id.get(id(c))
             if src is None:
                 src = by_id[id(c)] = bridge.watch(c, timeout)

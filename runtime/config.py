@@ -71,6 +71,7 @@ class RuntimeConfig:
     state_layers: int = 0
     state_components: str = ""
     state_slots: int = 0
+    host_state_slots: int | None = None  # host copies of snapshots (None: 2 x state_slots with a host tier)
     # Device pool
     device: str = "cpu"
     page_size: int = 16
@@ -215,15 +216,18 @@ class RuntimeConfig:
         for name in ("state_layers", "state_slots"):
             value = getattr(self, name)
             need(type(value) is int and value >= 0, f"{name} must be a non-negative int, got {value!r}")
+        if self.host_state_slots is not None:
+            need(type(self.host_state_slots) is int and self.host_state_slots >= 0,
+                 f"host_state_slots must be a non-negative int or None, got {self.host_state_slots!r}")
         need(isinstance(self.state_components, str), f"state_components must be a str, got {self.state_components!r}")
         if self.state_layers == 0:
-            need(self.state_components == "" and self.state_slots == 0,
-                 "state_components and state_slots need state_layers > 0")
+            need(self.state_components == "" and self.state_slots == 0 and not self.host_state_slots,
+                 "state_components, state_slots and host_state_slots need state_layers > 0")
             return
         self.state_shape  # parses state_components (ConfigError naming the field)
         need(self.state_slots > 0, "state_layers > 0 needs state_slots > 0 (running requests and snapshots)")
-        # the state rule covers the device tier; host copies, storage, decode offload of states: not yet
-        need(self.host_slots == 0, "recurrent state (state_layers > 0) has no host tier yet: set host_tokens=0")
+        # the state rule covers the device and host tiers; storage and decode offload of states: not yet
+        need(self.storage_backend == "none", "recurrent state (state_layers > 0) has no storage tier yet")
         need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
 
     # -- derived -------------------------------------------------------------------
@@ -233,6 +237,13 @@ class RuntimeConfig:
         if self.state_layers == 0:
             return None
         return StateShape(self.state_layers, parse_state_components(self.state_components))
+
+    @property
+    def host_state_slot_count(self) -> int:
+        """Host state slots: `host_state_slots`, else twice `state_slots` when there is a host tier."""
+        if self.state_layers == 0 or self.host_slots == 0:
+            return 0
+        return self.host_state_slots if self.host_state_slots is not None else 2 * self.state_slots
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -253,16 +253,35 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
                 _fail(f"{rid!r}: pending snapshot at {position} outside ({rec.cached_len}, {rec.seq_len}] or unaligned")
             _claim(table, "state", 1, np.array([slot]), rec.owner, f"snapshot of {rid!r} at {position}")
     live = set(nodes)
-    for node, slot in states.node_state.items():
-        if node not in live:
-            _fail(f"state snapshot {slot} held by node {node.id}, which is not in the tree")
-        if node.device is None:
-            _fail(f"node {node.id} holds a state snapshot but no device KV (a hit would restore state alone)")
-        end = sum(n.num_tokens for n in _path(node))
-        if states.position.get(slot) != end:
-            _fail(f"node {node.id} ends at {end} but holds the state snapshot taken at {states.position.get(slot)}")
-        _claim(table, "state", 1, np.array([slot]), node.owner, f"snapshot of node {node.id}")
-    _check_ledger("state", states.ledger, table, Counter())
+    host_table: dict[int, Owner] = {}
+    pins: Counter[int] = Counter()
+    host_pins: Counter[int] = Counter()
+    for op in core.copies.ops.values():  # a copy's state slots: pinned, the orphaned load's still owned
+        copy = op.state
+        if copy is not None:
+            backup = op.direction is Direction.BACKUP
+            devs, hosts = (copy.src, copy.dst) if backup else (copy.dst, copy.src)
+            for node, dev, host in zip(copy.nodes, devs.tolist(), hosts.tolist(), strict=True):
+                pins[dev] += 1
+                host_pins[host] += 1
+                if op.orphaned:
+                    _claim(table, "state", 1, np.array([dev]), Owner.node(node.id), f"orphaned load {op.op_id}")
+                if backup:  # the host copy joins the node at the ack
+                    _claim(host_table, "host state", 1, np.array([host]), Owner.node(node.id), f"backup {op.op_id}")
+    for held, positions, tier, want, kv in ((states.node_state, states.position, "state", table, "device"),
+                                            (states.host_state, states.host_position, "host state", host_table, "host")):
+        for node, slot in held.items():
+            if node not in live:
+                _fail(f"{tier} snapshot {slot} held by node {node.id}, which is not in the tree")
+            if getattr(node, kv) is None:
+                _fail(f"node {node.id} holds a {tier} snapshot but no {kv} KV (a hit would restore state alone)")
+            end = sum(n.num_tokens for n in _path(node))
+            if positions.get(slot) != end:
+                _fail(f"node {node.id} ends at {end} but holds the {tier} snapshot taken at {positions.get(slot)}")
+            _claim(want, tier, 1, np.array([slot]), Owner.node(node.id), f"{tier} snapshot of node {node.id}")
+    _check_ledger("state", states.ledger, table, pins)
+    if states.host_ledger is not None:
+        _check_ledger("host state", states.host_ledger, host_table, host_pins)
 
 
 # -- shared by both cores -------------------------------------------------------------------

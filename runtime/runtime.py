@@ -117,10 +117,17 @@ class _NoHostTier:
 
 
 def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostPool | None,
-                factory: EngineFactory | None = None) -> CopyEngine:
+                factory: EngineFactory | None = None,
+                states: tuple[StatePool, StatePool] | None = None) -> CopyEngine:
+    """The copy engine over the KV pools and, for a hybrid model, the state pools' components
+    (plan pools ``state.<component>``)."""
     if host_pool is None:
         return _NoHostTier()
-    pools = {"kv": (device_pool, host_pool)}
+    pools: dict[str, Any] = {"kv": (device_pool, host_pool)}
+    if states is not None:
+        device_states, host_states = states
+        for (name, dev), (_, host) in zip(device_states.component_pools(), host_states.component_pools(), strict=True):
+            pools[name] = (dev, host)
     if factory is not None:
         return factory(pools)
     kind = config.copy_engine
@@ -214,13 +221,17 @@ class CacheRuntime:
         # a hybrid model's recurrent states: running requests' and the tree's snapshots
         self.state_pool = (StatePool(config.state_shape, config.state_slots, torch.device(config.device))
                            if config.state_shape is not None else None)
+        self.host_state_pool = (StatePool(config.state_shape, config.host_state_slot_count,
+                                          pin_memory=torch.device(config.device).type == "cuda")
+                                if config.host_state_slot_count > 0 else None)
         sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
         self.tracer = SlotTracer(config.page_size, sinks)
         storage, own = make_storage(config, storage)
         if storage is not None and self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier")
         self._owned_storage = storage if own else None  # closed by the runtime (built from the config)
-        self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory)
+        self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory,
+                                  (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None)
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,

@@ -116,6 +116,11 @@ class _Request:
     readiness: tuple = ()
     t_first: float | None = None
     admissions: int = 0
+    # recurrent state (a hybrid model): the running state slot, the snapshot the next forward
+    # resumes from, and the last position a snapshot was asked at
+    state_slot: int | None = None
+    state_from: int | None = None
+    snapshot_at: int = 0
 
     @property
     def context(self) -> list[int]:
@@ -184,6 +189,7 @@ class ServingLoop:
         layerwise: bool = True,
         record_logits: bool = False,
         admit_timeout_s: float = 10.0,
+        snapshot_every: int | None = None,
     ) -> None:
         if max_running < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running and max_prefill_tokens must be >= 1")
@@ -198,6 +204,13 @@ class ServingLoop:
         self.admit_timeout_s = admit_timeout_s
         self.num_layers = int(model.num_layers)
         self._device_slots = int(runtime.config.device_slots)
+        self._page_size = int(runtime.config.page_size)
+        # a hybrid model (the runtime keeps recurrent state): a snapshot is asked for at the last
+        # page boundary a forward reaches, at least `snapshot_every` tokens after the previous one
+        self._hybrid = getattr(runtime, "state_pool", None) is not None
+        self.snapshot_every = snapshot_every or self._page_size
+        if self.snapshot_every % self._page_size:
+            raise ValueError(f"snapshot_every must be a multiple of the page size {self._page_size}")
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._rids = itertools.count()
@@ -342,6 +355,7 @@ class ServingLoop:
             req.start = cached
             req.kv_len = cached
             req.readiness = tuple(res.readiness)
+            req.state_slot, req.state_from, req.snapshot_at = res.state_slot, res.state_from, cached
             self._running.append(req)
             admitted.append(req)
             budget -= len(ctx) - cached
@@ -376,7 +390,8 @@ class ServingLoop:
 
     async def _step(self, prefills: list[_Request], decodes: list[_Request]) -> None:
         batch = prefills + decodes
-        seqs = [PagedSeq(slots=r.slots, start=r.start, input_ids=r.context[r.start:]) for r in batch]
+        seqs = await self._seqs(batch) if self._hybrid else [
+            PagedSeq(slots=r.slots, start=r.start, input_ids=r.context[r.start:]) for r in batch]
         pending = []
         for r in batch:
             for rd in r.readiness:
@@ -416,6 +431,7 @@ class ServingLoop:
         for i, r in enumerate(batch):
             r.kv_len = len(r.context)
             r.readiness = ()
+            r.state_from = None  # the running slot now holds the state after kv_len tokens
             tok = int(next_ids[i])
             r.generated.append(tok)
             if r.logits is not None:
@@ -467,6 +483,28 @@ class ServingLoop:
         except TransferError:
             pass  # finish released it (its cached prefix was lost)
         r.slots, r.readiness, r.kv_len, r.start = None, (), 0, 0
+        r.state_slot = r.state_from = None
+
+    async def _seqs(self, batch: list[_Request]) -> list[Any]:
+        """A hybrid model's sequences: each with its state slot, the snapshot it resumes from and
+        the snapshot this forward leaves (the runtime keeps it with the node ending there once
+        the request's KV is inserted); no snapshot when no state slot is free."""
+        from runtime.integrations.hf_hybrid import HybridSeq
+
+        seqs = []
+        for r in batch:
+            end = len(r.context)
+            at = end - end % self._page_size
+            snaps: tuple[tuple[int, int], ...] = ()
+            if at > r.start and at - r.snapshot_at >= self.snapshot_every:
+                try:
+                    snaps = ((at, await self.rt.snapshot(r.rid, at)),)
+                    r.snapshot_at = at
+                except CapacityError:
+                    pass
+            seqs.append(HybridSeq(slots=r.slots, start=r.start, input_ids=r.context[r.start:],
+                                  state_slot=r.state_slot, state_from=r.state_from, snapshots=snaps))
+        return seqs
 
     def _fail(self, r: _Request, exc: BaseException) -> None:
         if not r.future.done():

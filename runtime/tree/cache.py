@@ -162,15 +162,20 @@ class CacheCore:
         # held for as long as the request is filed: its pages move to the tree and new ones come
         # (extend, decode steps) without the ledger dropping and re-issuing its code each time
         code = res.device.hold(owner)
-        state_slot = None
+        state_slot = load_state = None
         try:
             # (a state slot may evict unlocked snapshots: never the hit's, locked above)
-            state_slot = states.admit(rid, owner) if states is not None else None
+            if states is not None:
+                state_slot = states.admit(rid, owner)
+                if host_nodes:  # the hit's snapshot comes back from host with its KV
+                    load_state = states.reserve_load(host_nodes[-1])
             fresh = self._alloc_device(host_len // ps + own_pages, owner, rid=rid)
         except CapacityError:
             # write-back evictions may still be copying: nothing of this request stays behind
             if state_slot is not None:
                 states.release(rid, owner)  # type: ignore[union-attr]
+            if load_state is not None:
+                states.free_node_slot(host_nodes[-1], load_state)  # type: ignore[union-attr]
             res.device.unhold(owner)
             if lock_node is not None:
                 tree.unlock(lock_node)
@@ -178,7 +183,7 @@ class CacheCore:
         copies = self.copies
         readiness = copies.loads_under(device_nodes) if copies.loading else []
         if host_nodes:
-            load = copies.start_load(host_nodes, host_len, fresh[:host_len], owner)
+            load = copies.start_load(host_nodes, host_len, fresh[:host_len], owner, load_state)
             assert load.readiness is not None
             readiness.append(load.readiness)
         for r in readiness:
@@ -639,10 +644,11 @@ class CacheCore:
         self.residency.tree.relock(rec.last_node, new_last)
         rec.last_node = new_last
         rec.cached_len = n
+        adopted = res.adopted
         if self.residency.states is not None:
-            self._keep_snapshots(rec)
+            adopted = adopted + [(upper, upper.device) for upper in self._keep_snapshots(rec)]
         rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
-        self._write_through(res.adopted)
+        self._write_through(adopted)
 
     def _write_through(self, adopted: list[tuple[Node, np.ndarray]]) -> None:
         if self._write_through_all:
@@ -672,21 +678,25 @@ class CacheCore:
             self.copies.drop_user(r, rec.rid)
         self._unfile(rec)
 
-    def _keep_snapshots(self, rec: RequestRecord) -> None:
+    def _keep_snapshots(self, rec: RequestRecord) -> list[Node]:
         """The request's snapshots at positions its insert reached pass to the nodes ending there
-        (a node is split at a snapshot's position when it spans it)."""
+        (a node is split at a snapshot's position when it spans it); returns the split-off upper
+        halves (new nodes: the write-through backs them up too)."""
         states = self.residency.states
         assert states is not None
         tree = self.residency.tree
         node, end = rec.last_node, rec.cached_len
+        uppers = []
         for position, slot in states.pending_upto(rec.rid, rec.cached_len):  # deepest first
             while end - node.num_tokens >= position:  # walk up to the node spanning the position
                 end -= node.num_tokens
                 node = node.parent
             if end > position:  # inside: the upper half of a split ends there
                 node = tree.split(node, position - (end - node.num_tokens))
+                uppers.append(node)
                 end = position
             states.attach(node, slot, rec.owner)
+        return uppers
 
     def _retire(self, rec: RequestRecord, final_len: int | None) -> None:
         self._unfile(rec, keep_reading=True)

@@ -70,11 +70,13 @@ class CopyTracker:
         res.tree.lock(node)
         res.device.pin(device, op_id, trusted=True)
         res.host.pin(host, op_id, trusted=True)
+        state = res.states.start_backup(node, op_id) if res.states is not None else None
         self.ops[op_id] = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
-                                 node_owner(node), evict_after=evict_after)
+                                 node_owner(node), evict_after=evict_after, state=state)
         self.backup_pending[node.id] = op_id
         res.emit("backup", Tier.HOST, host, node=node.id, op=op_id)
-        self._plans.append((make_plan(op_id, Direction.BACKUP, device, host), None))
+        more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
+        self._plans.append((make_plan(op_id, Direction.BACKUP, device, host, more), None))
         self.stats["backups_issued"] += 1
         return True
 
@@ -85,8 +87,10 @@ class CopyTracker:
             if self.backup(node, evict_after=True):
                 self.stats["writeback_deferred"] += node.num_tokens
 
-    def start_load(self, host_nodes: list[Node], host_len: int, device: np.ndarray, owner: Owner) -> CopyOp:
-        """Load the host-only chain into `device` slots (allocated by `owner`, handed to the nodes)."""
+    def start_load(self, host_nodes: list[Node], host_len: int, device: np.ndarray, owner: Owner,
+                   state_slot: int | None = None) -> CopyOp:
+        """Load the host-only chain into `device` slots (allocated by `owner`, handed to the nodes);
+        with recurrent state, the deepest node's host snapshot into `state_slot` (reserved for it)."""
         res = self.residency
         assert res.host is not None
         device = device.copy()  # the op's snapshot owns its arrays
@@ -100,11 +104,13 @@ class CopyTracker:
         res.tree.lock(deepest)
         res.device.pin(device, op_id, trusted=True)
         res.host.pin(host, op_id, trusted=True)
+        state = res.states.start_load(host_nodes, state_slot, op_id) if state_slot is not None else None  # type: ignore[union-attr]
         op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest),
-                    readiness=readiness)
+                    readiness=readiness, state=state)
         self.ops[op_id] = op
         res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
-        self._plans.append((make_plan(op_id, Direction.LOAD, host, device), readiness))
+        more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
+        self._plans.append((make_plan(op_id, Direction.LOAD, host, device, more), readiness))
         self.stats["loads_issued"] += 1
         return op
 
@@ -158,6 +164,12 @@ class CopyTracker:
         res.device.unpin(op.device, op_id, trusted=True)
         assert res.host is not None
         res.host.unpin(op.host, op_id, trusted=True)
+        if op.state is not None:  # (unpinned first: a rollback or a write-back eviction frees them)
+            assert res.states is not None
+            if op.direction is Direction.BACKUP:
+                res.states.end_backup(op.state, op_id, error is None)
+            else:
+                res.states.end_load(op.state, op_id)
         chain = res.tree.split_chain(op.node, op.length)
         out = AckOutcome(op)
         if op.direction is Direction.BACKUP:
@@ -197,6 +209,8 @@ class CopyTracker:
                 del self.loading[node.id]
         if op.orphaned:  # its nodes were rolled back with a failed load above them
             self.residency.device.free(op.device, node_owner(op.node), node=op.node.id, reason="load_orphaned")
+            if op.state is not None:
+                self.residency.states.free_orphaned(op.state)  # type: ignore[union-attr]
             return
         if error is not None and op.readiness is not None and op.readiness.all_ready():
             # every layer was reported on device: its users computed on it, and KV below it

@@ -20,6 +20,7 @@ from runtime.memory.owners import Owner
 from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness
+from runtime.tree.recurrent import StateCopy
 
 if TYPE_CHECKING:
     from runtime.tree.request_table import RequestTable
@@ -32,10 +33,12 @@ def aligned(n: int, page_size: int) -> int:
     return n - n % page_size
 
 
-def make_plan(op_id: int, direction: Direction, src: np.ndarray, dst: np.ndarray) -> TransferPlan:
-    """A copy's plan owns fresh copies of its indices (seed 001): never views of tree state."""
+def make_plan(op_id: int, direction: Direction, src: np.ndarray, dst: np.ndarray,
+              more: tuple[PoolTransfer, ...] = ()) -> TransferPlan:
+    """A copy's plan owns fresh copies of its indices (seed 001): never views of tree state.
+    `more`: the other pool groups' transfers of the same operation (a recurrent state's)."""
     return TransferPlan(op_id, direction, (PoolTransfer("kv", torch.from_numpy(np.array(src, dtype=np.int64)),
-                                                        torch.from_numpy(np.array(dst, dtype=np.int64))),))
+                                                        torch.from_numpy(np.array(dst, dtype=np.int64))), *more))
 
 
 @dataclass(slots=True, eq=False)
@@ -148,6 +151,8 @@ class CopyOp:
     # a load issued under another load that failed first: its nodes lost their device copies, and
     # its device slots stay with it (owner: its deepest node's id) until its ack frees them
     orphaned: bool = False
+    # recurrent state copied with it: (source, destination) state slots, pinned until the ack
+    state: StateCopy | None = None
 
 
 @dataclass(slots=True)

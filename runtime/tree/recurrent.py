@@ -16,26 +16,48 @@ error. The rule, by construction:
   the request's (`pending`) until an insert reaches their position, when they pass to the node
   ending there (split if needed), or are freed when the node has one already;
 - a snapshot is freed with its node's device KV (evicted or deleted with it), and snapshots of
-  unlocked nodes are evicted, least recently used first, when a state slot is needed.
+  unlocked nodes are evicted, least recently used first, when a state slot is needed;
+- with a host tier, a node's backup copies its snapshot too (`host_state`, freed with the node's
+  host copy), and a hit through host-only nodes ends at the deepest one whose snapshot is on host:
+  its load brings the snapshot back to a device slot of that node, the hit resumes from it.
 
-Owns the device state ledger (`SlotLedger`, one slot a page), `running`, `pending` and
-`node_state`; `Residency` calls `drop` where it drops a node's device KV.
+Owns the device and host state ledgers (`SlotLedger`s, one slot a page), `running`, `pending`,
+`node_state` and `host_state`; `Residency` calls `drop` / `drop_host` where it drops a node's
+device / host KV, `CopyTracker` the backup and load methods.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 import numpy as np
+
+import torch
 
 from runtime.errors import CapacityError
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
+from runtime.messages import PoolTransfer
 from runtime.tree.nodes import MatchResult, Node
 
-__all__ = ["RecurrentStates", "COUNTERS"]
+__all__ = ["RecurrentStates", "StateCopy", "COUNTERS"]
 
 COUNTERS = ("state_snapshots_taken", "state_snapshots_kept", "state_snapshots_evicted", "state_hits")
+
+
+@dataclass(frozen=True, eq=False)
+class StateCopy:
+    """The state slots a backup or load copies with its KV: `src[i]` -> `dst[i]` (device -> host for
+    a backup, host -> device for a load), for `nodes[i]`; pinned by the copy until its ack."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    nodes: tuple[Node, ...]
+
+
+def _slots(values: list[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
 def _owner_of(node: Node) -> Owner:
@@ -47,9 +69,14 @@ def _owner_of(node: Node) -> Owner:
 
 class RecurrentStates:
     # -- state -------------------------------------------------------------------
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, host_slots: int = 0, pools: tuple[str, ...] = ("state",)) -> None:
+        """`pools`: the plan pool names of the state's components (`state.<name>`)."""
         # not traced: the slot tracer's tiers are KV tiers (the trace auditor replays them)
         self.ledger = SlotLedger(num_slots, 1, Tier.DEVICE)
+        self.host_ledger: SlotLedger | None = SlotLedger(host_slots, 1, Tier.HOST) if host_slots > 0 else None
+        self.pools = pools
+        self.host_state: dict[Node, int] = {}  # node -> host copy of its snapshot
+        self.host_position: dict[int, int] = {}  # host snapshot slot -> its prefix length
         self.running: dict[Hashable, int] = {}  # rid -> its running state slot
         self.pending: dict[Hashable, dict[int, int]] = {}  # rid -> {position: snapshot slot}
         self.node_state: dict[Node, int] = {}  # node -> snapshot of the state after its last token
@@ -57,17 +84,20 @@ class RecurrentStates:
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     # -- matching ----------------------------------------------------------------
-    def usable_end(self, look: MatchResult) -> int:
-        """Tokens of `look`'s device part that a hit may use: up to the end of its deepest fully
-        matched device node holding a snapshot (0: none)."""
+    def usable_end(self, look: MatchResult, host_len: int) -> int:
+        """Tokens of `look`'s device part and `host_len` tokens of host-only part after it that a
+        hit may use: up to the end of the deepest fully matched node holding its snapshot in the
+        same tier as its KV (device nodes: on device; host-only nodes: on host). 0: none."""
         end = usable = 0
         nodes = look.device_nodes
-        last = len(nodes) - 1 if look.partial else len(nodes)  # a partly matched node's end is beyond
-        state = self.node_state
-        for i in range(last):
+        if host_len:
+            nodes = nodes + look.host_nodes
+        last = len(nodes) - 1 if look.partial and len(nodes) == len(look.nodes) else len(nodes)
+        state, host_state = self.node_state, self.host_state
+        for i in range(last):  # (a partly matched last node's end lies beyond the match)
             node = nodes[i]
             end += node.num_tokens
-            if node in state:
+            if node in state if node.device is not None else node in host_state:
                 usable = end
         return usable
 
@@ -140,6 +170,100 @@ class RecurrentStates:
         if slot is not None:
             self._free([slot], _owner_of(node), node=node.id, reason="evict")
 
+    def drop_host(self, node: Node) -> None:
+        """`node` loses its host KV: the host copy of its snapshot goes with it."""
+        slot = self.host_state.pop(node, None)
+        if slot is not None:
+            assert self.host_ledger is not None
+            self.host_ledger.free(np.array([slot]), _owner_of(node), node=node.id, reason="evict")
+            del self.host_position[slot]
+
+    # -- copies (CopyTracker) -------------------------------------------------------
+    def start_backup(self, node: Node, op_id: int) -> StateCopy | None:
+        """A backup of `node` copies its snapshot too (both slots pinned by `op_id`); None when it
+        has none on device or no host state slot can be had (the backup then copies KV alone:
+        hits through its host copy end higher up)."""
+        src = self.node_state.get(node)
+        if src is None or self.host_ledger is None or node in self.host_state:
+            return None
+        host = self.host_ledger
+        if host.num_free_pages() == 0:
+            victims = [n for n in self.host_state
+                       if n.lock_ref == 0 and host.pin_count(self.host_state[n]) == 0]
+            if not victims:
+                return None
+            self.drop_host(min(victims, key=lambda n: n.last_access))
+            self.stats["state_snapshots_evicted"] += 1
+        dst = int(host.alloc(1, _owner_of(node), node=node.id)[0])
+        self.host_position[dst] = self.position[src]
+        copy = StateCopy(_slots([src]), _slots([dst]), (node,))
+        self.ledger.pin(copy.src, op_id)
+        host.pin(copy.dst, op_id)
+        return copy
+
+    def end_backup(self, copy: StateCopy, op_id: int, ok: bool) -> None:
+        """The backup's ack: its host snapshot joins its node, or is freed."""
+        assert self.host_ledger is not None
+        self.ledger.unpin(copy.src, op_id)
+        self.host_ledger.unpin(copy.dst, op_id)
+        (node,), dst = copy.nodes, int(copy.dst[0])
+        if ok:
+            self.host_state[node] = dst
+        else:
+            self.host_ledger.free(copy.dst, _owner_of(node), node=node.id, reason="copy_failed")
+            del self.host_position[dst]
+
+    def reserve_load(self, node: Node) -> int:
+        """A device state slot for the snapshot a load through host-only `node` brings back
+        (owned by `node`; CapacityError: none free or evictable). `start_load` attaches it."""
+        return self._alloc(_owner_of(node), node=node.id)
+
+    def start_load(self, host_nodes: list[Node], slot: int, op_id: int) -> StateCopy:
+        """A load of the host-only chain `host_nodes` brings back the deepest node's host snapshot
+        into `slot` (reserved), and those of the others while device state slots are free: each
+        becomes its node's device snapshot now (a hit resumes from the deepest once the load is
+        ready). Every slot is pinned by `op_id`."""
+        assert self.host_ledger is not None
+        deepest = host_nodes[-1]
+        nodes = [deepest]
+        dst = [slot]
+        for node in host_nodes[:-1]:  # best effort, without evicting: later hits may end there
+            if node in self.host_state and self.ledger.num_free_pages():
+                nodes.append(node)
+                dst.append(int(self.ledger.alloc(1, _owner_of(node), node=node.id)[0]))
+        src = [self.host_state[node] for node in nodes]
+        for node, s, d in zip(nodes, src, dst, strict=True):
+            self.node_state[node] = d
+            self.position[d] = self.host_position[s]
+        copy = StateCopy(_slots(src), _slots(dst), tuple(nodes))
+        self.host_ledger.pin(copy.src, op_id)
+        self.ledger.pin(copy.dst, op_id)
+        return copy
+
+    def end_load(self, copy: StateCopy, op_id: int) -> None:
+        assert self.host_ledger is not None
+        self.host_ledger.unpin(copy.src, op_id)
+        self.ledger.unpin(copy.dst, op_id)
+
+    def orphan_load(self, chain: list[Node]) -> None:
+        """A load under a failed load loses its nodes' device copies: their device snapshots leave
+        them and stay owned by them until the load's ack (`free_orphaned`)."""
+        for node in chain:
+            self.node_state.pop(node, None)
+
+    def free_orphaned(self, copy: StateCopy) -> None:
+        for node, slot in zip(copy.nodes, copy.dst.tolist(), strict=True):
+            self._free([slot], _owner_of(node), node=node.id, reason="load_orphaned")
+
+    def free_node_slot(self, node: Node, slot: int) -> None:
+        """Free a device state slot `node` owns but does not hold (a reserved load's, unused)."""
+        self._free([slot], _owner_of(node), node=node.id, reason="unused")
+
+    def transfers(self, copy: StateCopy) -> tuple[PoolTransfer, ...]:
+        """One `PoolTransfer` per state component copying `copy`'s slots (fresh tensors)."""
+        return tuple(PoolTransfer(name, torch.from_numpy(copy.src.copy()), torch.from_numpy(copy.dst.copy()))
+                     for name in self.pools)
+
     # -- helpers -----------------------------------------------------------------
     def _free(self, slots: list[int], owner: Owner, **ctx: object) -> None:
         self.ledger.free(np.array(slots, dtype=np.int64), owner, **ctx)
@@ -147,13 +271,13 @@ class RecurrentStates:
             self.position.pop(slot, None)
 
     def _evictable(self) -> int:
-        return sum(1 for node in self.node_state if node.lock_ref == 0)
+        return sum(1 for node in self.node_state if node.lock_ref == 0 and self.ledger.pin_count(self.node_state[node]) == 0)
 
     def _alloc(self, owner: Owner, **ctx: object) -> int:
         if self.ledger.num_free_pages() == 0:
             # least recently used unlocked snapshot: its node keeps its KV (a hit there just
             # reaches less far); O(snapshots), a state slot is large and they are few
-            victims = [n for n in self.node_state if n.lock_ref == 0]
+            victims = [n for n in self.node_state if n.lock_ref == 0 and self.ledger.pin_count(self.node_state[n]) == 0]
             if not victims:
                 raise CapacityError(f"no state slot free: {self.ledger.num_pages} held by running requests, "
                                     "their snapshots and locked nodes")

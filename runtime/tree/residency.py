@@ -21,6 +21,7 @@ from runtime.errors import CapacityError
 from runtime.events.recorder import CPU, GPU, KVEventRecorder
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
+from runtime.memory.state_pool import STATE_POOL_PREFIX
 from runtime.trace import SlotTracer
 from runtime.tree.policies import policy_by_name
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
@@ -40,7 +41,8 @@ def node_owner(node: Node) -> Owner:
 class Residency:
     # -- state -------------------------------------------------------------------
     def __init__(self, page_size: int, device_slots: int, host_slots: int, *, eviction_policy: str = "lru",
-                 write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0) -> None:
+                 write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0,
+                 host_state_slots: int = 0, state_pools: tuple[str, ...] = ("state",)) -> None:
         """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
         device memory): a tree of host copies over the host ledger. `state_slots` > 0: a hybrid
         model's recurrent states (`RecurrentStates`): node snapshots go with the node's device KV
@@ -54,15 +56,19 @@ class Residency:
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | None = None
-        self.states: RecurrentStates | None = RecurrentStates(state_slots) if state_slots > 0 else None
+        self.states: RecurrentStates | None = (RecurrentStates(state_slots, host_state_slots, state_pools)
+                                               if state_slots > 0 else None)
 
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None) -> "Residency":
+        shape = config.state_shape
+        pools = tuple(STATE_POOL_PREFIX + c.name for c in shape.components) if shape is not None else ()
         return cls(config.page_size, config.device_slots, config.host_slots, eviction_policy=config.eviction_policy,
-                   write_back=config.write_policy == "write_back", tracer=tracer, state_slots=config.state_slots)
+                   write_back=config.write_policy == "write_back", tracer=tracer, state_slots=config.state_slots,
+                   host_state_slots=config.host_state_slot_count, state_pools=pools)
 
     # -- allocation --------------------------------------------------------------
     def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
@@ -133,6 +139,7 @@ class Residency:
                     self.events.removed(node, CPU)
             if self.states is not None:
                 self.states.drop(node)
+                self.states.drop_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
                 self.device.free(device, node_owner(node), node=node.id, reason="evict")
@@ -241,6 +248,8 @@ class Residency:
     def roll_back_load(self, chain: list[Node]) -> None:
         """A failed load's device copies never became valid: detach and free them."""
         for node in reversed(chain):
+            if self.states is not None:
+                self.states.drop(node)
             slots = self.tree.detach_device(node, force=True)
             self.device.free(slots, node_owner(node), node=node.id, reason="load_failed")
             if self.events is not None:
@@ -250,6 +259,8 @@ class Residency:
         """Detach a load's device copies from its chain: its deepest node's owner keeps them all
         until the load's ack frees them (the load was started under a load that failed)."""
         owner = node_owner(chain[-1])
+        if self.states is not None:
+            self.states.orphan_load(chain)
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
             if self.events is not None:
@@ -322,11 +333,12 @@ class Residency:
         needs its logits), so at most len - 1 tokens match."""
         ps = self.page_size
         look = self.tree.match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, split=False, touch=False)
-        if self.states is not None and look.device_len:  # a hit ends at a state snapshot, or is none
-            usable = self.states.usable_end(look)
-            if usable < look.device_len:
-                look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
         host_len = look.host_len if self.host is not None else 0
+        if self.states is not None and look.device_len + host_len:  # a hit ends at a state snapshot, or is none
+            usable = self.states.usable_end(look, host_len)
+            if usable < look.device_len + host_len:
+                look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
+                host_len = look.host_len if self.host is not None else 0
         return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
 
     def evictable_device_pages(self) -> int:

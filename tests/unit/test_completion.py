@@ -336,3 +336,22 @@ async def test_layerwise_load_with_fake_engine():
         await asyncio.wait_for(second.wait_all(), 2)
         assert engine.pending() == []
         assert torch.equal(dev.read_slots(dst), want)
+
+
+async def test_readiness_with_fewer_layers_than_the_copy_waits_for_its_last_layer():
+    """A plan over pool groups reports as many layers as its deepest pool (a hybrid model's state
+    layers beside its KV layers); a load's readiness made for the KV layers must not say "all
+    ready" before the copy's last layer is (found by tests/integration/test_recurrent_state.py:
+    a resumed state read before the copy wrote it)."""
+    async with CompletionBridge() as bridge:
+        evs = [Ev(), Ev(), Ev()]
+        handle = CopyHandle(7, tuple(evs), evs[-1])
+        readiness = LayerReadiness.pending(2, 7)
+        readiness.bind(bridge, handle)
+        evs[0].set()
+        evs[1].set()
+        await asyncio.sleep(0.02)
+        assert readiness.ready(0) and not readiness.all_ready()
+        evs[2].set()
+        await settle(asyncio.ensure_future(readiness.wait_all()))
+        assert readiness.all_ready()

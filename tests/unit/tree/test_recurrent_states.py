@@ -199,8 +199,135 @@ def test_bad_snapshot_calls_change_nothing():
 
 def test_config_refuses_what_states_do_not_cover_yet():
     with pytest.raises(ConfigError):
-        make_core(host_tokens=64)
+        make_core(storage_backend="file", storage_dir="x", host_tokens=64)
+    with pytest.raises(ConfigError):
+        make_core(decode_offload=True, host_tokens=64)
     with pytest.raises(ConfigError):
         make_core(state_components="conv:3x2")
     with pytest.raises(ConfigError):
         make_core(state_slots=0)
+
+
+# -- host tier: snapshots are backed up and loaded with their node ------------------------------
+
+STATE_POOLS = ("state.conv", "state.ssm")
+
+
+def host_core(**changes) -> CacheCore:
+    return make_core(host_tokens=64, write_policy="write_through", host_state_slots=4, **changes)
+
+
+def take_plans(core: CacheCore):
+    return [plan for plan, _ in core.take_effects().copies]
+
+
+def ack(core: CacheCore, error: str | None = None) -> None:
+    for op_id in sorted(core.copies.ops):
+        core.apply_ack(op_id, error)
+        check_invariants(core)
+
+
+def test_backup_copies_the_snapshot_with_its_node():
+    core = host_core()
+    p = toks(17, 20)
+    run(core, "a", p, snaps=(8, 16))
+    plans = take_plans(core)
+    assert len(plans) == 2  # write_through: both nodes, each with its snapshot
+    for plan in plans:
+        assert [t.pool for t in plan.transfers] == ["kv", *STATE_POOLS]
+        src, dst = plan.transfers[1].src, plan.transfers[1].dst
+        assert plan.transfers[2].src.tolist() == src.tolist() and len(src) == 1
+    states = core.residency.states
+    assert not states.host_state and states.ledger.pin_count(next(iter(states.node_state.values()))) == 1
+    ack(core)
+    assert set(states.host_state) == set(states.node_state)
+    assert {states.host_position[s] for s in states.host_state.values()} == {8, 16}
+
+
+def push_off_device(core: CacheCore) -> None:
+    av = core.available()
+    core.admit("big", toks(av["device_free"] + av["device_evictable"], 999))
+    core.abort("big")
+    check_invariants(core)
+
+
+def test_host_hit_loads_the_snapshot_back_and_resumes_from_it():
+    core = host_core()
+    p = toks(17, 21)
+    run(core, "a", p, snaps=(8, 16))
+    ack(core)
+    take_plans(core)
+    push_off_device(core)
+    states = core.residency.states
+    assert not states.node_state and len(states.host_state) == 2
+    res = core.admit("b", p)
+    assert (res.cached_device, res.loaded_host) == (0, 16)
+    (plan,) = take_plans(core)
+    node = core.requests["b"].last_node
+    host_slot = states.host_state[node]
+    assert [t.pool for t in plan.transfers] == ["kv", *STATE_POOLS]
+    # the deepest node's snapshot (required), and the one at 8 (a slot was free): both come back
+    upper = node.parent
+    assert plan.transfers[1].src.tolist() == [host_slot, states.host_state[upper]]
+    assert plan.transfers[1].dst.tolist() == [res.state_from, states.node_state[upper]]
+    assert states.node_state[node] == res.state_from != res.state_slot
+    ack(core)
+    core.abort("b")
+    check_invariants(core, quiescent=True)
+
+
+def test_failed_load_takes_the_loaded_snapshot_back():
+    core = host_core()
+    p = toks(17, 22)
+    run(core, "a", p, snaps=(16,))
+    ack(core)
+    take_plans(core)
+    push_off_device(core)
+    free = core.residency.states.ledger.num_free_pages()
+    core.admit("b", p)
+    take_plans(core)
+    ack(core, error="injected")
+    states = core.residency.states
+    assert not states.node_state and len(states.host_state) == 1
+    assert states.ledger.num_free_pages() == free - 1  # only b's running slot
+    core.abort("b")
+    check_invariants(core, quiescent=True)
+
+
+def test_host_nodes_without_a_host_snapshot_are_no_hit():
+    """The backup ran before the snapshot reached the node: its host copy has KV only, so a hit
+    through it is cut back (never KV without the state after it)."""
+    core = host_core()
+    p = toks(17, 23)
+    run(core, "a", p)  # the node at 16 and its backup, no snapshot
+    ack(core)
+    take_plans(core)
+    run(core, "c", p, snaps=(16,))  # no hit (no snapshot); its snapshot joins the backed-up node
+    states = core.residency.states
+    assert len(states.node_state) == 1 and not states.host_state and not take_plans(core)
+    res = core.admit("d", p)
+    assert res.cached_device == 16  # on device: KV and state
+    core.abort("d")
+    push_off_device(core)
+    assert not states.node_state
+    res = core.admit("b", p)
+    assert res.cached == 0 and res.state_from is None  # host KV without its state: no hit
+    check_invariants(core)
+
+
+def test_write_back_eviction_keeps_the_host_snapshot():
+    core = make_core(host_tokens=64, write_policy="write_back", device_slots=32)
+    p = toks(17, 24)
+    run(core, "a", p, snaps=(16,))
+    assert not take_plans(core)  # write-back: nothing copied yet
+    with pytest.raises(CapacityError):
+        core.admit("big", toks(28, 25))  # room only once the node is backed up: that starts
+    take_plans(core)
+    ack(core)
+    core.admit("big", toks(28, 25))
+    states = core.residency.states
+    assert not states.node_state and len(states.host_state) == 1
+    core.abort("big")
+    check_invariants(core, quiescent=True)
+    res = core.admit("c", p)
+    assert res.loaded_host == 16 and res.state_from is not None
