@@ -39,6 +39,7 @@ layer, state-pool layer ``recurrent_layers.index(i)``).
 
 from __future__ import annotations
 
+import operator
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -159,8 +160,14 @@ class HybridSeq:
     snapshots: tuple[tuple[int, int], ...] = ()
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _index(x: Any) -> int | None:
+    """``x`` as an int if it is an integer (Python, numpy or a 0-d integer tensor), else None."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and (x.dim() or x.dtype == torch.bool)):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
 
 
 def _int_vector(x: Any, what: str, device: torch.device) -> torch.Tensor:
@@ -168,8 +175,8 @@ def _int_vector(x: Any, what: str, device: torch.device) -> torch.Tensor:
         if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise ArgumentError(f"{what}: expected integers, got a {x.dtype} tensor")
         return x.reshape(-1).to(device=device, dtype=torch.long)
-    items = list(x)
-    if not all(_is_int(v) for v in items):
+    items = [_index(v) for v in x]
+    if None in items:
         raise ArgumentError(f"{what}: expected integers")
     return torch.tensor(items, dtype=torch.long, device=device)
 
@@ -370,9 +377,10 @@ class PagedHybridModel:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _state_slot(self, x: Any, what: str) -> int:
-        if not _is_int(x) or not 0 <= x < self.state_pool.num_slots:
+        slot = _index(x)
+        if slot is None or not 0 <= slot < self.state_pool.num_slots:
             raise ArgumentError(f"{what}: expected a state slot in [0, {self.state_pool.num_slots}), got {x!r}")
-        return x
+        return slot
 
     def _plan(self, seqs: Sequence[HybridSeq], before_layer: Callable[[int], None] | None) -> tuple[_StateRun, list[PagedSeq]]:
         """Validate the batch and group its recurrent rows; changes nothing."""
@@ -388,9 +396,10 @@ class PagedHybridModel:
                 raise ArgumentError(f"seq {i}: expected a HybridSeq, got {type(s).__name__}")
             slots = _int_vector(s.slots, f"seq {i} slots", dev)
             ids = _int_vector(s.input_ids, f"seq {i} input_ids", dev)
-            if not _is_int(s.start):
+            start = _index(s.start)
+            if start is None:
                 raise ArgumentError(f"seq {i}: start must be an int, got {s.start!r}")
-            start, new, total = s.start, int(ids.numel()), int(slots.numel())
+            new, total = int(ids.numel()), int(slots.numel())
             if new < 1:
                 raise LengthError(f"seq {i}: no new tokens")
             if start < 0 or start + new != total:
@@ -408,9 +417,9 @@ class PagedHybridModel:
             snaps: dict[int, int] = {}
             last = start
             for pair in s.snapshots:
-                if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0])):
+                p = _index(pair[0]) if isinstance(pair, tuple) and len(pair) == 2 else None
+                if p is None:
                     raise ArgumentError(f"seq {i}: snapshot {pair!r} is not a (position, slot) pair")
-                p = pair[0]
                 if not last < p <= total:
                     raise LengthError(f"seq {i}: snapshot positions must increase within ({start}, {total}], got {p}")
                 snaps[p - start] = self._state_slot(pair[1], f"seq {i} snapshot at {p}")

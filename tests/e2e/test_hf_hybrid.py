@@ -4,10 +4,14 @@ its Mamba2 conv and SSM states in a state pool.
 Differential against transformers' own forward / generate on the same weights (fp32, tiny
 random model built twice from one seed; the reference uses its own cache, no reuse). Pools
 start filled with NaN, so reading a KV slot or a state slot that was never written shows up.
+HICACHE_TEST_DEVICE=cuda puts the models and both pools on the GPU.
 """
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
 import torch
 
@@ -26,7 +30,7 @@ from runtime.integrations.hf_hybrid import (  # noqa: E402
 from runtime.integrations.hf_llama import greedy_generate_reference  # noqa: E402
 from runtime.memory.pools import DevicePool  # noqa: E402
 from runtime.memory.state_pool import StatePool  # noqa: E402
-from tests.e2e.support import PAGE, batch_or_singly  # noqa: E402
+from tests.e2e.support import DEVICE, PAGE, batch_or_singly  # noqa: E402
 
 TOL = 1e-4  # max abs logit difference from transformers' own forward (fp32)
 KV_SLOTS = 512
@@ -35,19 +39,19 @@ STATE_SLOTS = 16
 
 @pytest.fixture(scope="module")
 def bamba():
-    return tiny_bamba(seed=0)
+    return tiny_bamba(seed=0).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
 def ref_bamba():
-    ref = tiny_bamba(seed=0)
+    ref = tiny_bamba(seed=0).to(DEVICE)
     ref.set_attn_implementation("sdpa")  # transformers' own attention, cache and Mamba2 path
     return ref
 
 
 def make_adapter(model) -> PagedHybridModel:
-    kv = DevicePool(attention_kv_shape(model), KV_SLOTS, PAGE, "cpu")
-    states = StatePool(state_shape(model), STATE_SLOTS)
+    kv = DevicePool(attention_kv_shape(model), KV_SLOTS, PAGE, DEVICE)
+    states = StatePool(state_shape(model), STATE_SLOTS, DEVICE)
     kv.buffer.fill_(float("nan"))
     for b in states.buffers.values():
         b.fill_(float("nan"))
@@ -56,7 +60,7 @@ def make_adapter(model) -> PagedHybridModel:
 
 def ref_logits(ref, ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
-        return ref(ids[None], use_cache=False, logits_to_keep=0).logits[0]
+        return ref(ids[None].to(DEVICE), use_cache=False, logits_to_keep=0).logits[0]
 
 
 def rand_ids(n: int, seed: int) -> torch.Tensor:
@@ -105,10 +109,22 @@ def test_layers_hook_and_own_forward(bamba, ref_bamba):
     seen: list[int] = []
     pm([HybridSeq(rand_slots(21, 2), 0, ids, state_slot=0)], before_layer=seen.append)
     assert seen == [0, 1, 2, 3]
-    # outside an adapter forward the model is transformers' own (its Mamba2 path, SDPA attention)
-    with torch.inference_mode():
-        own = bamba(ids[None], logits_to_keep=0).logits[0]
+    # outside an adapter forward the model is transformers' own (its Mamba2 path, SDPA attention),
+    # and so is a deep copy, whose mixers are its own (not the original's)
+    twin = copy.deepcopy(bamba)
+    with torch.no_grad():
+        for prm in bamba.model.layers[0].mamba.parameters():
+            prm.add_(1.0)  # detune the original: the copy must not run these weights
+        try:
+            with torch.inference_mode():
+                twin_logits = twin(ids[None].to(DEVICE), logits_to_keep=0).logits[0]
+        finally:
+            for prm in bamba.model.layers[0].mamba.parameters():
+                prm.sub_(1.0)
+        with torch.inference_mode():
+            own = bamba(ids[None].to(DEVICE), logits_to_keep=0).logits[0]
     assert diff(own, ref_logits(ref_bamba, ids)) < TOL
+    assert diff(twin_logits, own) < TOL
 
 
 def test_ragged_batch_equals_single_runs(bamba, ref_bamba):
@@ -217,6 +233,8 @@ def test_invalid_batches_change_nothing(bamba):
         [HybridSeq(slots, 16, ids[16:], state_slot=2, snapshots=((25, 3),))],  # snapshot past the end
         [HybridSeq(slots, 16, ids[16:], state_slot=2, snapshots=((20, 3), (18, 4)))],  # not increasing
         [HybridSeq(slots, 16, ids[16:], state_slot=2, snapshots=((20, 2),))],  # snapshot into its own slot
+        [HybridSeq(slots, 16, ids[16:], state_slot=2, snapshots=[(20, 3)])],  # not a tuple
+        [HybridSeq(slots, 16, ids[16:], state_slot=2, snapshots=((20.0, 3),))],  # not an int position
         [good, HybridSeq(rand_slots(8, 9), 0, ids[:8], state_slot=0)],  # two rows write state slot 0
         [good, HybridSeq(rand_slots(20, 9), 16, ids[:4], state_slot=5, state_from=0)],  # reads a slot written
         [HybridSeq(slots, 15, ids[16:], state_slot=0)],  # start + new != slots
@@ -233,7 +251,8 @@ def test_invalid_batches_change_nothing(bamba):
     assert torch.equal(pm.kv_pool.buffer.nan_to_num(), kv_before.nan_to_num())
     for k, v in pm.state_pool.buffers.items():
         assert torch.equal(v.nan_to_num(), states_before[k].nan_to_num()) and torch.equal(v.isnan(), states_before[k].isnan())
-    pm([good])  # and the adapter still runs
+    # and the adapter still runs; numpy and 0-d tensor integers are integers
+    pm([HybridSeq(slots, np.int64(16), ids[16:], state_slot=torch.tensor(0), snapshots=((np.int32(20), 1),))])
 
 
 def test_pools_must_fit_the_model(bamba):
@@ -241,12 +260,12 @@ def test_pools_must_fit_the_model(bamba):
     from runtime.memory.pools import KVShape
     from runtime.memory.state_pool import StateComponent, StateShape
 
-    good_kv = DevicePool(attention_kv_shape(bamba), 64, PAGE)
-    all_layers = DevicePool(KVShape(4, 2, 16, torch.float32), 64, PAGE)  # every layer, not the attention ones
-    states = StatePool(state_shape(bamba), 4)
+    good_kv = DevicePool(attention_kv_shape(bamba), 64, PAGE, DEVICE)
+    all_layers = DevicePool(KVShape(4, 2, 16, torch.float32), 64, PAGE, DEVICE)  # every layer, not the attention ones
+    states = StatePool(state_shape(bamba), 4, DEVICE)
     with pytest.raises(ConfigError):
         PagedHybridModel(bamba, all_layers, states)
     small_ssm = StateShape(2, (state_shape(bamba).components[0], StateComponent(SSM, (4, 32, 8))))
     with pytest.raises(ConfigError):
-        PagedHybridModel(bamba, good_kv, StatePool(small_ssm, 4))
+        PagedHybridModel(bamba, good_kv, StatePool(small_ssm, 4, DEVICE))
     PagedHybridModel(bamba, good_kv, states)
