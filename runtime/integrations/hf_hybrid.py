@@ -326,8 +326,9 @@ class PagedHybridModel:
     ``forward(seqs)`` runs one ragged batch of :class:`HybridSeq` (prefills, extends from a
     cached prefix or a snapshot, one-token decodes) and returns hf_llama's :class:`PagedOutput`.
     Every sequence is validated before anything is written (`runtime.errors` validation errors);
-    ``check_slots`` also checks KV slot ranges and that no KV slot is written twice (a host sync
-    on CUDA). One forward at a time per model: the state route is per model, not per call.
+    ``check_slots`` also checks token ids and KV slot ranges and that no KV slot is written twice
+    (host syncs on CUDA; the state slots are always checked, on the host). One forward at a time
+    per model: the state route is per model, not per call.
     """
 
     def __init__(self, model: BambaForCausalLM, kv_pool: Any, state_pool: StatePool, *, check_slots: bool = True) -> None:
@@ -404,8 +405,6 @@ class PagedHybridModel:
                 raise LengthError(f"seq {i}: no new tokens")
             if start < 0 or start + new != total:
                 raise LengthError(f"seq {i}: start {start} + {new} new tokens != {total} slots")
-            if new and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-                raise ArgumentError(f"seq {i}: token id out of range [0, {self.vocab_size})")
             state_slot = self._state_slot(s.state_slot, f"seq {i} state_slot")
             source = state_slot
             if s.state_from is not None:
@@ -437,11 +436,15 @@ class PagedHybridModel:
             if source in written:
                 raise ArgumentError(f"seq {i}: state_from {source} is written by {written[source]} in this forward")
         if self.check_slots:
-            self._check_kv_slots(paged)
+            self._check_device_values(paged)
         groups = [self._rows(cuts, members, dev) for cuts, members in by_cuts.items()]
         return _StateRun(self.state_pool, groups, self.recurrent_layers, before_layer), paged
 
-    def _check_kv_slots(self, paged: list[PagedSeq]) -> None:
+    def _check_device_values(self, paged: list[PagedSeq]) -> None:
+        """Token ids and KV slots in range, no KV slot written twice (host syncs on CUDA)."""
+        ids = torch.cat([p.input_ids for p in paged])  # type: ignore[misc]
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ArgumentError(f"token id out of range [0, {self.vocab_size})")
         every = torch.cat([p.slots for p in paged])  # type: ignore[misc]
         lo, hi = int(every.min()), int(every.max())
         if lo < 0 or hi >= self.num_slots:
