@@ -129,15 +129,16 @@ def test_layers_hook_and_own_forward(bamba, ref_bamba):
 
 def test_ragged_batch_equals_single_runs(bamba, ref_bamba):
     # (cached prefix, total, snapshot position or None) per sequence: extend from the request's
-    # own state, fresh prefill with a snapshot inside, one-token decode, fresh one-token prompt
-    specs = [(16, 37, None), (0, 23, 16), (25, 26, None), (0, 1, None)]
+    # own state, fresh prefill with a snapshot inside, one-token decode with a snapshot at its end
+    # (one recurrent batch with the next row), fresh one-token prompt
+    specs = [(16, 37, None), (0, 23, 16), (25, 26, 26), (0, 1, None)]
     seqs_ids = [rand_ids(total, 10 + i) for i, (_, total, _) in enumerate(specs)]
     perm = torch.randperm(KV_SLOTS, generator=torch.Generator().manual_seed(7))
     seqs_slots, at = [], 0
     for _, total, _ in specs:
         seqs_slots.append(perm[at : at + total])
         at += total
-    snap_slot = 9
+    snap_slots = {1: 9, 2: 10}
 
     def run(batched: bool):
         pm = make_adapter(bamba)
@@ -145,7 +146,7 @@ def test_ragged_batch_equals_single_runs(bamba, ref_bamba):
             if cached:
                 pm([HybridSeq(slots[:cached], 0, ids[:cached], state_slot=i)])
         batch = [
-            HybridSeq(slots, cached, ids[cached:], state_slot=i, snapshots=((snap, snap_slot),) if snap else ())
+            HybridSeq(slots, cached, ids[cached:], state_slot=i, snapshots=((snap, snap_slots[i]),) if snap else ())
             for i, ((cached, _, snap), ids, slots) in enumerate(zip(specs, seqs_ids, seqs_slots))
         ]
         return pm, *batch_or_singly(pm, batch, batched=batched)
@@ -159,14 +160,14 @@ def test_ragged_batch_equals_single_runs(bamba, ref_bamba):
         assert diff(all_b[i], all_s[i]) < TOL
         assert diff(all_b[i], ref_logits(ref_bamba, ids)[cached:]) < TOL
     # same states in both runs, each sequence's in its own slot, the snapshot in its slot
-    assert written_states(pm_b) == written_states(pm_s) == {0, 1, 2, 3, snap_slot}
-    for name in (CONV, SSM):
-        assert diff(pm_b.state_pool.buffers[name][:, :4], pm_s.state_pool.buffers[name][:, :4]) < TOL
-    # the snapshot is the state after position 15: what a 16-token prefill leaves
-    alone = make_adapter(bamba)
+    assert written_states(pm_b) == written_states(pm_s) == {0, 1, 2, 3, 9, 10}
+    alone = make_adapter(bamba)  # a snapshot at 16 is the state a 16-token prefill leaves
     alone([HybridSeq(seqs_slots[1][:16], 0, seqs_ids[1][:16], state_slot=0)])
     for name in (CONV, SSM):
-        assert diff(pm_b.state_pool.buffers[name][:, snap_slot], alone.state_pool.buffers[name][:, 0]) < 1e-5
+        states = pm_b.state_pool.buffers[name]
+        assert diff(states[:, :4], pm_s.state_pool.buffers[name][:, :4]) < TOL
+        assert diff(states[:, 9], alone.state_pool.buffers[name][:, 0]) < 1e-5
+        assert torch.equal(states[:, 10], states[:, 2])  # a snapshot at the end is the final state
 
 
 def _snapshot_run(pm: PagedHybridModel, ids: torch.Tensor, slots: torch.Tensor, state_slot: int,
