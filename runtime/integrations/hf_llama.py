@@ -60,6 +60,7 @@ __all__ = [
     "kv_geometry",
     "kv_shape",
     "tiny_llama",
+    "build_tiny",
     "load_smollm2",
     "smollm2_package_dir",
     "greedy_generate_reference",
@@ -339,30 +340,34 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config_overr
     vocab 512), built in :data:`ATTN_NAME` mode. Deterministic in ``seed``; the global RNG is
     left untouched. ``initializer_range`` is 0.08 (not 0.02) so the logits are spread out and
     greedy decoding has no near-ties."""
-    cfg: dict[str, Any] = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=8192,
-        initializer_range=0.08,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    cfg.update(config_overrides)
-    config = LlamaConfig(**cfg)
+    arch = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32)
+    return build_tiny(LlamaForCausalLM, LlamaConfig, seed, dtype, arch, config_overrides)
+
+
+_TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    max_position_embeddings=8192,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def build_tiny(model_cls: Any, config_cls: Any, seed: int, dtype: torch.dtype, arch: dict[str, Any],
+               overrides: dict[str, Any]) -> Any:
+    """A random-weight ``model_cls`` of ``config_cls(**common, **arch, **overrides)`` (common: vocab
+    512, ``initializer_range`` 0.08, untied embeddings, bos/eos/pad 1/2/0), built in
+    :data:`ATTN_NAME` mode, in eval mode, with ``dtype``. Deterministic in ``seed``; the global RNG
+    is left untouched (the tiny models of every adapter are built by it)."""
+    config = config_cls(**{**_TINY_COMMON, **arch, **overrides})
     config._attn_implementation = ATTN_NAME
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model = model.to(dtype)
-    model.eval()
-    return model
+        model = model_cls(config)
+    return model.to(dtype).eval()
 
 
 def smollm2_package_dir() -> Path:

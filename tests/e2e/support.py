@@ -33,3 +33,13 @@ def ids(n: int, seed: int) -> list[int]:
     """n token ids in [3, 512), deterministic in seed."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, 512, (n,), generator=g).tolist()
+
+
+def batch_or_singly(adapter, batch: list, *, batched: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(last logits [B, vocab], all logits per sequence)`` of ``batch`` through a paged adapter
+    (``PagedKVModel``, ``PagedHybridModel``): one forward, or one forward per sequence."""
+    if batched:
+        out = adapter(batch, return_all_logits=True)
+        return out.logits, out.all_logits
+    outs = [adapter([s], return_all_logits=True) for s in batch]
+    return torch.cat([o.logits for o in outs]), [o.all_logits[0] for o in outs]

@@ -21,7 +21,7 @@ from runtime.integrations.hf_llama import (  # noqa: E402
     greedy_generate_reference,
     kv_geometry,
 )
-from tests.e2e.support import PAGE, TOL  # noqa: E402
+from tests.e2e.support import PAGE, TOL, batch_or_singly  # noqa: E402
 
 NUM_SLOTS = 512
 
@@ -129,11 +129,7 @@ def test_ragged_batch_equals_one_by_one(model, ref_model, pool_kind):
             if cached:
                 pm([PagedSeq(slots[:cached], 0, ids[:cached])])
         batch = [PagedSeq(slots, cached, ids[cached:]) for (cached, _), ids, slots in zip(specs, seqs_ids, seqs_slots)]
-        if batched:
-            out = pm(batch, return_all_logits=True)
-            return pool, out.logits, out.all_logits
-        outs = [pm([s], return_all_logits=True) for s in batch]
-        return pool, torch.cat([o.logits for o in outs]), [o.all_logits[0] for o in outs]
+        return pool, *batch_or_singly(pm, batch, batched=batched)
 
     pool_b, last_b, all_b = run(batched=True)
     pool_s, last_s, all_s = run(batched=False)
