@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from transformers import BambaConfig, BambaForCausalLM
 
+from runtime.config import KV_DTYPES
 from runtime.errors import ArgumentError, ConfigError, LengthError
 from runtime.integrations.hf_llama import PagedKVModel, PagedOutput, PagedSeq, build_tiny, kv_geometry
 from runtime.memory.pools import KVShape
@@ -61,6 +62,7 @@ __all__ = [
     "hybrid_layers",
     "state_shape",
     "attention_kv_shape",
+    "runtime_fields",
     "tiny_bamba",
 ]
 
@@ -102,6 +104,18 @@ def state_shape(model: Any, *, ssm_dtype: torch.dtype = torch.float32) -> StateS
         StateComponent(CONV, (conv_dim, int(cfg.mamba_d_conv)), model.dtype),
         StateComponent(SSM, (int(cfg.mamba_n_heads), int(cfg.mamba_d_head), int(cfg.mamba_d_state)), ssm_dtype),
     ))
+
+
+def runtime_fields(model: Any, *, ssm_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The `RuntimeConfig` fields of ``model``'s cache: the attention layers' KV geometry and the
+    recurrent state (``RuntimeConfig(**runtime_fields(model), state_slots=..., ...)``)."""
+    kv = attention_kv_shape(model)
+    state = state_shape(model, ssm_dtype=ssm_dtype)
+    dtype_name = {v: k for k, v in KV_DTYPES.items()}
+    return dict(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                kv_dtype=dtype_name[kv.dtype], state_layers=state.num_layers,
+                state_components=",".join(f"{c.name}:{'x'.join(map(str, c.shape))}:{dtype_name[c.dtype]}"
+                                          for c in state.components))
 
 
 def attention_kv_shape(model: Any, dtype: torch.dtype | None = None) -> KVShape:
@@ -355,6 +369,7 @@ class PagedHybridModel:
         self.check_slots = check_slots
         self.num_slots = self._kv.num_slots
         self.vocab_size = self._kv.vocab_size
+        self.num_layers = num_layers  # model layers: what `before_layer` counts
         self._hook = _install_hook(model, self.recurrent_layers)
 
     def forward(

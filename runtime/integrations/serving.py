@@ -208,6 +208,8 @@ class ServingLoop:
         # a hybrid model (the runtime keeps recurrent state): a snapshot is asked for at the last
         # page boundary a forward reaches, at least `snapshot_every` tokens after the previous one
         self._hybrid = getattr(runtime, "state_pool", None) is not None
+        if self._hybrid:  # a forward reads each request's resumed state first: loads must be whole
+            self.layerwise = False
         self.snapshot_every = snapshot_every or self._page_size
         if self.snapshot_every % self._page_size:
             raise ValueError(f"snapshot_every must be a multiple of the page size {self._page_size}")
