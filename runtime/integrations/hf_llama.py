@@ -40,9 +40,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -362,15 +363,7 @@ class PagedKVModel:
 # models
 
 
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> LlamaForCausalLM:
-    """A random-weight ``LlamaForCausalLM`` (4 layers, hidden 128, 4 heads, 2 KV heads of dim 32,
-    vocab 512), built in :data:`ATTN_NAME` mode. Deterministic in ``seed``; the global RNG is
-    left untouched. ``initializer_range`` is 0.08 (not 0.02) so the logits are spread out and
-    greedy decoding has no near-ties."""
-    return random_model(LlamaForCausalLM, LlamaConfig(**(TINY_CONFIG | config_overrides)), seed, dtype)
-
-
-TINY_CONFIG: dict[str, Any] = dict(
+TINY_CONFIG: Mapping[str, Any] = MappingProxyType(dict(
     vocab_size=512,
     hidden_size=128,
     intermediate_size=256,
@@ -384,7 +377,7 @@ TINY_CONFIG: dict[str, Any] = dict(
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,
-)
+))
 """Config fields of the tiny random test models (every adapter's ``tiny_*`` builder starts from them)."""
 
 
@@ -398,6 +391,14 @@ def random_model(model_cls: Any, config: Any, seed: int, dtype: torch.dtype) -> 
     model = model.to(dtype)
     model.eval()
     return model
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> LlamaForCausalLM:
+    """A random-weight ``LlamaForCausalLM`` (4 layers, hidden 128, 4 heads, 2 KV heads of dim 32,
+    vocab 512), built in :data:`ATTN_NAME` mode. Deterministic in ``seed``; the global RNG is
+    left untouched. ``initializer_range`` is 0.08 (not 0.02) so the logits are spread out and
+    greedy decoding has no near-ties."""
+    return random_model(LlamaForCausalLM, LlamaConfig(**(TINY_CONFIG | config_overrides)), seed, dtype)
 
 
 def smollm2_package_dir() -> Path:
