@@ -40,9 +40,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -54,12 +55,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 __all__ = [
     "ATTN_NAME",
     "SMOLLM2_GGUF_FILE",
+    "LayerRead",
     "PagedSeq",
     "PagedOutput",
     "PagedKVModel",
     "kv_geometry",
     "kv_shape",
     "tiny_llama",
+    "TINY_CONFIG",
+    "random_model",
     "build_tiny",
     "load_smollm2",
     "smollm2_package_dir",
@@ -80,10 +84,22 @@ _SOURCE_STAMP = "hicache_source.json"
 # attention function
 
 
+@dataclass(frozen=True)
+class LayerRead:
+    """The pool slots one layer's attention reads instead of positions ``0 .. total-1`` (a
+    sliding-window layer reads only its window): ``gather_idx [B*kv_len]`` slots, row-major over
+    (seq, key column); ``mask [B, 1, Q, kv_len]`` bool, key column visible to query row."""
+
+    gather_idx: torch.Tensor
+    mask: torch.Tensor
+    kv_len: int
+
+
 class _PagedContext:
     """Everything the attention of one forward needs, computed once (not per layer)."""
 
-    __slots__ = ("pool", "before_layer", "write_idx", "valid_rows", "gather_idx", "mask", "is_causal", "batch", "kv_len")
+    __slots__ = ("pool", "before_layer", "write_idx", "valid_rows", "gather_idx", "mask", "is_causal", "batch", "kv_len",
+                 "layer_reads")
 
     def __init__(
         self,
@@ -96,6 +112,7 @@ class _PagedContext:
         is_causal: bool,
         batch: int,
         kv_len: int,
+        layer_reads: dict[int, LayerRead] | None = None,
     ) -> None:
         self.pool = pool
         self.before_layer = before_layer
@@ -106,6 +123,7 @@ class _PagedContext:
         self.is_causal = is_causal
         self.batch = batch
         self.kv_len = kv_len
+        self.layer_reads = layer_reads  # layers that read other slots than gather_idx (sliding window)
 
 
 def paged_attention(
@@ -138,10 +156,13 @@ def paged_attention(
         v_new = v_new.index_select(0, ctx.valid_rows)
     k_pool.index_copy_(0, ctx.write_idx, k_new.to(k_pool.dtype))
     v_pool.index_copy_(0, ctx.write_idx, v_new.to(v_pool.dtype))
-    # read positions 0..total-1 of every sequence
-    kv_len = ctx.kv_len
-    k_all = k_pool.index_select(0, ctx.gather_idx).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
-    v_all = v_pool.index_select(0, ctx.gather_idx).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
+    # read positions 0..total-1 of every sequence, or the layer's own read (its window)
+    gather_idx, mask, is_causal, kv_len = ctx.gather_idx, ctx.mask, ctx.is_causal, ctx.kv_len
+    read = ctx.layer_reads.get(layer) if ctx.layer_reads else None
+    if read is not None:
+        gather_idx, mask, is_causal, kv_len = read.gather_idx, read.mask, False, read.kv_len
+    k_all = k_pool.index_select(0, gather_idx).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
+    v_all = v_pool.index_select(0, gather_idx).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
     if k_all.dtype != query.dtype:
         k_all = k_all.to(query.dtype)
         v_all = v_all.to(query.dtype)
@@ -149,8 +170,8 @@ def paged_attention(
         query,
         k_all,
         v_all,
-        attn_mask=ctx.mask,
-        is_causal=ctx.is_causal,
+        attn_mask=mask,
+        is_causal=is_causal,
         scale=scaling,
         enable_gqa=query.shape[1] != n_kv,
     )
@@ -310,7 +331,8 @@ class PagedKVModel:
             mask = (k_pos[None, None, None, :] <= position_ids[:, None, :, None])
 
         ctx = _PagedContext(
-            self.pool, before_layer, write_idx, valid_rows, gather_idx.reshape(-1), mask, is_causal, bsz, kv_len
+            self.pool, before_layer, write_idx, valid_rows, gather_idx.reshape(-1), mask, is_causal, bsz, kv_len,
+            self._layer_reads(slots, starts, totals, position_ids),
         )
         with torch.inference_mode():
             out = self.model.model(
@@ -330,9 +352,46 @@ class PagedKVModel:
 
     __call__ = forward
 
+    def _layer_reads(
+        self, slots: list[torch.Tensor], starts: list[int], totals: list[int], position_ids: torch.Tensor
+    ) -> dict[int, LayerRead] | None:
+        """Per-layer reads that replace positions ``0 .. total-1`` (none here: every layer reads
+        all of them; a sliding-window subclass reads only each layer's window)."""
+        return None
+
 
 # --------------------------------------------------------------------------------------------
 # models
+
+
+TINY_CONFIG: Mapping[str, Any] = MappingProxyType(dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=8192,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+))
+"""Config fields of the tiny random test models (every adapter's ``tiny_*`` builder starts from them)."""
+
+
+def random_model(model_cls: Any, config: Any, seed: int, dtype: torch.dtype) -> Any:
+    """``model_cls(config)`` with random weights deterministic in ``seed`` (the global RNG is left
+    untouched), in :data:`ATTN_NAME` mode, cast to ``dtype``, in eval mode."""
+    config._attn_implementation = ATTN_NAME
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model = model.to(dtype)
+    model.eval()
+    return model
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any) -> LlamaForCausalLM:
@@ -340,34 +399,20 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **config_overr
     vocab 512), built in :data:`ATTN_NAME` mode. Deterministic in ``seed``; the global RNG is
     left untouched. ``initializer_range`` is 0.08 (not 0.02) so the logits are spread out and
     greedy decoding has no near-ties."""
-    arch = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=32)
-    return build_tiny(LlamaForCausalLM, LlamaConfig, seed, dtype, arch, config_overrides)
+    return random_model(LlamaForCausalLM, LlamaConfig(**(TINY_CONFIG | config_overrides)), seed, dtype)
 
 
-_TINY_COMMON: dict[str, Any] = dict(
-    vocab_size=512,
-    max_position_embeddings=8192,
-    initializer_range=0.08,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+_TINY_COMMON = ("vocab_size", "max_position_embeddings", "initializer_range", "tie_word_embeddings",
+                "bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def build_tiny(model_cls: Any, config_cls: Any, seed: int, dtype: torch.dtype, arch: dict[str, Any],
                overrides: dict[str, Any]) -> Any:
-    """A random-weight ``model_cls`` of ``config_cls(**common, **arch, **overrides)`` (common: vocab
-    512, ``initializer_range`` 0.08, untied embeddings, bos/eos/pad 1/2/0), built in
-    :data:`ATTN_NAME` mode, in eval mode, with ``dtype``. Deterministic in ``seed``; the global RNG
-    is left untouched (the tiny models of every adapter are built by it)."""
-    config = config_cls(**{**_TINY_COMMON, **arch, **overrides})
-    config._attn_implementation = ATTN_NAME
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    return model.to(dtype).eval()
+    """A random-weight ``model_cls`` of ``config_cls(**common, **arch, **overrides)`` (common: the
+    architecture-free fields of :data:`TINY_CONFIG`: vocab 512, ``initializer_range`` 0.08, untied
+    embeddings, bos/eos/pad 1/2/0), by :func:`random_model`."""
+    common = {k: TINY_CONFIG[k] for k in _TINY_COMMON}
+    return random_model(model_cls, config_cls(**{**common, **arch, **overrides}), seed, dtype)
 
 
 def smollm2_package_dir() -> Path:

@@ -84,13 +84,15 @@ async def settle(rt: CacheRuntime, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.002)
 
 
-async def serve_turns(rt: CacheRuntime, model, between_turns=None) -> list:
-    """USERS concurrent conversations through a ServingLoop, turn by turn in lockstep."""
+async def serve_turns(rt: CacheRuntime, model, between_turns=None, *, paged=None, turns: int = TURNS) -> list:
+    """USERS concurrent conversations through a ServingLoop, turn by turn in lockstep;
+    ``between_turns(t, srv)`` after each turn t but the last. ``paged``: the model driver
+    (default: ``PagedKVModel`` over the runtime's device pool)."""
     histories = [list(SYSTEM) for _ in range(USERS)]
     results, metrics = [], []
-    async with ServingLoop(rt, PagedKVModel(model, rt.device_pool), eos_token_ids=[2], record_logits=True,
-                           max_running=USERS) as srv:
-        for t in range(TURNS):
+    paged = PagedKVModel(model, rt.device_pool) if paged is None else paged
+    async with ServingLoop(rt, paged, eos_token_ids=[2], record_logits=True, max_running=USERS) as srv:
+        for t in range(turns):
             async def user(u: int) -> None:
                 histories[u] += user_msg(u, t)
                 c = await srv.generate(histories[u], max_new_tokens=NEW, rid=f"u{u}")
@@ -99,15 +101,15 @@ async def serve_turns(rt: CacheRuntime, model, between_turns=None) -> list:
                 histories[u] += c.tokens
 
             await asyncio.gather(*(user(u) for u in range(USERS)))
-            if between_turns is not None and t < TURNS - 1:
-                await between_turns()
+            if between_turns is not None and t < turns - 1:
+                await between_turns(t, srv)
     return results, metrics
 
 
 async def test_storage_prefetch_equals_generate(model, ref_model, tmp_path):
     cfg = config(model, storage_backend="file", storage_dir=str(tmp_path / "kv"))
     async with CacheRuntime.open(cfg) as rt:
-        async def drop_device_and_host() -> None:
+        async def drop_device_and_host(*_) -> None:
             await settle(rt)
             assert await rt.flush() > 0
             assert (await rt.match_prefix(SYSTEM + [5] * PAGE)) == {"device": 0, "host": 0}
@@ -126,7 +128,7 @@ async def test_storage_prefetch_equals_generate(model, ref_model, tmp_path):
 async def test_decode_offload_reload_equals_generate(model, ref_model):
     cfg = config(model, decode_offload=True)
     async with CacheRuntime.open(cfg) as rt:
-        results, metrics = await serve_turns(rt, model, lambda: settle(rt))
+        results, metrics = await serve_turns(rt, model, lambda *_: settle(rt))
         stats = await rt.stats()
     assert mismatches(ref_model, results) == []
     assert stats["offload"]["issued"] > 0 and stats["offload"]["host_kept_tokens"] > 0, stats
