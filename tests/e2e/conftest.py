@@ -21,6 +21,26 @@ def model():
 
 
 @pytest.fixture(scope="module")
+def bamba():
+    """The tiny random hybrid model (Mamba2 + attention) of the hybrid adapter's tests."""
+    from runtime.integrations.hf_hybrid import tiny_bamba
+    from tests.e2e.support import DEVICE
+
+    return tiny_bamba(seed=0).to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def ref_bamba():
+    """The same weights run by transformers' own attention, cache and Mamba2 path."""
+    from runtime.integrations.hf_hybrid import tiny_bamba
+    from tests.e2e.support import DEVICE
+
+    ref = tiny_bamba(seed=0).to(DEVICE)
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+@pytest.fixture(scope="module")
 def ref_model(model):
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("sdpa")  # transformers' own attention and KV cache

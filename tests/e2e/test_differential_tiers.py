@@ -84,6 +84,13 @@ async def settle(rt: CacheRuntime, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.002)
 
 
+async def evict_to_host(rt: CacheRuntime, srv: ServingLoop, device_slots: int) -> None:
+    """A filler request as long as the device pool: every conversation's node is evicted from
+    device (write-through: their host copies stay), so the next turns load from host."""
+    await srv.generate(ids(device_slots - 2 * PAGE, 9), max_new_tokens=1, rid="filler")
+    await settle(rt)
+
+
 async def serve_turns(rt: CacheRuntime, model, between_turns=None, *, paged=None, turns: int = TURNS) -> list:
     """USERS concurrent conversations through a ServingLoop, turn by turn in lockstep;
     ``between_turns(t, srv)`` after each turn t but the last. ``paged``: the model driver

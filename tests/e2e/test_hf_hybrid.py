@@ -25,7 +25,6 @@ from runtime.integrations.hf_hybrid import (  # noqa: E402
     PagedHybridModel,
     attention_kv_shape,
     state_shape,
-    tiny_bamba,
 )
 from runtime.integrations.hf_llama import greedy_generate_reference  # noqa: E402
 from runtime.memory.pools import DevicePool  # noqa: E402
@@ -35,18 +34,6 @@ from tests.e2e.support import DEVICE, PAGE, batch_or_singly  # noqa: E402
 TOL = 1e-4  # max abs logit difference from transformers' own forward (fp32)
 KV_SLOTS = 512
 STATE_SLOTS = 16
-
-
-@pytest.fixture(scope="module")
-def bamba():
-    return tiny_bamba(seed=0).to(DEVICE)
-
-
-@pytest.fixture(scope="module")
-def ref_bamba():
-    ref = tiny_bamba(seed=0).to(DEVICE)
-    ref.set_attn_implementation("sdpa")  # transformers' own attention, cache and Mamba2 path
-    return ref
 
 
 def make_adapter(model) -> PagedHybridModel:

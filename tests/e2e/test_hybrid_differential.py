@@ -26,51 +26,38 @@ import pytest
 pytest.importorskip("transformers")
 
 from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.integrations.hf_hybrid import PagedHybridModel, runtime_fields, tiny_bamba  # noqa: E402
+from runtime.integrations.hf_hybrid import PagedHybridModel, runtime_fields  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
 from runtime.tree.recurrent import RecurrentStates  # noqa: E402
-from tests.e2e.support import DEVICE, PAGE, ids  # noqa: E402
-from tests.e2e.test_differential_tiers import mismatches, serve_turns, settle  # noqa: E402
+from tests.e2e.support import DEVICE, PAGE  # noqa: E402
+from tests.e2e.test_differential_tiers import evict_to_host, mismatches, serve_turns, settle  # noqa: E402
 
 TOL = 1e-4
 TURNS = 3
 DEVICE_SLOTS = 512
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_bamba(seed=0).to(DEVICE)
-
-
-@pytest.fixture(scope="module")
-def ref_model():
-    ref = tiny_bamba(seed=0).to(DEVICE)
-    ref.set_attn_implementation("sdpa")  # transformers' own attention, cache and Mamba2 path
-    return ref
-
-
-async def serve(model):
-    cfg = RuntimeConfig(**runtime_fields(model), page_size=PAGE, device=DEVICE, device_slots=DEVICE_SLOTS,
+async def serve(bamba):
+    cfg = RuntimeConfig(**runtime_fields(bamba), page_size=PAGE, device=DEVICE, device_slots=DEVICE_SLOTS,
                         host_tokens=2048, write_policy="write_through", debug_invariants=True, state_slots=24)
     async with CacheRuntime.open(cfg) as rt:
         async def between_turns(t: int, srv: ServingLoop) -> None:
             await settle(rt)
-            if t == 1:  # as long as the device pool: every conversation's node is evicted to host
-                await srv.generate(ids(DEVICE_SLOTS - 2 * PAGE, 9), max_new_tokens=1, rid="filler")
-                await settle(rt)
+            if t == 1:
+                await evict_to_host(rt, srv, DEVICE_SLOTS)
 
-        paged = PagedHybridModel(model, rt.device_pool, rt.state_pool)
-        results, metrics = await serve_turns(rt, model, between_turns, paged=paged, turns=TURNS)
+        paged = PagedHybridModel(bamba, rt.device_pool, rt.state_pool)
+        results, metrics = await serve_turns(rt, bamba, between_turns, paged=paged, turns=TURNS)
         await settle(rt)
         stats = await rt.stats()
     assert stats["copies"]["failures"] == 0 and stats["requests"]["live"] == 0
     return results, metrics, stats
 
 
-async def test_hybrid_conversations_equal_generate(model, ref_model):
-    results, metrics, stats = await serve(model)
-    assert mismatches(ref_model, results, tol=TOL) == []
+async def test_hybrid_conversations_equal_generate(bamba, ref_bamba):
+    results, metrics, stats = await serve(bamba)
+    assert mismatches(ref_bamba, results, tol=TOL) == []
     by_turn = {t: [m for u, m in metrics if u == t] for t in range(TURNS)}
     assert all(m.device_tokens > 0 for m in by_turn[1]), [m.device_tokens for m in by_turn[1]]
     assert all(m.host_tokens > 0 for m in by_turn[2]), [m.host_tokens for m in by_turn[2]]
@@ -79,7 +66,7 @@ async def test_hybrid_conversations_equal_generate(model, ref_model):
     assert stats["state"]["hits"] >= 6 and stats["state"]["snapshots_kept"] > 0, stats["state"]
 
 
-async def test_state_from_another_node_is_caught(model, ref_model, monkeypatch):
+async def test_state_from_another_node_is_caught(bamba, ref_bamba, monkeypatch):
     def other_snapshot(self, node):
         if node is None:
             return None
@@ -87,6 +74,6 @@ async def test_state_from_another_node_is_caught(model, ref_model, monkeypatch):
         return others[-1] if others else self.node_state[node]
 
     monkeypatch.setattr(RecurrentStates, "hit_state", other_snapshot)
-    results, _, _ = await serve(model)
-    bad = mismatches(ref_model, results, tol=TOL)
+    results, _, _ = await serve(bamba)
+    bad = mismatches(ref_bamba, results, tol=TOL)
     assert len(bad) >= 3, bad

@@ -35,8 +35,8 @@ from runtime.integrations.hf_llama import PagedOutput, PagedSeq  # noqa: E402
 from runtime.integrations.hf_swa import PagedSWAModel, sliding_layers, tiny_gemma3  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from tests.e2e.support import DEVICE, PAGE, ids, runtime_config  # noqa: E402
-from tests.e2e.test_differential_tiers import SYSTEM, mismatches, serve_turns, settle  # noqa: E402
+from tests.e2e.support import DEVICE, runtime_config  # noqa: E402
+from tests.e2e.test_differential_tiers import SYSTEM, evict_to_host, mismatches, serve_turns, settle  # noqa: E402
 
 WINDOW = 20  # the conversations' shared system prompt (40 tokens) is already longer
 TURNS = 4
@@ -123,9 +123,8 @@ async def serve(model, tmp_path, edit: type[PoolEdit] | None = None):
     async with CacheRuntime.open(cfg) as rt:
         async def between_turns(t: int, srv: ServingLoop) -> None:
             await settle(rt)
-            if t == 1:  # as long as the device pool: every conversation's node is evicted to host
-                await srv.generate(ids(DEVICE_SLOTS - 2 * PAGE, 9), max_new_tokens=1, rid="filler")
-                await settle(rt)
+            if t == 1:
+                await evict_to_host(rt, srv, DEVICE_SLOTS)
             elif t == 2:
                 assert await rt.flush() > 0
                 assert (await rt.match_prefix(SYSTEM)) == {"device": 0, "host": 0}
