@@ -20,6 +20,7 @@ from runtime.errors import ValidationError
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.memory.pools import DevicePool, HostPool, KVShape
+from runtime.memory.state_pool import StateComponent, StatePool, StateShape
 from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.transfer.cpu_engine import CpuCopyEngine
 from runtime.transfer.engine import ResolvedPlan, resolve
@@ -267,3 +268,71 @@ def test_resolved_runs_are_exactly_the_page_pairs(pairs, ps):
     got = [(s + k, d + k) for s, d, n in t.runs.tolist() for k in range(n)]
     assert got == want and list(zip(t.src_pages.tolist(), t.dst_pages.tolist())) == want
     assert all(n >= 1 for _, _, n in t.runs.tolist())
+
+
+# ---- seed 001 over real pool groups: a hybrid model's KV and recurrent state --------------------
+
+
+def _hybrid_backup(resolve_plan):
+    """A hybrid model's core (KV pool + a recurrent state of two components) backs a node up:
+    one plan with a `PoolTransfer` for the KV and one per state component, resolved by
+    `resolve_plan(plan)` (the engine's side). Returns the core, the node and what it recorded."""
+    from runtime.config import RuntimeConfig
+    from runtime.invariants import check_invariants
+    from runtime.tree.cache import CacheCore
+    from tests.tokens import toks
+
+    core = CacheCore(RuntimeConfig(num_layers=2, num_kv_heads=1, head_dim=2, page_size=PS, device_slots=64,
+                                   host_tokens=64, write_policy="write_through", state_layers=2,
+                                   state_components="conv:3x2:float32,ssm:2x2:float32", state_slots=8))
+    prompt = toks(13, 7)
+    core.admit("a", prompt)
+    core.snapshot("a", 12)
+    core.finish("a", prompt)
+    (plan, _), = core.take_effects().copies
+    assert [t.pool for t in plan.transfers] == ["kv", "state.conv", "state.ssm"]
+    states = core.residency.states
+    (node, slot), = states.node_state.items()
+    op = core.copies.ops[plan.op_id]
+    recorded = (node.device.copy(), slot)
+    host_recorded = (op.host.copy(), int(op.state.dst[0]))  # what the ack hands to the node
+    resolve_plan(plan)
+    core.apply_ack(plan.op_id, None)
+    check_invariants(core)
+    return core, node, recorded, host_recorded
+
+
+_STATE = StateShape(2, (StateComponent("conv", (3, 2)), StateComponent("ssm", (2, 2))))
+
+
+def _engine_resolution(plan: TransferPlan) -> None:
+    engine = FakeCopyEngine({"kv": (DevicePool(KVShape(2, 1, 2, torch.float32), 64, PS),
+                                    HostPool(KVShape(2, 1, 2, torch.float32), 64, PS)),
+                             **{name: (dev, host) for (name, dev), (_, host) in zip(StatePool(_STATE, 8).component_pools(),
+                                                                                  StatePool(_STATE, 16).component_pools())}}, auto_release=True)
+    try:
+        assert_resolution_pure(lambda p: engine.submit(p).done.synchronize(), plan)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("broken", [None, broken_sort_in_place, broken_convert_in_place])
+def test_seed001_over_pool_groups(broken):
+    """Resolving a plan over every group (in place, even, for the broken resolvers) leaves the
+    node's recorded KV and state indices bit-identical (the plan owns fresh copies), and a later
+    host eviction frees exactly the recorded host slots of every group. Checked failing by hand:
+    with the state transfers made as views of the copy's own slot arrays (`RecurrentStates.transfers`
+    without `.copy()`), the in-place conversion leaves the node a wrong host state slot."""
+    sizes = {"kv": PS, "state.conv": 1, "state.ssm": 1} if broken is broken_sort_in_place else PS
+    resolve_plan = _engine_resolution if broken is None else (lambda plan: broken(plan, sizes))
+    core, node, (device, slot), (host, host_slot) = _hybrid_backup(resolve_plan)
+    states = core.residency.states
+    assert np.array_equal(node.device, device) and states.node_state[node] == slot
+    assert np.array_equal(node.host, host) and states.host_state[node] == host_slot
+    kv_free, state_free = core.residency.host.num_free_pages(), states.host_ledger.num_free_pages()
+    core.residency.drop_device(node)  # host-only now; then the host eviction deletes it
+    core.residency.evict_host(node.num_tokens // PS)
+    assert core.residency.host.num_free_pages() == kv_free + len(host) // PS
+    assert states.host_ledger.num_free_pages() == state_free + 1
+    assert all(core.residency.host.owner_of(int(s)) is None for s in host)
+    assert states.host_ledger.owner_of(host_slot) is None
