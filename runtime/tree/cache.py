@@ -147,8 +147,8 @@ class CacheCore:
                 f"request {rid!r} needs {need_pages} device pages; {res.device.num_free_pages()} free, "
                 f"{res.evictable_device_pages()} evictable")
         states = res.states
-        if states is not None and not states.can_admit():
-            raise CapacityError(f"request {rid!r} needs a state slot; none is free or evictable")
+        if states is not None and not states.room_for(1 + (host_len > 0), look.nodes):
+            raise CapacityError(f"request {rid!r} needs state slots; too few are free or evictable")
 
         m = tree.settle(look)  # = match(split=True, touch=True), without a second walk
         generation = next(self._generations)
@@ -486,8 +486,11 @@ class CacheCore:
         """The answer `admit` would give now. A no starts the write-backs that would make room (as
         `admit` does; a scheduler that polls `can_admit` must see the room come): that changes
         no request's state, only which cached pages are being copied to host."""
-        look, _, need = self.residency.admission(self._check_tokens(tokens), extra_key)
-        if self.residency.room_for(need, look):
+        res = self.residency
+        look, host_len, need = res.admission(self._check_tokens(tokens), extra_key)
+        if res.states is not None and not res.states.room_for(1 + (host_len > 0), look.nodes):
+            return False  # (no write-back makes state slots free)
+        if res.room_for(need, look):
             return True
         self._start_writeback(need, look)
         return False

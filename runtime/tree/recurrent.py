@@ -28,7 +28,7 @@ device / host KV, `CopyTracker` the backup and load methods.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,8 +109,15 @@ class RecurrentStates:
         return self.node_state[node]
 
     # -- requests ----------------------------------------------------------------
-    def can_admit(self) -> bool:
-        return self.ledger.num_free_pages() > 0 or self._evictable() > 0
+    def room_for(self, slots: int, keep: Collection[Node]) -> bool:
+        """Whether `slots` state slots can be had, free or by evicting snapshots of unlocked nodes
+        not in `keep` (the path an admission is about to lock): `can_admit` and `admit` agree."""
+        free = self.ledger.num_free_pages()
+        if free >= slots:
+            return True
+        ledger = self.ledger
+        return free + sum(1 for n, s in self.node_state.items()
+                          if n.lock_ref == 0 and n not in keep and ledger.pin_count(s) == 0) >= slots
 
     def admit(self, rid: Hashable, owner: Owner) -> int:
         """The running state slot of a new request (CapacityError: none free or evictable)."""
@@ -269,9 +276,6 @@ class RecurrentStates:
         self.ledger.free(np.array(slots, dtype=np.int64), owner, **ctx)
         for slot in slots:
             self.position.pop(slot, None)
-
-    def _evictable(self) -> int:
-        return sum(1 for node in self.node_state if node.lock_ref == 0 and self.ledger.pin_count(self.node_state[node]) == 0)
 
     def _alloc(self, owner: Owner, **ctx: object) -> int:
         if self.ledger.num_free_pages() == 0:

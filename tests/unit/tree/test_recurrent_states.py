@@ -165,6 +165,22 @@ def test_admit_without_a_state_slot_changes_nothing():
     check_invariants(core)
 
 
+def test_can_admit_agrees_with_admit_on_state_slots():
+    """Found by the API fuzzer: can_admit said yes while every state slot was taken, and admit then
+    raised CapacityError. The only evictable snapshot being the hit's own (locked by the admission)
+    is no room either."""
+    core = make_core(state_slots=2)
+    p = toks(9, 18)
+    run(core, "a", p, snaps=(8,))  # one node snapshot, one slot free
+    core.admit("x", toks(9, 19))  # takes the free slot: the snapshot is the only evictable one
+    assert core.can_admit(p) is False  # its hit would lock the snapshot it would have to evict
+    with pytest.raises(CapacityError):
+        core.admit("b", p)
+    assert core.can_admit(toks(9, 20)) is True  # no hit: evicting the snapshot makes room
+    core.admit("c", toks(9, 20))
+    check_invariants(core)
+
+
 def test_rewind_forgets_snapshots_past_it():
     core = make_core()
     p = toks(20, 16)
