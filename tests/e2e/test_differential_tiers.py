@@ -58,17 +58,17 @@ def user_msg(u: int, t: int) -> list[int]:
     return ids(20 + 3 * u, 100 * u + t)
 
 
-def mismatches(ref_model, results) -> list[str]:
-    """results: (rid, prompt, tokens, logits) per turn."""
+def mismatches(ref_model, results, new: int = NEW, tol: float = TOL) -> list[str]:
+    """results: (rid, prompt, tokens, logits) per turn; each turn generated up to `new` tokens."""
     bad = []
     for rid, prompt, tokens, logits in results:
-        want, want_logits = greedy_generate_reference(ref_model, prompt, NEW, return_logits=True)
+        want, want_logits = greedy_generate_reference(ref_model, prompt, new, return_logits=True)
         if tokens != want:
             bad.append(f"{rid} @{len(prompt)}: tokens {tokens} != {want}")
             continue
         for step, (got, exp) in enumerate(zip(logits, want_logits, strict=True)):
             err = (got.to(exp.device) - exp).abs().max().item()
-            if not err <= TOL:
+            if not err <= tol:
                 bad.append(f"{rid} @{len(prompt)} step {step}: logits off by {err:.2e}")
                 break
     return bad
