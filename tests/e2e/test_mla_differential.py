@@ -10,7 +10,8 @@ Three users chat concurrently, turn by turn (each turn's prompt is the whole con
 - before turn 3 the copies settle and ``flush`` drops device and host, so turn 3 is prefetched
   from storage.
 
-Every turn's greedy tokens must equal transformers' own ``generate`` (its own KV cache, no reuse),
+On a GPU (``HICACHE_TEST_DEVICE=cuda``, as the other end-to-end tests) the model and device pool
+are there and the CUDA copy engine moves the latents. Every turn's greedy tokens must equal transformers' own ``generate`` (its own KV cache, no reuse),
 every step's logits within 1e-4, and each tier must have served tokens (asserted per turn).
 ``test_latents_loaded_one_page_off_are_caught`` runs the same scenario with host->device loads
 that read the host page after the right one and requires the comparison to fail.
@@ -28,7 +29,7 @@ from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_mla import PagedMLAModel, mla_geometry, tiny_deepseek_v3  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime, make_engine  # noqa: E402
-from tests.e2e.support import PAGE, ids  # noqa: E402
+from tests.e2e.support import DEVICE, PAGE, ids  # noqa: E402
 from tests.e2e.test_differential_tiers import LoadOffByOnePage, settle  # noqa: E402
 from tests.e2e.test_differential_tiers import mismatches as tier_mismatches  # noqa: E402
 
@@ -40,12 +41,13 @@ FILLER = ids(300, 99)  # shares nothing with the users' conversations
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_deepseek_v3(seed=0)
+    return tiny_deepseek_v3(seed=0).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
 def ref_model():
-    return tiny_deepseek_v3(seed=0)  # the same weights, never hooked: transformers' own attention and cache
+    # the same weights, never hooked: transformers' own attention and cache
+    return tiny_deepseek_v3(seed=0).to(DEVICE)
 
 
 def mla_config(model, tmp_path) -> RuntimeConfig:
@@ -53,8 +55,8 @@ def mla_config(model, tmp_path) -> RuntimeConfig:
     # so the filler's 20 pages evict them
     layers, width = mla_geometry(model.config)
     return RuntimeConfig(num_layers=layers, num_kv_heads=1, head_dim=width, kv_layout="mla", page_size=PAGE,
-                         device_slots=384, host_tokens=2048, write_policy="write_through", debug_invariants=True,
-                         storage_backend="file", storage_dir=str(tmp_path / "kv"), copy_engine="cpu")
+                         device=DEVICE, device_slots=384, host_tokens=2048, write_policy="write_through",
+                         debug_invariants=True, storage_backend="file", storage_dir=str(tmp_path / "kv"))
 
 
 def user_msg(u: int, t: int) -> list[int]:
