@@ -119,6 +119,8 @@ class PagedMLAModel(PagedKVModel):
     per-request slots. ``forward`` is :class:`PagedKVModel`'s (see there)."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, pool: Any, *, check_slots: bool = True) -> None:
+        # not PagedKVModel.__init__ (it checks K/V pools of a Llama geometry): the latent pool's
+        # checks, then the attributes that the inherited forward reads
         layers, width = mla_geometry(model.config)
         latents = getattr(pool, "latent", None)
         if not latents or len(latents) < layers:
