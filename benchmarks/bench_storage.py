@@ -485,7 +485,8 @@ def main() -> None:
     for shape in shapes:
         print(f"{shape}: {describe(shape)}, {page_bytes(shape)} B a page, "
               f"{args.pages * page_bytes(shape) / 2**20:.0f} MiB per op")
-    print(f"{'shape':<11} {'backend':<9} {'op':<6} {'runtime GiB/s':>14} {'baseline GiB/s':>15} {'ratio':>6} {'target':>7} met")
+    print(f"{'shape':<11} {'backend':<9} {'op':<6} {'runtime GiB/s':>14} {'baseline GiB/s':>15} {'ratio':>6} "
+          f"{'target':>7} met")
     for shape in shapes:
         for be, r in results[shape].items():
             for op in ("write", "read"):

@@ -192,7 +192,8 @@ def main() -> None:
     print(f"{'shape':<11} {'page':>4} {'layout':<11} {'dir':<6} {'MiB':>6} {'actor ms':>9} {'GB/s':>6} {'index ms':>9} "
           f"{'contig ms':>9} {'vs_index':>8} {'vs_contig':>9}")
     for r in rows:
-        print(f"{r['shape']:<11} {r['page_size']:>4} {r['layout']:<11} {r['direction']:<6} {r['mib']:>6} {r['candidate_ms']:>9.1f} "
+        print(f"{r['shape']:<11} {r['page_size']:>4} {r['layout']:<11} {r['direction']:<6} {r['mib']:>6} "
+              f"{r['candidate_ms']:>9.1f} "
               f"{r['candidate_gbps']:>6.2f} {r['index_ms']:>9.1f} {r['contig_ms']:>9.1f} {r['vs_index']:>8.2f} "
               f"{r['vs_contig']:>9.2f}")
     summary = {
