@@ -17,6 +17,7 @@ that the oracle flags it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -59,10 +60,10 @@ async def cached_admit(rt: CacheRuntime, rid: str, prompt):
     return res
 
 
-def mla_rank_config(rank: int, size: int) -> RuntimeConfig:
+def mla_rank_config(rank: int, size: int, host_layout: str = "layer_first") -> RuntimeConfig:
     """An MLA rank: one latent of 16 per token per layer, the same on every rank."""
     return small_config(copy_engine="cpu", host_tokens=256, tp_rank=rank, tp_size=size, kv_layout="mla",
-                        num_kv_heads=1, head_dim=16)
+                        num_kv_heads=1, head_dim=16, host_layout=host_layout)
 
 
 def latent_seed(rank: int, size: int) -> tuple:
@@ -145,14 +146,17 @@ async def test_identity_without_the_shard_reads_another_ranks_heads(tmp_path, mo
     assert len(list(tmp_path.glob("*/*.kv"))) == N // rank_config(0, 2).page_size  # one copy, rank 0's
 
 
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("size", [2, 4])
-async def test_mla_ranks_are_served_rank_0s_replicated_latent(tmp_path, size):
+async def test_mla_ranks_are_served_rank_0s_replicated_latent(tmp_path, size, host_layout):
     """MLA (`kv_layout="mla"`): every rank holds the same latent, so the shard is "replicated" and
     storage holds one copy. Rank 0 writes it; every later rank finds the whole prefix in storage at
     its first admit (computing nothing) and writes nothing of its own; after the flush every rank
-    reads the one copy back. MHA ranks on the same scenario never are (the tests above)."""
+    reads the one copy back. MHA ranks on the same scenario never are (the tests above). Both host
+    layouts: storage reads are staged (layer_first) or land in the pool's page rows (page_first)."""
     prompt = toks(N + 1, 10)
-    results = await run_ranks(tmp_path, size, prompt, mla_rank_config, latent_seed)
+    results = await run_ranks(tmp_path, size, prompt, functools.partial(mla_rank_config, host_layout=host_layout),
+                              latent_seed)
     pages = N // mla_rank_config(0, size).page_size
     assert results[0] == RankResult(0, pages, N, N, [])
     assert results[1:] == [RankResult(N, pages, N, 2 * N, []) for _ in range(size - 1)]
