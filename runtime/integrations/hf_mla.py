@@ -91,11 +91,13 @@ def paged_mla_attention(
 
 
 def _hook(model: DeepseekV3ForCausalLM) -> None:
-    """Bind :func:`paged_mla_attention` as every attention module's ``forward`` (idempotent)."""
-    for block in model.model.layers:
-        attn = block.self_attn
+    """Bind :func:`paged_mla_attention` as every attention module's ``forward`` (idempotent; all
+    modules are checked before any is changed)."""
+    attns = [block.self_attn for block in model.model.layers]
+    for attn in attns:
         if not isinstance(attn, DeepseekV3Attention):
             raise TypeError(f"expected DeepseekV3Attention, got {type(attn).__name__}")
+    for attn in attns:
         attn.forward = types.MethodType(paged_mla_attention, attn)
 
 
