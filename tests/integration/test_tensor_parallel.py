@@ -161,3 +161,16 @@ async def test_mla_ranks_are_served_rank_0s_replicated_latent(tmp_path, size, ho
     assert results[0] == RankResult(0, pages, N, N, [])
     assert results[1:] == [RankResult(N, pages, N, 2 * N, []) for _ in range(size - 1)]
     assert len(list(tmp_path.glob("*/*.kv"))) == pages  # one copy, rank 0's
+
+
+async def test_mla_and_mha_pages_of_the_same_size_never_match(tmp_path):
+    """An MHA runtime whose pages have the MLA runtime's byte size (K and V of 1 x 8 against a latent
+    of 16) finds none of the MLA pages in the directory they share, and stores and reads its own."""
+    prompt = toks(N + 1, 11)
+    mla = mla_rank_config(0, 1)
+    mha = rank_config(0, 1).replace(num_kv_heads=1)
+    assert mla.bytes_per_token == mha.bytes_per_token
+    pages = N // mla.page_size
+    assert await run_ranks(tmp_path, 1, prompt, lambda r, n: mla, latent_seed) == [RankResult(0, pages, N, N, [])]
+    assert await run_ranks(tmp_path, 1, prompt, lambda r, n: mha, shard_seed) == [RankResult(0, pages, N, N, [])]
+    assert len(list(tmp_path.glob("*/*.kv"))) == 2 * pages
