@@ -12,6 +12,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# DeepSeek-V3's MLA cache (RuntimeConfig fields): 61 layers, per token one latent of kv_lora_rank
+# 512 + qk_rope_head_dim 64, bf16 (70,272 B a token; an MHA model of this size would cache K and V
+# of 128 heads). bench_transfer and bench_storage measure it beside their MHA shape.
+DEEPSEEK_V3_MLA: dict[str, Any] = {"model_id": "deepseek-ai/DeepSeek-V3", "num_layers": 61, "num_kv_heads": 1,
+                                   "head_dim": 576, "kv_dtype": "bfloat16", "kv_layout": "mla"}
+
 
 def git_commit() -> str:
     try:

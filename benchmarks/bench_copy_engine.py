@@ -96,7 +96,7 @@ def load_factory(spec: str | None) -> CandidateFactory:
 
 
 def index_baseline(device: DevicePool, host: HostPool, direction: Direction, src: torch.Tensor, dst: torch.Tensor) -> Callable[[], None]:
-    """torch index_select + index_copy_ per layer and K/V on the same pages."""
+    """torch index_select + index_copy_ per layer and part (K and V, or the latent) on the same pages."""
     L, ps = device.shape.num_layers, device.page_size
     H, D = device.shape.num_kv_heads, device.shape.head_dim
     backup = direction is Direction.BACKUP
@@ -107,7 +107,7 @@ def index_baseline(device: DevicePool, host: HostPool, direction: Direction, src
 
     def run() -> None:
         for layer in range(L):
-            for kv in (0, 1):
+            for kv in range(device.shape.parts):
                 d = device.buffer[kv, layer]
                 if host.layout == "layer_first":
                     h = host.buffer[kv, layer]

@@ -1,7 +1,9 @@
 """Storage-tier throughput through the runtime, against raw baselines on the same bytes.
 
-Shape: SmolLM2-135M (30 layers, 3 KV heads, head dim 64, bf16), 64-token pages
-(1,474,560 bytes per page), host pool page_first, CPU copy engine.
+Shapes (``--shapes``, default both): ``smollm2``, SmolLM2-135M (30 layers, 3 KV heads, head dim 64,
+bf16, K and V: 1,474,560 bytes per 64-token page) and ``deepseek-v3``, DeepSeek-V3's MLA cache (61
+layers, one latent of 512 + 64 per token, bf16: 4,497,408 bytes per page); 64-token pages, host
+pool page_first, CPU copy engine. Every row names its shape.
 
 Candidate (per backend), one `CacheRuntime.open(config, storage=backend)` per run:
 
@@ -51,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit_json, git_commit, median  # noqa: E402
+from benchmarks._common import DEEPSEEK_V3_MLA, emit_json, git_commit, median  # noqa: E402
 from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.fingerprint import write_fingerprints  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
@@ -59,18 +61,31 @@ from runtime.storage.file_backend import FileBackend  # noqa: E402
 from runtime.storage.hashing import KVIdentity, page_hashes  # noqa: E402
 from runtime.trace import configure_logging  # noqa: E402
 
-L, H, D, PS = 30, 3, 64, 64
-PB = L * 2 * PS * H * D * 2  # bf16 bytes per 64-token page
-MODEL = "SmolLM2-135M (30 layers, 3 KV heads, head dim 64, bf16)"
+PS = 64
+# the KV identity and shape fields of each measured model (RuntimeConfig fields)
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2": {"model_id": "HuggingFaceTB/SmolLM2-135M", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
+                "kv_dtype": "bfloat16"},
+    "deepseek-v3": DEEPSEEK_V3_MLA,
+}
 TARGETS = {"file": 0.8, "mooncake": 0.9}
 
 
-def make_config(pages: int) -> RuntimeConfig:
+def make_config(pages: int, shape: str) -> RuntimeConfig:
     tokens = pages * PS
-    return RuntimeConfig(num_layers=L, num_kv_heads=H, head_dim=D, kv_dtype="bfloat16",
-                         model_id="HuggingFaceTB/SmolLM2-135M", page_size=PS,
+    return RuntimeConfig(**SHAPES[shape], page_size=PS,
                          device_slots=tokens + 2 * PS, host_tokens=2 * tokens + 4 * PS, host_layout="page_first",
                          write_policy="write_through", copy_engine="cpu", prefetch_policy="wait_complete")
+
+
+def page_bytes(shape: str) -> int:
+    return PS * make_config(1, shape).bytes_per_token
+
+
+def describe(shape: str) -> str:
+    f = SHAPES[shape]
+    kv = "one latent" if f.get("kv_layout") == "mla" else f"{f['num_kv_heads']} KV heads"
+    return f"{f['model_id']} ({f['num_layers']} layers, {kv}, head dim {f['head_dim']}, {f['kv_dtype']})"
 
 
 class Probe:
@@ -151,15 +166,16 @@ class Candidate:
     def __init__(self, rt: CacheRuntime, probe: Probe, pages: int) -> None:
         self.rt, self.probe, self.pages = rt, probe, pages
         self.n = pages * PS
+        self.page_bytes = PS * rt.config.bytes_per_token
         probe.loop, probe.idle = asyncio.get_running_loop(), asyncio.Event()
 
     async def prepare(self, tokens: np.ndarray, rid: str) -> torch.Tensor:
-        """Admit and write the KV; return the canonical page bytes ``[pages, PB]`` (the baseline's source)."""
+        """Admit and write the KV; return the canonical page bytes ``[pages, page_bytes]`` (the baseline's source)."""
         res = await self.rt.admit(rid, tokens)
         assert res.cached == 0, res.cached
         write_fingerprints(self.rt.device_pool, np.asarray(res.slots), tokens)
-        kv = self.rt.device_pool.read_slots(np.asarray(res.slots[: self.n]))  # [L, 2, n, H, D]
-        src = torch.empty((self.pages, PB), dtype=torch.uint8)
+        kv = self.rt.device_pool.read_slots(np.asarray(res.slots[: self.n]))  # [L, C, n, H, D]
+        src = torch.empty((self.pages, self.page_bytes), dtype=torch.uint8)
         for i in range(self.pages):
             src[i].copy_(kv[:, :, i * PS:(i + 1) * PS].contiguous().view(torch.uint8).reshape(-1))
         return src
@@ -252,17 +268,18 @@ async def timed_round(res: dict[str, list[float]], cand: Candidate, run: int, to
 # -- file ------------------------------------------------------------------------------------
 
 
-async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str) -> dict[str, list[float]]:
+async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str, shape: str) -> dict[str, list[float]]:
     res = new_results()
+    pb = page_bytes(shape)
     root = tempfile.mkdtemp(prefix="bench-storage-", dir=base_dir)
     try:
-        fb = FileBackend(os.path.join(root, "fb"), PB, fsync=fsync)
+        fb = FileBackend(os.path.join(root, "fb"), pb, fsync=fsync)
         bdir = os.path.join(root, "baseline")
         os.makedirs(bdir)
         probe = Probe(fb)
-        dst = torch.empty((pages, PB), dtype=torch.uint8)
+        dst = torch.empty((pages, pb), dtype=torch.uint8)
         dst.fill_(1)  # pre-touched, like a host pool
-        async with CacheRuntime.open(make_config(pages), storage=probe) as rt:
+        async with CacheRuntime.open(make_config(pages, shape), storage=probe) as rt:
             cand = Candidate(rt, probe, pages)
             for run in range(repeats + 1):  # run 0 warms up (allocator, page cache, threads); not counted
                 tokens = run_tokens(pages, run)
@@ -307,29 +324,30 @@ async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str) -> dict
 # -- mooncake (child process, private network namespace) -------------------------------------
 
 
-async def mooncake_runs(pages: int, repeats: int, batch: int) -> dict[str, list[float]]:
+async def mooncake_runs(pages: int, repeats: int, batch: int, shape: str) -> dict[str, list[float]]:
     from runtime.storage.mooncake_backend import LocalMooncakeCluster, MooncakeBackend
 
     res = new_results()
-    seg = max(1 << 30, 4 * pages * PB + (256 << 20))
+    pb = page_bytes(shape)
+    seg = max(1 << 30, 4 * pages * pb + (256 << 20))
     with LocalMooncakeCluster() as cl:
-        mb = MooncakeBackend(PB, cl.config(global_segment_size=seg, local_buffer_size=max(256 << 20, batch * PB * 2)),
-                             staging_bytes=batch * PB)
+        mb = MooncakeBackend(pb, cl.config(global_segment_size=seg, local_buffer_size=max(256 << 20, batch * pb * 2)),
+                             staging_bytes=batch * pb)
         st = mb._store
         probe = Probe(mb)
-        src_reg = torch.empty((pages, PB), dtype=torch.uint8)
-        dst = torch.ones((pages, PB), dtype=torch.uint8)
+        src_reg = torch.empty((pages, pb), dtype=torch.uint8)
+        dst = torch.ones((pages, pb), dtype=torch.uint8)
         mb.register_buffer(src_reg)
         mb.register_buffer(dst)
         sp, dp = src_reg.data_ptr(), dst.data_ptr()
         # warm the segment: fill it once and remove everything (cold segment memory is ~20x slower)
-        wk = [f"warm/{i}" for i in range(seg // PB - 8)]
+        wk = [f"warm/{i}" for i in range(seg // pb - 8)]
         for s0 in range(0, len(wk), batch):
             ks = wk[s0:s0 + batch]
-            st.batch_put_from(ks, [sp + (i % pages) * PB for i in range(len(ks))], [PB] * len(ks))
+            st.batch_put_from(ks, [sp + (i % pages) * pb for i in range(len(ks))], [pb] * len(ks))
         for k in wk:
             st.remove(k, True)
-        async with CacheRuntime.open(make_config(pages), storage=probe) as rt:
+        async with CacheRuntime.open(make_config(pages, shape), storage=probe) as rt:
             # the runtime registers its page_first host pool with the backend itself (zero-copy I/O)
             assert mb.stats()["registered_buffers"] == 3, mb.stats()["registered_buffers"]
             cand = Candidate(rt, probe, pages)
@@ -344,7 +362,7 @@ async def mooncake_runs(pages: int, repeats: int, batch: int) -> dict[str, list[
                     t = time.perf_counter()
                     for s0 in range(0, pages, batch):
                         n = min(batch, pages - s0)
-                        r = st.batch_put_from(raw_keys[s0:s0 + n], [sp + (s0 + i) * PB for i in range(n)], [PB] * n)
+                        r = st.batch_put_from(raw_keys[s0:s0 + n], [sp + (s0 + i) * pb for i in range(n)], [pb] * n)
                         assert all(x == 0 for x in r), r
                     return time.perf_counter() - t
 
@@ -352,8 +370,8 @@ async def mooncake_runs(pages: int, repeats: int, batch: int) -> dict[str, list[
                     t = time.perf_counter()
                     for s0 in range(0, pages, batch):
                         n = min(batch, pages - s0)
-                        r = st.batch_get_into(raw_keys[s0:s0 + n], [dp + (s0 + i) * PB for i in range(n)], [PB] * n)
-                        assert all(x == PB for x in r), r
+                        r = st.batch_get_into(raw_keys[s0:s0 + n], [dp + (s0 + i) * pb for i in range(n)], [pb] * n)
+                        assert all(x == pb for x in r), r
                     return time.perf_counter() - t
 
                 await timed_round(res, cand, run, tokens, src, dst, base_w, base_r)
@@ -364,7 +382,7 @@ async def mooncake_runs(pages: int, repeats: int, batch: int) -> dict[str, list[
     return res
 
 
-def mooncake_in_netns(args: argparse.Namespace) -> tuple[dict[str, list[float]] | None, str]:
+def mooncake_in_netns(args: argparse.Namespace, shape: str) -> tuple[dict[str, list[float]] | None, str]:
     """Run the Mooncake part in a child inside a private network namespace; (results, note)."""
     try:
         import mooncake.store  # noqa: F401
@@ -373,7 +391,7 @@ def mooncake_in_netns(args: argparse.Namespace) -> tuple[dict[str, list[float]] 
     from tests.unit.storage.conftest import _BOOTSTRAP
 
     argv = [sys.executable, "-c", _BOOTSTRAP, sys.executable, os.path.abspath(__file__), "--mooncake-child",
-            "--pages", str(args.pages), "--repeats", str(args.repeats), "--batch", str(args.batch)]
+            "--pages", str(args.pages), "--repeats", str(args.repeats), "--batch", str(args.batch), "--shapes", shape]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     try:
@@ -389,8 +407,8 @@ def mooncake_in_netns(args: argparse.Namespace) -> tuple[dict[str, list[float]] 
 # -- report ----------------------------------------------------------------------------------
 
 
-def summarize(res: dict[str, list[float]], pages: int) -> dict[str, Any]:
-    gib = pages * PB / 2**30
+def summarize(res: dict[str, list[float]], pages: int, shape: str) -> dict[str, Any]:
+    gib = pages * page_bytes(shape) / 2**30
     out: dict[str, Any] = {}
     for op, c, b in (("write", "cand_w", "base_w"), ("read", "cand_r", "base_r")):
         mc, mb = median(res[c]), median(res[b])
@@ -404,7 +422,7 @@ def summarize(res: dict[str, list[float]], pages: int) -> dict[str, Any]:
 
 def hash_cost(pages: int, repeats: int) -> dict[str, float]:
     """Page-hash cost (the tree computes a chain per write and per lookup): µs per page, median."""
-    ident = KVIdentity.from_config(make_config(pages))
+    ident = KVIdentity.from_config(make_config(pages, "smollm2"))
     tokens = np.random.default_rng(0).integers(0, 50000, pages * PS, dtype=np.int32)
     out = {}
     for ps in (16, PS):
@@ -426,6 +444,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="raw Mooncake baseline batch size (pages)")
     ap.add_argument("--fsync", default="none", choices=("none", "file", "dir"))
     ap.add_argument("--backends", default="file,mooncake")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"models measured, from {', '.join(SHAPES)}")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the file backend and baseline write")
     ap.add_argument("--mooncake-timeout", type=int, default=400)
     ap.add_argument("--mooncake-child", action="store_true", help=argparse.SUPPRESS)
@@ -434,6 +453,9 @@ def main() -> None:
         args.pages, args.repeats = 32, 5
     if args.repeats < 5:
         ap.error("--repeats must be >= 5")
+    shapes = [name.strip() for name in args.shapes.split(",") if name.strip()]
+    if not shapes or any(name not in SHAPES for name in shapes):
+        ap.error(f"--shapes takes names from {', '.join(SHAPES)}, got {args.shapes!r}")
     try:
         import uvloop
 
@@ -441,43 +463,52 @@ def main() -> None:
     except ImportError:
         run = asyncio.run
     if args.mooncake_child:
-        print(json.dumps(run(mooncake_runs(args.pages, args.repeats, args.batch))))
+        print(json.dumps(run(mooncake_runs(args.pages, args.repeats, args.batch, shapes[0]))))
         return
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    results: dict[str, Any] = {}
+    results: dict[str, dict[str, Any]] = {shape: {} for shape in shapes}
     notes: dict[str, str] = {}
-    if "file" in backends:
-        results["file"] = summarize(run(file_runs(args.pages, args.repeats, args.fsync, args.dir)), args.pages)
-    if "mooncake" in backends:
-        raw, note = mooncake_in_netns(args)
-        if raw is None:
-            notes["mooncake"] = note
-        else:
-            results["mooncake"] = summarize(raw, args.pages)
+    for shape in shapes:
+        if "file" in backends:
+            raw = run(file_runs(args.pages, args.repeats, args.fsync, args.dir, shape))
+            results[shape]["file"] = summarize(raw, args.pages, shape)
+        if "mooncake" in backends:
+            raw, note = mooncake_in_netns(args, shape)
+            if raw is None:
+                notes["mooncake"] = note
+            else:
+                results[shape]["mooncake"] = summarize(raw, args.pages, shape)
 
-    print(f"storage throughput through the runtime: {MODEL}, {PS}-token pages ({PB} B), {args.pages} pages "
-          f"({args.pages * PB / 2**20:.0f} MiB) per op, median of {args.repeats}, fsync={args.fsync}, "
-          f"commit {git_commit()}")
-    print(f"{'backend':<9} {'op':<6} {'runtime GiB/s':>14} {'baseline GiB/s':>15} {'ratio':>6} {'target':>7} met")
-    for be, r in results.items():
-        for op in ("write", "read"):
-            x = r[op]
-            print(f"{be:<9} {op:<6} {x['candidate_GiBps']:>14.2f} {x['baseline_GiBps']:>15.2f} {x['ratio']:>6.2f} "
-                  f"{TARGETS[be]:>7.1f} {'yes' if x['ratio'] >= TARGETS[be] else 'NO'}")
-        print(f"{be:<9} write incl. host backup (finish -> storage ack): {r['write_e2e_GiBps']:.2f} GiB/s; "
-              f"backend calls alone: write {r['backend_call_GiBps']['write']:.2f}, "
-              f"read (first call -> last returns) {r['backend_call_GiBps']['read']:.2f} GiB/s")
+    print(f"storage throughput through the runtime: {PS}-token pages, {args.pages} pages per op, median of "
+          f"{args.repeats}, fsync={args.fsync}, commit {git_commit()}")
+    for shape in shapes:
+        print(f"{shape}: {describe(shape)}, {page_bytes(shape)} B a page, "
+              f"{args.pages * page_bytes(shape) / 2**20:.0f} MiB per op")
+    print(f"{'shape':<11} {'backend':<9} {'op':<6} {'runtime GiB/s':>14} {'baseline GiB/s':>15} {'ratio':>6} "
+          f"{'target':>7} met")
+    for shape in shapes:
+        for be, r in results[shape].items():
+            for op in ("write", "read"):
+                x = r[op]
+                print(f"{shape:<11} {be:<9} {op:<6} {x['candidate_GiBps']:>14.2f} {x['baseline_GiBps']:>15.2f} "
+                      f"{x['ratio']:>6.2f} {TARGETS[be]:>7.1f} {'yes' if x['ratio'] >= TARGETS[be] else 'NO'}")
+    for shape in shapes:
+        for be, r in results[shape].items():
+            print(f"{shape} {be}: write incl. host backup (finish -> storage ack): {r['write_e2e_GiBps']:.2f} GiB/s; "
+                  f"backend calls alone: write {r['backend_call_GiBps']['write']:.2f}, "
+                  f"read (first call -> last returns) {r['backend_call_GiBps']['read']:.2f} GiB/s")
     for be, note in notes.items():
         print(f"{be}: skipped: {note}")
     hashing = hash_cost(args.pages, args.repeats)
     print(f"page hashes (chained SHA-256 over {args.pages * PS} tokens): {hashing[f'us_per_page_{PS}']:.2f} µs per "
           f"{PS}-token page, {hashing['us_per_page_16']:.2f} µs per 16-token page")
-    emit_json({"benchmark": "bench_storage", "model_shape": {"num_layers": L, "num_kv_heads": H, "head_dim": D,
-                                                              "dtype": "bfloat16", "model": "SmolLM2-135M"},
-               "page_size": PS, "page_bytes": PB, "pages": args.pages, "repeats": args.repeats, "fsync": args.fsync,
-               "results": results, "targets": TARGETS, "skipped": notes, "page_hash_cost": hashing,
-               "met": {be: all(r[op]["ratio"] >= TARGETS[be] for op in ("write", "read")) for be, r in results.items()}})
+    emit_json({"benchmark": "bench_storage", "model_shapes": {shape: SHAPES[shape] for shape in shapes},
+               "page_size": PS, "page_bytes": {shape: page_bytes(shape) for shape in shapes}, "pages": args.pages,
+               "repeats": args.repeats, "fsync": args.fsync, "results": results, "targets": TARGETS,
+               "skipped": notes, "page_hash_cost": hashing,
+               "met": {shape: {be: all(r[op]["ratio"] >= TARGETS[be] for op in ("write", "read"))
+                               for be, r in results[shape].items()} for shape in shapes}})
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ each page size (1, 16, 64) and host layout (layer_first, page_first), one transf
 
 median of ``--repeats`` (>= 5) rounds. Targets: ``vs_index`` >= 0.9 everywhere and
 ``vs_contig`` >= 0.5 for page sizes 16 and 64. The last stdout line is one JSON object.
+
+Shapes (``--shapes``, default both): ``args``, the MHA shape of ``--layers`` / ``--kv-heads`` /
+``--head-dim`` / ``--dtype`` (K and V per token), and ``deepseek-v3``, DeepSeek-V3's MLA cache
+(61 layers, one latent of 512 + 64 per token, bf16: pools of one part). Every row names its shape.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # bench_copy_engine first: it sets OMP_WAIT_POLICY (passive waits, see there) before torch loads libgomp
+from benchmarks._common import DEEPSEEK_V3_MLA  # noqa: E402
 from benchmarks.bench_copy_engine import (  # noqa: E402
     add_common_args,
     git_commit,
@@ -49,7 +54,7 @@ from runtime.completion import LayerReadiness  # noqa: E402
 from runtime.errors import TransferError  # noqa: E402
 from runtime.memory.ledger import SlotLedger  # noqa: E402
 from runtime.memory.owners import Owner, Tier  # noqa: E402
-from runtime.memory.pools import DevicePool, HostPool  # noqa: E402
+from runtime.memory.pools import DevicePool, HostPool, KVShape  # noqa: E402
 from runtime.messages import Direction, TransferAck, TransferPlan  # noqa: E402
 from runtime.supervisor import Supervisor  # noqa: E402
 from runtime.trace import configure_logging  # noqa: E402
@@ -146,11 +151,27 @@ async def actor_candidate(pools: dict, **engine_kw: Any) -> tuple[Callable[[Tran
     return run, close
 
 
+MLA_SHAPE = KVShape(DEEPSEEK_V3_MLA["num_layers"], DEEPSEEK_V3_MLA["num_kv_heads"], DEEPSEEK_V3_MLA["head_dim"],
+                    getattr(torch, DEEPSEEK_V3_MLA["kv_dtype"]), parts=1)
+
+
+def describe(shape: KVShape) -> dict[str, Any]:
+    return {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
+            "dtype": str(shape.dtype).removeprefix("torch."), "parts": shape.parts,
+            "bytes_per_token": shape.bytes_per_token}
+
+
 def main() -> None:
     configure_logging()  # production default: INFO to stderr (the library never configures)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
+    p.add_argument("--shapes", type=lambda s: s.split(","), default=["args", "deepseek-v3"],
+                   help="args (the MHA shape of --layers etc.) and/or deepseek-v3 (MLA latent)")
     args, shape, device, engine_kw = parse_common_args(p)
+    named = {"args": shape, "deepseek-v3": MLA_SHAPE}
+    unknown = [name for name in args.shapes if name not in named]
+    if unknown or not args.shapes:
+        p.error(f"--shapes takes names from {sorted(named)}, got {args.shapes}")
 
     async def factory(pools: dict):
         return await actor_candidate(pools, **engine_kw)
@@ -158,17 +179,21 @@ def main() -> None:
     use_uvloop()
     print(f"transfer actor ({'cuda' if device.type == 'cuda' else 'cpu'} engine), {args.mib} MiB per transfer, "
           f"median of {args.repeats}, torch threads {torch.get_num_threads()}", flush=True)
-    rows = asyncio.run(measure(args, shape, device, factory))
+    rows = []
+    for name in args.shapes:
+        print(f"shape {name}: {describe(named[name])}", flush=True)
+        rows += [{"shape": name, **r} for r in asyncio.run(measure(args, named[name], device, factory))]
     loop = type(asyncio.get_event_loop_policy()).__module__.split(".")[0]
 
     min_index = min(r["vs_index"] for r in rows)
     big = [r["vs_contig"] for r in rows if r["page_size"] >= 16]
     min_contig = min(big) if big else None
     print()
-    print(f"{'page':>4} {'layout':<11} {'dir':<6} {'MiB':>6} {'actor ms':>9} {'GB/s':>6} {'index ms':>9} "
+    print(f"{'shape':<11} {'page':>4} {'layout':<11} {'dir':<6} {'MiB':>6} {'actor ms':>9} {'GB/s':>6} {'index ms':>9} "
           f"{'contig ms':>9} {'vs_index':>8} {'vs_contig':>9}")
     for r in rows:
-        print(f"{r['page_size']:>4} {r['layout']:<11} {r['direction']:<6} {r['mib']:>6} {r['candidate_ms']:>9.1f} "
+        print(f"{r['shape']:<11} {r['page_size']:>4} {r['layout']:<11} {r['direction']:<6} {r['mib']:>6} "
+              f"{r['candidate_ms']:>9.1f} "
               f"{r['candidate_gbps']:>6.2f} {r['index_ms']:>9.1f} {r['contig_ms']:>9.1f} {r['vs_index']:>8.2f} "
               f"{r['vs_contig']:>9.2f}")
     summary = {
@@ -188,6 +213,7 @@ def main() -> None:
         "shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                   "dtype": args.dtype},
         "bytes_per_token": shape.bytes_per_token,
+        "shapes": {name: describe(named[name]) for name in args.shapes},
         "page_sizes": args.page_sizes,
         "layouts": args.layouts,
         "mib_per_transfer": args.mib,

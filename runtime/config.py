@@ -28,6 +28,9 @@ COPY_ENGINES = ("auto", "cpu", "cuda", "fake")
 # keeps any per-layer scales (docs/ARCHITECTURE.md, "KV dtypes")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
              "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+# per-token KV parts: "mha" K and V (MHA / GQA); "mla" one latent vector (DeepSeek's MLA: the
+# normalized c_kv and the rotated k_pe, written num_kv_heads=1, head_dim = their width)
+KV_LAYOUTS = {"mha": 2, "mla": 1}
 
 
 def parse_state_components(spec: str) -> tuple[StateComponent, ...]:
@@ -52,10 +55,11 @@ def parse_state_components(spec: str) -> tuple[StateComponent, ...]:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
-    # KV identity and shape (per token: layers x (K, V) x kv_heads x head_dim)
+    # KV identity and shape (per token: layers x (K, V) x kv_heads x head_dim; "mla": layers x one latent)
     num_layers: int = 2
     num_kv_heads: int = 2
     head_dim: int = 16
+    kv_layout: str = "mha"
     kv_dtype: str = "float32"
     model_id: str = "model"
     weight_version: str = "0"
@@ -142,6 +146,10 @@ class RuntimeConfig:
              f"page_size must be a power of two in 1..256, got {ps!r}")
         need(self.device_slots % ps == 0, f"device_slots ({self.device_slots}) must be a multiple of page_size ({ps})")
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        need(self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {sorted(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout == "mla":
+            need(self.num_kv_heads == 1, f"kv_layout 'mla' keeps one latent per token: num_kv_heads must be 1 "
+                                         f"(head_dim = kv_lora_rank + qk_rope_head_dim), got {self.num_kv_heads}")
         self._check_state(need)
         try:
             dev = torch.device(self.device)
@@ -250,9 +258,14 @@ class RuntimeConfig:
         return KV_DTYPES[self.kv_dtype]
 
     @property
+    def kv_parts(self) -> int:
+        """Tensors per token per layer: 2 (K and V) or 1 (the MLA latent); `KVShape.parts`."""
+        return KV_LAYOUTS[self.kv_layout]
+
+    @property
     def bytes_per_token(self) -> int:
         itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return self.kv_parts * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def host_slots(self) -> int:

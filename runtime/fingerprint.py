@@ -7,6 +7,7 @@ corruption, cross-request reads and lost data are caught without a model.
 
 Every value is exact in the pool's dtype, so writing and reading back is lossless and
 `mismatches` compares what the pool holds with the expected values rounded through its dtype.
+Pools of one part per token (MLA's latent, `KVShape.parts == 1`) hold what K would hold.
 Identity kept per (position, layer, K/V) vector of ``H * D`` lanes:
 
 - float32 (the original encoding, unchanged): integers ``base * 128 + lane`` below 2**23, with
@@ -52,25 +53,30 @@ def prefix_hashes(tokens: np.ndarray, extra_key: Hashable = None) -> np.ndarray:
 
 
 def fingerprint_kv(hashes: np.ndarray, num_layers: int, num_heads: int, head_dim: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """KV data `[layers, 2, n, heads, head_dim]` (float32) for the positions with these prefix hashes,
-    every value exact in `dtype` (a pool dtype: `runtime.config.KV_DTYPES`)."""
+                   dtype: torch.dtype = torch.float32, parts: int = 2) -> torch.Tensor:
+    """KV data `[layers, parts, n, heads, head_dim]` (float32) for the positions with these prefix
+    hashes, every value exact in `dtype` (a pool dtype: `runtime.config.KV_DTYPES`); `parts` as
+    `KVShape.parts` (2: K and V; 1: an MLA latent, whose values are those K would have)."""
+    if parts not in (1, 2) or type(parts) is not int:
+        raise ValidationError(f"parts must be 1 (latent) or 2 (K and V), got {parts!r}")
     if dtype == torch.float32:
         h = torch.from_numpy((hashes % 65521).astype(np.int64))  # [n]
         layer = torch.arange(num_layers).view(num_layers, 1, 1)
-        kv = torch.arange(2).view(1, 2, 1)
-        base = (h.view(1, 1, -1) * 7 + layer * 2 + kv) % 65536  # [L, 2, n]
+        kv = torch.arange(parts).view(1, parts, 1)
+        base = (h.view(1, 1, -1) * 7 + layer * 2 + kv) % 65536  # [L, C, n]
         lane = (torch.arange(num_heads * head_dim) % 128).view(num_heads, head_dim)
-        return (base.view(num_layers, 2, -1, 1, 1) * 128 + lane).to(torch.float32)
+        return (base.view(num_layers, parts, -1, 1, 1) * 128 + lane).to(torch.float32)
     table = _digit_table(dtype)
     bits = table.numel().bit_length() - 1
-    tags = np.arange(2 * num_layers, dtype=np.uint64).reshape(num_layers, 2, 1) + np.uint64(1)
-    keys = _splitmix64(np.asarray(hashes).astype(np.uint64).reshape(1, 1, -1) ^ (tags * _GOLDEN))  # [L, 2, n]
+    # tag of (layer, part): 2 * layer + part + 1 (parts=2 numbering kept, so the MHA values are unchanged)
+    tags = (np.arange(num_layers, dtype=np.uint64).reshape(num_layers, 1, 1) * np.uint64(2)
+            + np.arange(parts, dtype=np.uint64).reshape(1, parts, 1) + np.uint64(1))
+    keys = _splitmix64(np.asarray(hashes).astype(np.uint64).reshape(1, 1, -1) ^ (tags * _GOLDEN))  # [L, C, n]
     shift = (np.arange(num_heads * head_dim, dtype=np.uint64) * np.uint64(bits)) % np.uint64(64)
     k = keys[..., None]
-    rotated = (k >> shift) | (k << ((np.uint64(64) - shift) % np.uint64(64)))  # [L, 2, n, lanes]
+    rotated = (k >> shift) | (k << ((np.uint64(64) - shift) % np.uint64(64)))  # [L, C, n, lanes]
     digits = torch.from_numpy((rotated & np.uint64(table.numel() - 1)).astype(np.int64))
-    return table[digits].view(num_layers, 2, len(hashes), num_heads, head_dim)
+    return table[digits].view(num_layers, parts, len(hashes), num_heads, head_dim)
 
 
 def identity_bits(dtype: torch.dtype, num_heads: int, head_dim: int) -> int:
@@ -111,7 +117,8 @@ def write_fingerprints(pool, slots, tokens, extra_key: Hashable = None, start: i
     slots = np.asarray(slots, dtype=np.int64)
     hashes = prefix_hashes(np.asarray(tokens)[: len(slots)], extra_key)
     shape = pool.shape
-    data = fingerprint_kv(hashes[start:], shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
+    data = fingerprint_kv(hashes[start:], shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype,
+                          shape.parts)
     pool.write_slots(slots[start:], data.to(shape.dtype))
 
 
@@ -122,7 +129,7 @@ def mismatches(pool, slots, tokens, extra_key: Hashable = None) -> list[int]:
         return []
     shape = pool.shape
     want = fingerprint_kv(prefix_hashes(np.asarray(tokens)[: len(slots)], extra_key),
-                          shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype)
+                          shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.parts)
     if shape.dtype != torch.float32:  # what the pool can hold of it (exact by construction)
         want = want.to(shape.dtype).to(torch.float32)
     got = pool.read_slots(slots).to(torch.float32)

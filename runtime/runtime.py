@@ -214,7 +214,8 @@ class CacheRuntime:
                 raise ConfigError(f"metrics_registry must be a prometheus_client CollectorRegistry, "
                                   f"got {type(metrics_registry).__name__}")
         self.config = config
-        shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype)
+        shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype,
+                        parts=config.kv_parts)
         self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
         self.host_pool = (HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
                           if config.host_slots > 0 else None)

@@ -233,8 +233,8 @@ class TransferActor(Actor[TransferMessage]):
             # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
             return read_prefix(backend, list(msg.keys), [rows[p] for p in msg.pages]), ()
         shape = pool.shape
-        stage = torch.empty((len(msg.keys), shape.num_layers, 2, pool.page_size, shape.num_kv_heads, shape.head_dim),
-                            dtype=shape.dtype)  # untouched: pages never read cost no memory
+        stage = torch.empty((len(msg.keys), shape.num_layers, shape.parts, pool.page_size, shape.num_kv_heads,
+                             shape.head_dim), dtype=shape.dtype)  # untouched: pages never read cost no memory
         bufs = list(stage)
         k = read_prefix(backend, list(msg.keys), bufs)  # a missing page ends the hit (presence is a hint)
         for i in range(k):

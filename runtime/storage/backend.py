@@ -1,7 +1,7 @@
 """The storage backend protocol, shared buffer helpers and a fault-injecting wrapper.
 
-A backend stores *pages*: the canonical bytes of one page of KV (``[L, 2, page_size, H, D]``
-in the KV dtype, independent of the host layout), addressed by a page hash (``bytes``,
+A backend stores *pages*: the canonical bytes of one page of KV (``[L, C, page_size, H, D]``
+in the KV dtype, C = 2 for K and V or 1 for an MLA latent, independent of the host layout), addressed by a page hash (``bytes``,
 see `runtime.storage.hashing`). Every page of one backend instance has the same size,
 ``page_bytes``, fixed at construction and checked on every call.
 

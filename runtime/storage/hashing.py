@@ -8,7 +8,8 @@
 - the tokens of a page are ``page_size`` int32 values in little-endian byte order;
 - ``seed = H(seed_bytes(extra_key, identity))``, a fixed, versioned, length-prefixed
   encoding of the namespace and of the KV identity (model id, weight version, KV dtype,
-  layers, KV heads, head dim; when set, the page layout and the tensor-parallel shard). The
+  layers, KV heads, head dim; when set, the page layout, the tensor-parallel shard and the
+  per-token KV layout: MLA's one latent vs K and V). The
   namespace (``extra_key``) is what the façade accepts: ``None``, ``str``, ``bytes``, ``int``
   (exactly: not ``bool``, not numpy integers) and tuples of these, nested. Its encoding is
   typed (a tag byte per type) and length-prefixed, tuples recursively, so that values which
@@ -31,6 +32,7 @@ from typing import Union
 
 import numpy as np
 
+from runtime.config import KV_LAYOUTS
 from runtime.errors import LengthError, ValidationError
 from runtime.storage.hash_chain import chain_hashes
 
@@ -74,9 +76,12 @@ class KVIdentity:
     # (the same bytes on every rank, MLA's latent). Shards never share a hash, so a rank never
     # reads another rank's heads from a shared storage directory.
     shard: str = ""
+    # what a token's KV is (`RuntimeConfig.kv_layout`): "mha" (K and V) or "mla" (one latent vector).
+    # An MLA page never shares a hash with an MHA page of the same byte size and geometry.
+    kv_layout: str = "mha"
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "weight_version", "kv_dtype", "page_layout", "shard"):
+        for name in ("model_id", "weight_version", "kv_dtype", "page_layout", "shard", "kv_layout"):
             if not isinstance(getattr(self, name), str):
                 raise ValidationError(f"KVIdentity.{name} must be a str, got {getattr(self, name)!r}")
         if self.shard not in ("", REPLICATED):
@@ -84,6 +89,8 @@ class KVIdentity:
             if m is None or not 0 <= int(m[1]) < int(m[2]) or m[2] == "1":
                 raise ValidationError(f"KVIdentity.shard must be '', {REPLICATED!r} or 'tp<rank>of<size>' with "
                                       f"0 <= rank < size and size >= 2, got {self.shard!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValidationError(f"KVIdentity.kv_layout must be one of {sorted(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -91,7 +98,11 @@ class KVIdentity:
 
     @staticmethod
     def from_config(config: object) -> "KVIdentity":
-        """The identity of a `RuntimeConfig` (or anything with the same attribute names)."""
+        """The identity of a `RuntimeConfig` (or anything with the same attribute names). An MLA
+        config's shard is REPLICATED whatever its TP size: every rank holds the same latent, so
+        one stored copy serves every rank of every instance."""
+        layout = getattr(config, "kv_layout", "mha")
+        shard = tp_shard(getattr(config, "tp_rank", 0), getattr(config, "tp_size", 1))
         return KVIdentity(
             model_id=config.model_id,  # type: ignore[attr-defined]
             weight_version=config.weight_version,  # type: ignore[attr-defined]
@@ -99,17 +110,21 @@ class KVIdentity:
             num_layers=config.num_layers,  # type: ignore[attr-defined]
             num_kv_heads=config.num_kv_heads,  # type: ignore[attr-defined]
             head_dim=config.head_dim,  # type: ignore[attr-defined]
-            shard=tp_shard(getattr(config, "tp_rank", 0), getattr(config, "tp_size", 1)),
+            shard=REPLICATED if layout == "mla" else shard,
+            kv_layout=layout,
         )
 
     def encode(self) -> bytes:
         """Fixed byte encoding: length-prefixed UTF-8 strings, then three little-endian u64, then
-        the page layout as a length-prefixed string when it or the shard is set, then the shard as
-        one when it is set. Defaults add nothing (the runtime's own layout, one rank encode as
-        before these fields existed, so their hashes did not change); a shard always follows a
-        layout string (maybe empty), so zero, one or two trailing strings parse back one way only."""
+        the page layout as a length-prefixed string when it, the shard or the KV layout is set, then
+        the shard as one when it or the KV layout is set, then the KV layout when not "mha".
+        Defaults add nothing (the runtime's own layout, one rank, K and V encode as before these
+        fields existed, so their hashes did not change); each trailing string implies the ones
+        before it (maybe empty), so zero to three of them parse back one way only."""
         tail = b""
-        if self.shard:
+        if self.kv_layout != "mha":
+            tail = _enc_str(self.page_layout) + _enc_str(self.shard) + _enc_str(self.kv_layout)
+        elif self.shard:
             tail = _enc_str(self.page_layout) + _enc_str(self.shard)
         elif self.page_layout:
             tail = _enc_str(self.page_layout)

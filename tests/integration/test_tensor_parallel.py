@@ -17,6 +17,7 @@ that the oracle flags it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -59,10 +60,22 @@ async def cached_admit(rt: CacheRuntime, rid: str, prompt):
     return res
 
 
-async def run_ranks(directory: Path, size: int, prompt) -> list[RankResult]:
+def mla_rank_config(rank: int, size: int, host_layout: str = "layer_first") -> RuntimeConfig:
+    """An MLA rank: one latent of 16 per token per layer, the same on every rank."""
+    return small_config(copy_engine="cpu", host_tokens=256, tp_rank=rank, tp_size=size, kv_layout="mla",
+                        num_kv_heads=1, head_dim=16, host_layout=host_layout)
+
+
+def latent_seed(rank: int, size: int) -> tuple:
+    """MLA's latent does not depend on the rank: one fingerprint namespace for all of them."""
+    return ("latent",)
+
+
+async def run_ranks(directory: Path, size: int, prompt, make_config=rank_config, seed=shard_seed) -> list[RankResult]:
     """One instance of `size` ranks over one storage directory: each rank serves `prompt` (its
-    own shard's KV), writes it through, flushes its tiers and admits the prompt again."""
-    configs = [rank_config(r, size) for r in range(size)]
+    own shard's KV, `seed(rank, size)`'s fingerprint), writes it through, flushes its tiers and
+    admits the prompt again."""
+    configs = [make_config(r, size) for r in range(size)]
     async with AsyncExitStack() as stack:
         backends = [FileBackend(directory, c.page_size * c.bytes_per_token) for c in configs]
         for fb in backends:
@@ -72,8 +85,8 @@ async def run_ranks(directory: Path, size: int, prompt) -> list[RankResult]:
         first = []
         for r, (rt, c, fb) in enumerate(zip(ranks, configs, backends)):  # rank order: rank 0 writes first
             res = await cached_admit(rt, "a", prompt)
-            compute(rt, res.slots, prompt, shard_seed(r, size), start=res.cached)
-            bad = bad_positions(rt.device_pool, res.slots[:res.cached], prompt[:res.cached], shard_seed(r, size))
+            compute(rt, res.slots, prompt, seed(r, size), start=res.cached)
+            bad = bad_positions(rt.device_pool, res.slots[:res.cached], prompt[:res.cached], seed(r, size))
             await rt.finish("a", prompt[:N])
             await settle(rt)
             keys = page_hashes(prompt[:N], c.page_size, None, KVIdentity.from_config(c))
@@ -83,7 +96,7 @@ async def run_ranks(directory: Path, size: int, prompt) -> list[RankResult]:
         results = []
         for r, rt in enumerate(ranks):
             res = await cached_admit(rt, "b", prompt)
-            bad = bad_positions(rt.device_pool, res.slots[:res.cached], prompt[:res.cached], shard_seed(r, size))
+            bad = bad_positions(rt.device_pool, res.slots[:res.cached], prompt[:res.cached], seed(r, size))
             hits = (await rt.stats())["storage"]["hit_tokens"]
             await rt.abort("b")
             await settle(rt)
@@ -131,3 +144,33 @@ async def test_identity_without_the_shard_reads_another_ranks_heads(tmp_path, mo
     assert results[0] == RankResult(0, N // rank_config(0, 2).page_size, N, N, [])
     assert (results[1].first_cached, results[1].cached) == (N, N) and results[1].bad == list(range(N))
     assert len(list(tmp_path.glob("*/*.kv"))) == N // rank_config(0, 2).page_size  # one copy, rank 0's
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("size", [2, 4])
+async def test_mla_ranks_are_served_rank_0s_replicated_latent(tmp_path, size, host_layout):
+    """MLA (`kv_layout="mla"`): every rank holds the same latent, so the shard is "replicated" and
+    storage holds one copy. Rank 0 writes it; every later rank finds the whole prefix in storage at
+    its first admit (computing nothing) and writes nothing of its own; after the flush every rank
+    reads the one copy back. MHA ranks on the same scenario never are (the tests above). Both host
+    layouts: storage reads are staged (layer_first) or land in the pool's page rows (page_first)."""
+    prompt = toks(N + 1, 10)
+    results = await run_ranks(tmp_path, size, prompt, functools.partial(mla_rank_config, host_layout=host_layout),
+                              latent_seed)
+    pages = N // mla_rank_config(0, size).page_size
+    assert results[0] == RankResult(0, pages, N, N, [])
+    assert results[1:] == [RankResult(N, pages, N, 2 * N, []) for _ in range(size - 1)]
+    assert len(list(tmp_path.glob("*/*.kv"))) == pages  # one copy, rank 0's
+
+
+async def test_mla_and_mha_pages_of_the_same_size_never_match(tmp_path):
+    """An MHA runtime whose pages have the MLA runtime's byte size (K and V of 1 x 8 against a latent
+    of 16) finds none of the MLA pages in the directory they share, and stores and reads its own."""
+    prompt = toks(N + 1, 11)
+    mla = mla_rank_config(0, 1)
+    mha = rank_config(0, 1).replace(num_kv_heads=1)
+    assert mla.bytes_per_token == mha.bytes_per_token
+    pages = N // mla.page_size
+    assert await run_ranks(tmp_path, 1, prompt, lambda r, n: mla, latent_seed) == [RankResult(0, pages, N, N, [])]
+    assert await run_ranks(tmp_path, 1, prompt, lambda r, n: mha, shard_seed) == [RankResult(0, pages, N, N, [])]
+    assert len(list(tmp_path.glob("*/*.kv"))) == 2 * pages

@@ -103,7 +103,8 @@ def test_to_dict_round_trip_of_a_non_default_config():
     cfg = RuntimeConfig(page_size=32, device_slots=1024, host_bytes=3 * GiB, host_layout="page_first",
                         write_policy="write_back", eviction_policy="lfu", decode_offload=True,
                         offload_stride=64, storage_backend="file", storage_dir="kv-store",
-                        storage_cap_bytes=10**9, prefetch_policy="best_effort", vocab_size=32000)
+                        storage_cap_bytes=10**9, prefetch_policy="best_effort", vocab_size=32000,
+                        kv_layout="mla", num_kv_heads=1, head_dim=576)
     d = cfg.to_dict()
     assert d["host_bytes"] == 3 * GiB and d["storage_dir"] == "kv-store" and d["trace_path"] is None
     assert RuntimeConfig.from_dict(d) == cfg
@@ -238,3 +239,31 @@ def test_kv_dtype_sets_the_torch_dtype_and_bytes_per_token(name, itemsize):
 def test_kv_dtype_unknown_is_refused_naming_the_field():
     for bad in ("float8", "fp8", "float64", "int8"):
         assert error(RuntimeConfig, kv_dtype=bad).startswith("kv_dtype must be one of")
+
+
+# -- KV layout (MLA) -----------------------------------------------------------------------
+
+def test_kv_layout_mla_has_one_part_per_token():
+    mha = RuntimeConfig(num_layers=3, num_kv_heads=1, head_dim=8, kv_dtype="bfloat16")
+    mla = mha.replace(kv_layout="mla")
+    assert (mha.kv_parts, mla.kv_parts) == (2, 1)
+    assert mla.bytes_per_token == 3 * 8 * 2 and mha.bytes_per_token == 2 * mla.bytes_per_token
+    assert mla.replace(host_tokens=None, host_bytes=1 << 20).host_slots == (1 << 20) // 48 // 16 * 16
+
+
+def test_kv_layout_from_sources(tmp_path):
+    assert RuntimeConfig.from_env({"HICACHE_KV_LAYOUT": "mla", "HICACHE_NUM_KV_HEADS": "1"}).kv_layout == "mla"
+    assert RuntimeConfig.from_dict({"kv_layout": "mla", "num_kv_heads": 1, "head_dim": 576}).head_dim == 576
+    path = tmp_path / "mla.toml"
+    path.write_text('kv_layout = "mla"\nnum_kv_heads = 1\nhead_dim = 576\n')
+    cfg = RuntimeConfig.from_file(path)
+    assert (cfg.kv_layout, cfg.head_dim) == ("mla", 576) and RuntimeConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(kv_layout="MLA"), "kv_layout must be one of ['mha', 'mla'], got 'MLA'"),
+    (dict(kv_layout=None), "kv_layout must be one of"),
+    (dict(kv_layout="mla", num_kv_heads=2), "kv_layout 'mla' keeps one latent per token: num_kv_heads must be 1"),
+])
+def test_kv_layout_is_validated_naming_the_field(changes, says):
+    assert says in error(RuntimeConfig, **changes)

@@ -62,17 +62,19 @@ def test_unknown_dtype_is_refused():
         identity_bits(torch.int8, 1, 4)
 
 
-def pools(dtype: torch.dtype) -> list:
-    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype)
+def pools(dtype: torch.dtype, parts: int = 2) -> list:
+    shape = KVShape(num_layers=2, num_kv_heads=2 // parts, head_dim=8, dtype=dtype, parts=parts)
     return [DevicePool(shape, 32, 4), HostPool(shape, 32, 4, "layer_first"), HostPool(shape, 32, 4, "page_first")]
 
 
+@pytest.mark.parametrize("parts", [2, 1], ids=["kv", "latent"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_mismatches_clean_pool_and_a_wrong_slot(dtype):
+def test_mismatches_clean_pool_and_a_wrong_slot(dtype, parts):
+    """Every dtype, in K/V pools and in one-part (MLA latent) pools of 1 x 8 lanes."""
     a = np.arange(100, 112)
     b = np.arange(200, 212)
     slots = np.array([8, 9, 10, 11, 20, 21, 22, 23, 0, 1, 2, 3])
-    for pool in pools(dtype):
+    for pool in pools(dtype, parts):
         write_fingerprints(pool, slots, a, "ns")
         assert mismatches(pool, slots, a, "ns") == []
         assert mismatches(pool, slots, a, "other") == list(range(12))  # another namespace's prefix
@@ -81,3 +83,16 @@ def test_mismatches_clean_pool_and_a_wrong_slot(dtype):
         assert mismatches(pool, slots, a, "ns") == [5]
         # an unwritten (zero) slot is not anyone's KV
         assert mismatches(pool, np.array([4, 5]), a[:2], "ns") == [0, 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_part_is_the_k_part(dtype):
+    """A latent pool's fingerprint is what K would be (the K/V values are unchanged by `parts`);
+    any other part count is refused."""
+    h = prefix_hashes(np.arange(40), "ns")
+    both = fingerprint_kv(h, 3, 1, 8, dtype)
+    latent = fingerprint_kv(h, 3, 1, 8, dtype, parts=1)
+    assert latent.shape == (3, 1, 40, 1, 8) and torch.equal(latent, both[:, :1])
+    for bad in (0, 3, True):
+        with pytest.raises(ValidationError):
+            fingerprint_kv(h, 3, 1, 8, dtype, parts=bad)

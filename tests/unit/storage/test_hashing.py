@@ -274,3 +274,56 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+# -- MLA (one latent per token) ------------------------------------------------------------
+
+# DeepSeek-V3's geometry (61 layers, latent 512 + 64), the identity an MLA runtime has at any TP size
+KNOWN_MLA = ["b51e39cd5e728fb56e85293eb890f290", "d90c2e7c040e5890b4f7fb381257214a", "7ff0d6922268057ee7b676d292b2542b"]
+
+
+def test_known_vector_mla():
+    mla = KVIdentity("deepseek-ai/DeepSeek-V3", "main", "bfloat16", 61, 1, 576, shard=REPLICATED, kv_layout="mla")
+    assert [h.hex() for h in page_hashes(TOKENS, 16, "tenant-a", mla)] == KNOWN_MLA
+
+
+def test_kv_layout_encoding_spec():
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return struct.pack("<I", len(b)) + b
+
+    head = s("m") + s("w") + s("bfloat16") + struct.pack("<QQQ", 30, 1, 64)
+    assert KVIdentity("m", "w", "bfloat16", 30, 1, 64, kv_layout="mha").encode() == head
+    assert KVIdentity("m", "w", "bfloat16", 30, 1, 64, kv_layout="mla").encode() == head + s("") + s("") + s("mla")
+    assert (KVIdentity("m", "w", "bfloat16", 30, 1, 64, "L", REPLICATED, "mla").encode()
+            == head + s("L") + s(REPLICATED) + s("mla"))
+
+
+def test_mla_pages_never_match_mha_pages_of_the_same_bytes():
+    """An MHA token of 1 head x 64 (K and V) has the bytes of an MLA latent of 128; and with the
+    geometry equal too, the layout alone keeps the chains apart, at every shard."""
+    mha = KVIdentity("m", "w", "bfloat16", 30, 1, 64)
+    chains = [set(page_hashes(TOKENS, 16, None, ident)) for ident in (
+        mha, KVIdentity("m", "w", "bfloat16", 30, 1, 128, kv_layout="mla"),
+        KVIdentity("m", "w", "bfloat16", 30, 1, 64, kv_layout="mla"),
+        KVIdentity("m", "w", "bfloat16", 30, 1, 64, shard=REPLICATED),
+        KVIdentity("m", "w", "bfloat16", 30, 1, 64, shard=REPLICATED, kv_layout="mla"))]
+    for i, a in enumerate(chains):
+        assert all(not a & b for b in chains[i + 1:])
+
+
+def test_from_config_mla_is_replicated_at_every_tp_size():
+    from runtime.config import RuntimeConfig
+
+    cfg = RuntimeConfig(num_layers=61, num_kv_heads=1, head_dim=576, kv_dtype="bfloat16", kv_layout="mla",
+                        model_id="deepseek-ai/DeepSeek-V3", weight_version="main")
+    one = KVIdentity.from_config(cfg)
+    assert (one.shard, one.kv_layout) == (REPLICATED, "mla")
+    assert all(KVIdentity.from_config(cfg.replace(tp_rank=r, tp_size=n)) == one for n in (2, 4, 8) for r in range(n))
+    assert KVIdentity.from_config(cfg.replace(kv_layout="mha")).shard == ""
+
+
+@pytest.mark.parametrize("bad", ["MLA", "", "gqa", 1])
+def test_kv_layout_validation(bad):
+    with pytest.raises(ValidationError):
+        KVIdentity("m", "w", "bfloat16", 30, 1, 64, kv_layout=bad)
