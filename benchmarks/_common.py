@@ -17,6 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # of 128 heads). bench_transfer and bench_storage measure it beside their MHA shape.
 DEEPSEEK_V3_MLA: dict[str, Any] = {"model_id": "deepseek-ai/DeepSeek-V3", "num_layers": 61, "num_kv_heads": 1,
                                    "head_dim": 576, "kv_dtype": "bfloat16", "kv_layout": "mla"}
+# Bamba-9B's recurrent state (ibm-ai-platform/Bamba-9B config: 32 layers, attention at 9, 18, 27; Mamba2
+# with 128 heads of 64, d_state 128, fp32 SSM state): per Mamba2 layer an SSM state of
+# 128 x 64 x 128 fp32 = 4 MiB (98% of a state slot; the conv window, 8448 x 4 bf16, is the rest)
+BAMBA_9B_SSM_STATE: dict[str, Any] = {"model_id": "ibm-ai-platform/Bamba-9B", "state_layers": 29,
+                                      "ssm_state": (128, 64, 128), "dtype": "float32"}
 
 
 def git_commit() -> str:

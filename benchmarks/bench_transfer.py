@@ -17,7 +17,10 @@ median of ``--repeats`` (>= 5) rounds. Targets: ``vs_index`` >= 0.9 everywhere a
 
 Shapes (``--shapes``, default both): ``args``, the MHA shape of ``--layers`` / ``--kv-heads`` /
 ``--head-dim`` / ``--dtype`` (K and V per token), and ``deepseek-v3``, DeepSeek-V3's MLA cache
-(61 layers, one latent of 512 + 64 per token, bf16: pools of one part). Every row names its shape.
+(61 layers, one latent of 512 + 64 per token, bf16: pools of one part). ``bamba-9b-state`` (not in
+the default) copies Bamba-9B's recurrent SSM state: one state slot of 29 layers x 4 MiB, the unit a
+hybrid model's snapshot backup or load moves beside its KV (a state component is a pool of one-slot
+pages with one part: page size 1 only). Every row names its shape.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # bench_copy_engine first: it sets OMP_WAIT_POLICY (passive waits, see there) before torch loads libgomp
-from benchmarks._common import DEEPSEEK_V3_MLA  # noqa: E402
+from benchmarks._common import BAMBA_9B_SSM_STATE, DEEPSEEK_V3_MLA  # noqa: E402
 from benchmarks.bench_copy_engine import (  # noqa: E402
     add_common_args,
     git_commit,
@@ -155,6 +158,12 @@ MLA_SHAPE = KVShape(DEEPSEEK_V3_MLA["num_layers"], DEEPSEEK_V3_MLA["num_kv_heads
                     getattr(torch, DEEPSEEK_V3_MLA["kv_dtype"]), parts=1)
 
 
+# a state component's rows have the geometry of a one-part pool of one-slot pages
+STATE_SHAPE = KVShape(BAMBA_9B_SSM_STATE["state_layers"], 1, int(np.prod(BAMBA_9B_SSM_STATE["ssm_state"])),
+                      getattr(torch, BAMBA_9B_SSM_STATE["dtype"]), parts=1)
+STATE_PAGE_SIZES = {"bamba-9b-state": [1]}
+
+
 def describe(shape: KVShape) -> dict[str, Any]:
     return {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
             "dtype": str(shape.dtype).removeprefix("torch."), "parts": shape.parts,
@@ -166,9 +175,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p)
     p.add_argument("--shapes", type=lambda s: s.split(","), default=["args", "deepseek-v3"],
-                   help="args (the MHA shape of --layers etc.) and/or deepseek-v3 (MLA latent)")
+                   help="args (the MHA shape of --layers etc.), deepseek-v3 (MLA latent), bamba-9b-state")
     args, shape, device, engine_kw = parse_common_args(p)
-    named = {"args": shape, "deepseek-v3": MLA_SHAPE}
+    named = {"args": shape, "deepseek-v3": MLA_SHAPE, "bamba-9b-state": STATE_SHAPE}
     unknown = [name for name in args.shapes if name not in named]
     if unknown or not args.shapes:
         p.error(f"--shapes takes names from {sorted(named)}, got {args.shapes}")
@@ -182,7 +191,8 @@ def main() -> None:
     rows = []
     for name in args.shapes:
         print(f"shape {name}: {describe(named[name])}", flush=True)
-        rows += [{"shape": name, **r} for r in asyncio.run(measure(args, named[name], device, factory))]
+        sized = argparse.Namespace(**{**vars(args), "page_sizes": STATE_PAGE_SIZES.get(name, args.page_sizes)})
+        rows += [{"shape": name, **r} for r in asyncio.run(measure(sized, named[name], device, factory))]
     loop = type(asyncio.get_event_loop_policy()).__module__.split(".")[0]
 
     min_index = min(r["vs_index"] for r in rows)
