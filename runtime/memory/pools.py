@@ -137,6 +137,7 @@ class DevicePool:
         self.buffer = torch.zeros(
             (shape.parts, shape.num_layers, num_slots, shape.num_kv_heads, shape.head_dim), dtype=shape.dtype, device=self.device
         )
+        self.device = self.buffer.device  # with its index ("cuda" is "cuda:0"), as tensors compare
         self.k: list[torch.Tensor] = [self.buffer[0, layer] for layer in range(shape.num_layers)]
         self.v: list[torch.Tensor] = ([self.buffer[1, layer] for layer in range(shape.num_layers)]
                                       if shape.parts == 2 else [])

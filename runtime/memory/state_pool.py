@@ -147,6 +147,7 @@ class StatePool:
                                 pin_memory=self.pinned)
             for c in shape.components
         }
+        self.device = next(iter(self.buffers.values())).device  # with its index: "cuda" is "cuda:0" here
 
     @property
     def nbytes(self) -> int:
