@@ -48,9 +48,9 @@ call:
   cached prefix (a hit with KV and no state is a violation too), and the harness copies it into
   the running slot as an engine would. The records compare running slots and pending snapshots
   with the model's (a running slot never changes while live, a returned slot belongs to nobody
-  else), every running and pending slot holds its fingerprint after every call, and every tree
-  node's snapshot holds the fingerprint of that node's whole path (every `TREE_EVERY` calls and
-  at the end).
+  else), and after every call every running and pending slot holds its fingerprint and every
+  tree node's snapshot the fingerprint of that node's whole path (they are few: at most the
+  state slots).
 
 Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
 debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
@@ -212,7 +212,7 @@ def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
     if hybrid:
         return FuzzConfig(page_size=ps, device_pages=device_pages, host_pages=0,
                           eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")),
-                          state_slots=rng.randint(3, 8), calls=rng.randint(150, 350))
+                          state_slots=rng.choice((3, 5, 8, 8, 8)), calls=rng.randint(150, 350))
     host_pages = 0 if rng.random() < 0.1 else rng.randint(max(2, device_pages // 2), 2 * device_pages)
     storage = "none" if host_pages == 0 or rng.random() < 0.5 else rng.choice(("file", "faulty"))
     if rng.random() < 0.15:
@@ -277,8 +277,9 @@ class Vocab:
         self.D = cfg.device_slots
         self.unit = max(1, self.D // 12)
         # the longest prompt, as a share of the device pool ("loads": short ones, so that live
-        # requests leave the tree room and cached prefixes come back instead of being recomputed)
-        self.max_prompt = 0.3 if cfg.focus == "loads" else 0.6
+        # requests leave the tree room and cached prefixes come back instead of being recomputed;
+        # hybrid, with no host tier to make room: so that cached prefixes stay to be hit)
+        self.max_prompt = 0.3 if cfg.focus == "loads" or cfg.hybrid else 0.6
         self.systems = [self.rand(rng.randint(self.unit, 3 * self.unit)) for _ in range(3)]
         self.convs: list[tuple[list[int], list[int]]] = []
         for _ in range(2 if cfg.focus == "loads" else 5):
@@ -420,9 +421,10 @@ class Observation:
     owned: dict[Hashable, tuple]  # per live request / session: its device (and host) slots in the ledger
     storage: tuple[bool, Any] = (False, None)  # (a storage tier is on, the tree actor's backend)
     states: dict[Hashable, tuple] = field(default_factory=dict)  # per live request: (running slot, pending)
+    state_errors: list[str] = field(default_factory=list)  # node snapshots not holding their path's state
 
 
-def _observe(core: Any, with_host: bool, backend: Any = None) -> Observation:
+def _observe(core: Any, with_host: bool, backend: Any = None, state_pool: Any = None) -> Observation:
     try:
         check_invariants(core)
         err = None
@@ -443,7 +445,9 @@ def _observe(core: Any, with_host: bool, backend: Any = None) -> Observation:
     states = core.residency.states
     held = {rid: (states.running.get(rid), dict(states.pending.get(rid, {}))) for rid in core.requests} \
         if states is not None else {}
-    return Observation(err, reqs, sess, owned, (core.storage is not None, backend), held)
+    # node snapshots are few (at most the state slots): checked after every call, not every TREE_EVERY
+    return Observation(err, reqs, sess, owned, (core.storage is not None, backend), held,
+                       _tree_state_errors(core, state_pool) if state_pool is not None else [])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -959,7 +963,8 @@ class Driver:
     # -- oracles after every call -----------------------------------------------------------------------
     async def _inspect_observation(self) -> Observation:
         with_host, tree = self.with_host, self.rt._tree
-        return await self.inspect(lambda core: _observe(core, with_host, tree.backend))
+        spool = self.state_pool
+        return await self.inspect(lambda core: _observe(core, with_host, tree.backend, spool))
 
     async def loading(self) -> bool:
         """Whether a load is in flight (then an insert may stop at its nodes); on the CPU engine a
@@ -972,6 +977,8 @@ class Driver:
         obs = await self._inspect_observation()
         if obs.invariant_error is not None:
             raise self.fail("invariant", f"after {what}: {obs.invariant_error}")
+        if obs.state_errors:
+            raise self.fail("tree-state-content", f"after {what}: " + "; ".join(obs.state_errors))
         if isinstance(exc, ValidationError) and self.prev is not None:
             self._unchanged(what, exc, self.prev, obs)
         self.prev = obs
@@ -1846,7 +1853,7 @@ class Driver:
             # last, and 0 without storage: the draws of episodes without storage stay as they were
             *self._control_weights(),
             (2 if self.may_store is not None else 0, self.g_evict_pages),
-            (8 if self.cfg.hybrid else 0, self.g_snapshot),
+            (12 if self.cfg.hybrid else 0, self.g_snapshot),
         ]
         weights = [w for w, _ in table]
         while True:
@@ -1890,20 +1897,27 @@ class Driver:
         return "evict_pages", {"pick": rng.random(), "count": rng.choice((1, 1, 2, 3)), "flush": rng.random() < 0.4,
                                "probe": self._new_rid() if rng.random() < 0.7 else None}
 
-    def g_snapshot(self) -> Step:
+    def g_snapshot(self) -> Step | None:
         """The engine asks for a state snapshot of a live request: mostly at a page boundary past its
-        cached prefix it has not asked for yet; now and then at or below the cached prefix, past its
-        tokens, not page-aligned, twice, or of no live request."""
+        cached prefix it has not asked for yet, half of those at the last page boundary before its
+        prompt's last token (as far as an admit of the same prompt, or of a later turn, resumes); now and then at or below the cached
+        prefix, past its tokens, not page-aligned, twice, or of no live request."""
         rng, ps = self.rng, self.ps
-        rid = self._pick(self._live())
+        # (a request with a position left, when there is one)
+        rid = self._pick([x for x in self._live() if self._snapshot_positions(self.reqs[x])] or self._live())
         if rid is None:
-            return "snapshot", {"rid": self._ghost(), "position": ps}
+            return None
         r = self.reqs[rid]
-        valid = [p for p in range(r.cached + ps, r.seq_len + 1, ps) if p not in r.snaps]
+        valid = self._snapshot_positions(r)
         if valid and not self._bad(0.15):
-            return "snapshot", {"rid": rid, "position": rng.choice(valid)}
+            prompt_end = _down(r.prompt_len - 1, ps)
+            at = prompt_end if prompt_end in valid and rng.random() < 0.5 else rng.choice(valid)
+            return "snapshot", {"rid": rid, "position": at}
         bad = [r.cached, _up(r.seq_len + 1, ps), *r.snaps] + ([r.cached + 1] if ps > 1 else [])
         return "snapshot", {"rid": self._ghost() if self._bad(0.2) else rid, "position": rng.choice(bad)}
+
+    def _snapshot_positions(self, r: Req) -> list[int]:
+        return [p for p in range(r.cached + self.ps, r.seq_len + 1, self.ps) if p not in r.snaps]
 
     def _bad(self, p: float = 0.12) -> bool:
         return self.rng.random() < p
@@ -2452,6 +2466,16 @@ def replay_steps(cfg: FuzzConfig, steps: list[Step]) -> Violation | None:
     return run_episode(cfg, random.Random(0), steps).violation
 
 
+def hybrid_only(cfg: FuzzConfig) -> bool:
+    """`fuzz(only=...)` for the episodes with recurrent state."""
+    return cfg.hybrid
+
+
+def env_only() -> Callable[[FuzzConfig], bool] | None:
+    """`HICACHE_FUZZ_HYBRID=1`: only the episodes with recurrent state."""
+    return hybrid_only if os.environ.get("HICACHE_FUZZ_HYBRID") not in (None, "", "0") else None
+
+
 def env_int(name: str, default: int | None) -> int | None:
     value = os.environ.get(name)
     return default if value in (None, "") else int(value)
@@ -2478,7 +2502,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-episode", type=int, default=0)
     ap.add_argument("--shrink-s", type=float, default=60.0)
     ap.add_argument("--all", action="store_true", help="keep going past violations; report each distinct one")
+    ap.add_argument("--hybrid", action="store_true", help="only the episodes with recurrent state")
     args = ap.parse_args(argv)
+    only = hybrid_only if args.hybrid else None
     configure_logging()
     seen: dict[str, tuple[int, Violation]] = {}
 
@@ -2486,7 +2512,7 @@ def main(argv: list[str] | None = None) -> int:
         return signature(v) not in seen
 
     report = fuzz(args.seed, args.calls, first_episode=args.first_episode, shrink_s=0,
-                  want=(lambda v: False) if args.all else None)
+                  want=(lambda v: False) if args.all else None, only=only)
     print(report.summary())
     found = [(ep, v) for ep, v in report.passed_over]
     if report.failure is not None and report.failure.violation is not None:

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     undo = plant.install()
     try:
         report = harness.fuzz(args.seed, args.calls, shrink_s=args.shrink_s, want=plant.wanted,
-                              only=(lambda cfg: cfg.hybrid) if plant.hybrid else None)
+                              only=harness.hybrid_only if plant.hybrid else None)
     finally:
         undo()
     out = {"plant": args.plant, "seed": args.seed, "found": report.failure is not None,
