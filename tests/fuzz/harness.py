@@ -492,7 +492,8 @@ def _tree_state_errors(core: Any, pool: Any) -> list[str]:
     bad = []
     for node, slot in states.node_state.items():
         path = tree.path_tokens(node)
-        if not torch.equal(pool.read_slot(slot), state_fingerprint(pool.shape, int(prefix_hashes(path, node.extra_key)[-1]))):
+        want = state_fingerprint(pool.shape, int(prefix_hashes(path, node.extra_key)[-1]))
+        if not torch.equal(pool.read_slot(slot), want):
             bad.append((node.id, len(path), slot))
     return [f"state snapshots (node, its end, slot) {bad[:6]} do not hold the state after their node's path"] if bad else []
 
@@ -1034,13 +1035,13 @@ class Driver:
                                 f"{'' if len(tokens) != r.record_len else ' (different ones)'}")
             if session != r.session:
                 problems.append(f"session {session!r} != {r.session!r}")
-            if self.cfg.hybrid and obs.states.get(rid) != (r.state_slot, r.snaps):
-                raise self.fail("state-record", f"after {what}: request {rid!r}: (running state slot, pending snapshots) "
-                                f"{obs.states.get(rid)!r}, the caller holds {(r.state_slot, r.snaps)!r}")
             if problems:
                 kind = "slots-changed" if any(p.startswith("slots") for p in problems) else \
                     "token-record" if any(p.startswith("token") for p in problems) else "request-record"
                 raise self.fail(kind, f"after {what}: request {rid!r}: " + "; ".join(problems))
+            if self.cfg.hybrid and obs.states.get(rid) != (r.state_slot, r.snaps):
+                raise self.fail("state-record", f"after {what}: request {rid!r}: (running state slot, pending snapshots) "
+                                f"{obs.states.get(rid)!r}, the caller holds {(r.state_slot, r.snaps)!r}")
         if set(obs.sessions) != set(self.sessions):
             raise self.fail("session-set", f"after {what}: sessions {sorted(map(repr, obs.sessions))} != "
                             f"{sorted(map(repr, self.sessions))}")
@@ -1900,8 +1901,9 @@ class Driver:
     def g_snapshot(self) -> Step | None:
         """The engine asks for a state snapshot of a live request: mostly at a page boundary past its
         cached prefix it has not asked for yet, half of those at the last page boundary before its
-        prompt's last token (as far as an admit of the same prompt, or of a later turn, resumes); now and then at or below the cached
-        prefix, past its tokens, not page-aligned, twice, or of no live request."""
+        prompt's last token (as far as an admit of the same prompt, or of a later turn, resumes);
+        now and then at or below the cached prefix, past its tokens, not page-aligned, twice, or of
+        a rid that is not live."""
         rng, ps = self.rng, self.ps
         # (a request with a position left, when there is one)
         rid = self._pick([x for x in self._live() if self._snapshot_positions(self.reqs[x])] or self._live())
