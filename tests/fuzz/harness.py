@@ -754,7 +754,9 @@ class Driver:
         # decode offload refuses a rewind that would cut an offload in flight
         return (), ((StateError,) if self.cfg.decode_offload else ())
 
-    def p_snapshot(self, rid: Hashable, position: int) -> Pred:
+    def p_snapshot(self, rid: Hashable, position: Any) -> Pred:
+        if type(position) is not int:  # the façade's check, before anything is sent
+            return (LengthError,), ()
         if not self.cfg.hybrid:
             return (StateError,), ()
         r = self.reqs.get(rid)
@@ -1378,7 +1380,7 @@ class Driver:
                 self._may_store(r.plan, r.ns)
         await self.check(what, exc)
 
-    async def x_snapshot(self, rid: Hashable, position: int) -> None:
+    async def x_snapshot(self, rid: Hashable, position: Any) -> None:
         pred = self.p_snapshot(rid, position)
         what = f"snapshot({rid!r}, {position})"
         res, exc = await self.call(what, lambda: self.rt.snapshot(rid, position))
@@ -1902,8 +1904,8 @@ class Driver:
         """The engine asks for a state snapshot of a live request: mostly at a page boundary past its
         cached prefix it has not asked for yet, half of those at the last page boundary before its
         prompt's last token (as far as an admit of the same prompt, or of a later turn, resumes);
-        now and then at or below the cached prefix, past its tokens, not page-aligned, twice, or of
-        a rid that is not live."""
+        now and then at or below the cached prefix, past its tokens, not page-aligned, twice, not an
+        int, or of a rid that is not live."""
         rng, ps = self.rng, self.ps
         # (a request with a position left, when there is one)
         rid = self._pick([x for x in self._live() if self._snapshot_positions(self.reqs[x])] or self._live())
@@ -1915,7 +1917,7 @@ class Driver:
             prompt_end = _down(r.prompt_len - 1, ps)
             at = prompt_end if prompt_end in valid and rng.random() < 0.5 else rng.choice(valid)
             return "snapshot", {"rid": rid, "position": at}
-        bad = [r.cached, _up(r.seq_len + 1, ps), *r.snaps] + ([r.cached + 1] if ps > 1 else [])
+        bad = [r.cached, _up(r.seq_len + 1, ps), *r.snaps, float(r.cached + ps)] + ([r.cached + 1] if ps > 1 else [])
         return "snapshot", {"rid": self._ghost() if self._bad(0.2) else rid, "position": rng.choice(bad)}
 
     def _snapshot_positions(self, r: Req) -> list[int]:
