@@ -25,6 +25,20 @@ Each plant wraps or replaces one function of the core the way a regression would
   after it outright, holding none in doubt (the behaviour before `StorageTier.doubtful`): those
   after it stay on disk, and a clear leaves them (found with the fuzzer's `evict_pages`).
 
+Recurrent state (hybrid episodes only: these plants run just the episodes with state slots):
+
+- `state_match_not_cut`: `RecurrentStates.usable_end` returns the whole device match, so a hit's
+  KV is not cut back to the deepest snapshot; the hit resumes from the deepest snapshot on its
+  path (state of a shorter prefix with longer KV), or from none.
+- `state_leaf_grows`: a request's leaf holding a snapshot grows in place at its next insert
+  (`CacheCore._insert` without "states is None or start not in states.node_state"): the snapshot
+  then sits at the leaf's new end. The invariant checker, run by the tree actor after every
+  message (`debug_invariants`), sees it first ("node 1 ends at 12 but holds the state snapshot
+  taken at 4") and the runtime fails; so
+- `state_leaf_grows_unchecked`: the same with the checker's state part off, for the fingerprint
+  oracle alone (a node's snapshot does not hold the state after its path, or a hit resumes from
+  a state that is not its prefix's).
+
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
 prints the reproduction to stderr and one JSON line (found, seed, episode, calls to find...) last.
@@ -46,6 +60,7 @@ class Plant:
     install: Callable[[], Callable[[], None]]  # returns the undo
     kinds: frozenset[str]  # violation kinds that show this bug
     detail: str = ""  # ...whose detail holds this text
+    hybrid: bool = False  # a recurrent-state bug: run only the episodes with recurrent state
 
     def wanted(self, v: "object") -> bool:
         return getattr(v, "kind", None) in self.kinds and self.detail in getattr(v, "detail", "")
@@ -177,6 +192,56 @@ def _gone_forgets_doubtful() -> Callable[[], None]:
     return lambda: setattr(StorageTier, "_gone", gone)
 
 
+def _state_match_not_cut() -> Callable[[], None]:
+    from runtime.tree.recurrent import RecurrentStates
+
+    usable_end, hit_state = RecurrentStates.usable_end, RecurrentStates.hit_state
+
+    def deepest_on_path(self: RecurrentStates, node):
+        # the hit ends where the KV match ends; the state comes from the deepest snapshot above it
+        while node is not None and node not in self.node_state:
+            node = node.parent
+        return hit_state(self, node)
+
+    RecurrentStates.usable_end = lambda self, look: look.device_len
+    RecurrentStates.hit_state = deepest_on_path
+
+    def undo() -> None:
+        RecurrentStates.usable_end, RecurrentStates.hit_state = usable_end, hit_state
+
+    return undo
+
+
+def _state_leaf_grows() -> Callable[[], None]:
+    from runtime.tree.residency import Residency
+
+    insert = Residency.insert
+
+    def broken(self: Residency, tokens, extra_key, slots, owner, start=None, extend_leaf=False, *args, **kw):
+        # `CacheCore._insert` asks for growth in place except where `start` holds a snapshot (no copy
+        # is ever busy without a host tier): ask for it there too
+        if start is not None and self.states is not None and start in self.states.node_state:
+            extend_leaf = True
+        return insert(self, tokens, extra_key, slots, owner, start, extend_leaf, *args, **kw)
+
+    Residency.insert = broken
+    return lambda: setattr(Residency, "insert", insert)
+
+
+def _state_leaf_grows_unchecked() -> Callable[[], None]:
+    import runtime.invariants as invariants
+
+    check = invariants._check_states
+    invariants._check_states = lambda core, nodes: None
+    undo_leaf = _state_leaf_grows()
+
+    def undo() -> None:
+        undo_leaf()
+        invariants._check_states = check
+
+    return undo
+
+
 PLANTS: dict[str, Plant] = {
     "remap_duplicates": Plant(_remap_duplicates, frozenset({"slots-changed", "slot-shared", "kv-content"})),
     "shorten_record": Plant(_shorten_record, frozenset({"token-record"})),
@@ -193,6 +258,11 @@ PLANTS: dict[str, Plant] = {
     "clear_leaves_pages": Plant(_clear_leaves_pages, frozenset({"storage-content"})),
     "detach_forgets_stored": Plant(_detach_forgets_stored, frozenset({"kv-events", "storage-content"})),
     "gone_forgets_doubtful": Plant(_gone_forgets_doubtful, frozenset({"storage-content"})),
+    "state_match_not_cut": Plant(_state_match_not_cut, frozenset({"state-hit", "state-content"}), hybrid=True),
+    "state_leaf_grows": Plant(_state_leaf_grows, frozenset({"invariant", "runtime-failed"}),
+                              "holds the state snapshot taken at", hybrid=True),
+    "state_leaf_grows_unchecked": Plant(_state_leaf_grows_unchecked,
+                                        frozenset({"state-content", "tree-state-content"}), hybrid=True),
 }
 
 
@@ -211,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     plant = PLANTS[args.plant]
     undo = plant.install()
     try:
-        report = harness.fuzz(args.seed, args.calls, shrink_s=args.shrink_s, want=plant.wanted)
+        report = harness.fuzz(args.seed, args.calls, shrink_s=args.shrink_s, want=plant.wanted,
+                              only=harness.hybrid_only if plant.hybrid else None)
     finally:
         undo()
     out = {"plant": args.plant, "seed": args.seed, "found": report.failure is not None,
