@@ -466,9 +466,7 @@ class CacheCore:
 
     # -- read-only questions -----------------------------------------------------------
     def match_prefix(self, tokens: np.ndarray, extra_key: Hashable = None) -> dict[str, int]:
-        tokens = self._check_tokens(tokens)
-        look = self.residency.tree.match(tokens, extra_key, split=False, touch=False)
-        host_len = look.host_len if self.residency.host is not None else 0
+        look, host_len = self.residency.usable_match(self._check_tokens(tokens), extra_key)
         return {"device": look.device_len, "host": host_len}
 
     def available(self) -> dict[str, int]:

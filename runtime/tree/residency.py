@@ -332,14 +332,20 @@ class Residency:
         needed for them and the uncached rest). The last token is always computed (the model
         needs its logits), so at most len - 1 tokens match."""
         ps = self.page_size
-        look = self.tree.match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, split=False, touch=False)
+        look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key)
+        return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
+
+    def usable_match(self, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int]:
+        """The read-only match of `tokens` a hit may use, and its host tokens: with recurrent state,
+        cut back to the deepest snapshot (a hit restores KV and state of one prefix, or nothing)."""
+        look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len if self.host is not None else 0
-        if self.states is not None and look.device_len + host_len:  # a hit ends at a state snapshot, or is none
+        if self.states is not None and look.device_len + host_len:
             usable = self.states.usable_end(look, host_len)
             if usable < look.device_len + host_len:
                 look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
                 host_len = look.host_len if self.host is not None else 0
-        return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
+        return look, host_len
 
     def evictable_device_pages(self) -> int:
         return self.tree.evictable_device_tokens // self.page_size

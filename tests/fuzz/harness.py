@@ -114,12 +114,6 @@ NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 1, 2  # two layers: per-layer readiness mat
 # rule is what is tested, not the copy)
 STATE_LAYERS, STATE_COMPONENTS = 2, "conv:3x2:float32,ssm:2x2:float32"
 HYBRID_SHARE = 0.2  # of episodes (`generate_episode`)
-# Runtime gaps the fuzzer found and the runtime has not closed yet: their oracle stands down (so
-# the default run stays green) while tests/fuzz/test_findings.py keeps a strict xfail replay of
-# each (it turns the oracle back on). Remove a name when its replay passes.
-# - "can_admit_ignores_state_slots": can_admit says yes when no state slot is free or evictable,
-#   then admit raises CapacityError (API.md, "Capacity": they decide by the same answer)
-KNOWN_GAPS: set[str] = {"can_admit_ignores_state_slots"}
 
 
 class Violation(AssertionError):
@@ -1476,8 +1470,7 @@ class Driver:
         what = f"admit({rid!r}, {len(toks)} tokens) after can_admit said {can}"
         res, exc = await self.call(what, lambda: self.rt.admit(rid, toks, ns))
         strict = self.cfg.deterministic and not self.cfg.decode_offload and not pred[0]
-        if strict and can and isinstance(exc, CapacityError) and not (
-                "can_admit_ignores_state_slots" in KNOWN_GAPS and "state slot" in str(exc)):
+        if strict and can and isinstance(exc, CapacityError):
             raise self.fail("can-admit-disagrees", f"{what} raised {exc!r}")
         if strict and not can and exc is None:
             # (the write-backs a no starts cannot land first: the fake engine acks only on release)

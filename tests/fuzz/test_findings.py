@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fuzz import harness
 from tests.fuzz.harness import FuzzConfig, Step, replay_steps
 
 
@@ -119,25 +118,10 @@ FINDINGS: dict[str, tuple[FuzzConfig, list[Step]]] = {
         [_admit("r42", [117, 250, 180, 78, 73], 19),
          _finish("r42", 5, 0),
          ("abort", {"rid": "r42"})]),
-}
-
-
-@pytest.mark.parametrize("name", sorted(FINDINGS))
-def test_finding_replays_clean(name):
-    cfg, steps = FINDINGS[name]
-    violation = replay_steps(cfg, steps)
-    assert violation is None, f"{name}: {violation}"
-
-
-# Found, not fixed yet: the harness stands its oracle down for each (`harness.KNOWN_GAPS`, so the
-# default run stays green); the replay turns it back on and fails until the runtime is fixed (a
-# strict xfail: once it passes, drop the name from KNOWN_GAPS and move the case to FINDINGS).
-OPEN_FINDINGS: dict[str, tuple[FuzzConfig, list[Step]]] = {
     # Recurrent state (seed 1, episode 39, shrunk by hand): three live requests hold all three state
-    # slots (each its running slot), so no state slot is free or evictable; can_admit answers yes
-    # (`CacheCore.can_admit` asks only for device pages) and the admit right after raises
-    # CapacityError("... needs a state slot; none is free or evictable"). Fix: can_admit answers no
-    # unless `residency.states.can_admit()` (docs/API.md, "Capacity": they decide by one answer).
+    # slots (each its running slot), so no state slot is free or evictable; can_admit answered yes
+    # (it asked only for device pages) and the admit right after raised CapacityError. Fixed: both
+    # ask `RecurrentStates.room_for` (docs/API.md, "Capacity": they decide by one answer).
     "can_admit_ignores_state_slots": (
         FuzzConfig(page_size=4, device_pages=8, host_pages=0, state_slots=3),
         [_admit("r1", [143, 445, 302, 34, 450], 4),
@@ -147,14 +131,8 @@ OPEN_FINDINGS: dict[str, tuple[FuzzConfig, list[Step]]] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OPEN_FINDINGS))
-@pytest.mark.xfail(strict=True, reason="a runtime gap the fuzzer found, not fixed yet (harness.KNOWN_GAPS)")
-def test_open_finding_replays_clean(name, monkeypatch):
-    monkeypatch.setattr(harness, "KNOWN_GAPS", harness.KNOWN_GAPS - {name})
-    cfg, steps = OPEN_FINDINGS[name]
+@pytest.mark.parametrize("name", sorted(FINDINGS))
+def test_finding_replays_clean(name):
+    cfg, steps = FINDINGS[name]
     violation = replay_steps(cfg, steps)
     assert violation is None, f"{name}: {violation}"
-
-
-def test_open_findings_are_known_gaps():
-    assert set(OPEN_FINDINGS) == harness.KNOWN_GAPS

@@ -64,6 +64,7 @@ def test_a_hit_ends_at_the_deepest_snapshot():
     run(core, "a", p, snaps=(8,))  # KV of 16 tokens, a snapshot at 8: the node splits there
     snap = core.residency.states.node_state
     assert len(snap) == 1 and [n.num_tokens for n in snap] == [8]
+    assert core.match_prefix(p) == {"device": 8, "host": 0}  # what an admit may use
     res = core.admit("b", p)
     assert res.cached_device == 8  # not 16: the KV past 8 has no state to go with it
     assert res.state_from == next(iter(snap.values())) and res.state_from != res.state_slot
