@@ -169,6 +169,7 @@ class FuzzConfig:
     focus: str = "mixed"
     # > 0: a hybrid model's recurrent state in this many device state slots (`draw_config`)
     state_slots: int = 0
+    host_state_slots: int | None = None  # host copies of snapshots (None: the runtime's default)
 
     @property
     def hybrid(self) -> bool:
@@ -193,20 +194,28 @@ class FuzzConfig:
             offload_stride=self.offload_stride_pages * ps if self.decode_offload else None,
             prefetch_policy=self.prefetch_policy, prefetch_timeout_base_s=0.05, prefetch_timeout_max_s=0.2,
             debug_invariants=True, kv_events=True,
-            **({"state_layers": STATE_LAYERS, "state_components": STATE_COMPONENTS, "state_slots": self.state_slots}
+            **({"state_layers": STATE_LAYERS, "state_components": STATE_COMPONENTS, "state_slots": self.state_slots,
+                "host_state_slots": self.host_state_slots if self.host_pages else None}
                if self.hybrid else {}))
 
 
 def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
-    """An episode's configuration; `hybrid`: with recurrent state (device tier only, as the runtime
-    has it: no host tier, storage or decode offload; a few state slots, so that snapshots are
-    evicted and admits and snapshots meet CapacityError)."""
+    """An episode's configuration; `hybrid`: with recurrent state (no storage or decode offload, as
+    the runtime has it; half of them with a host tier, whose snapshot copies travel with their
+    nodes' backups and loads; a few state slots on each tier, so that snapshots are evicted and
+    admits and snapshots meet CapacityError)."""
     ps = rng.choice((1, 4, 4, 16))
     device_pages = {1: rng.randint(16, 40), 4: rng.randint(6, 16), 16: rng.randint(3, 8)}[ps]
     if hybrid:
-        return FuzzConfig(page_size=ps, device_pages=device_pages, host_pages=0,
+        host_pages = 0 if rng.random() < 0.5 else rng.randint(device_pages, 3 * device_pages)
+        return FuzzConfig(page_size=ps, device_pages=device_pages, host_pages=host_pages,
+                          write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
                           eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")),
-                          state_slots=rng.choice((3, 5, 8, 8, 8)), calls=rng.randint(150, 350))
+                          host_layout=rng.choice(("layer_first", "page_first")),
+                          copy_faults=host_pages > 0 and rng.random() < 0.25, fault_seed=rng.randrange(1 << 30),
+                          impatient=host_pages > 0 and rng.random() < 0.2,
+                          state_slots=rng.choice((3, 5, 8, 8, 8)), host_state_slots=rng.choice((2, 4, 8)),
+                          calls=rng.randint(150, 350))
     host_pages = 0 if rng.random() < 0.1 else rng.randint(max(2, device_pages // 2), 2 * device_pages)
     storage = "none" if host_pages == 0 or rng.random() < 0.5 else rng.choice(("file", "faulty"))
     if rng.random() < 0.15:
@@ -361,6 +370,9 @@ class Req:
     # it asked for that no insert took yet (position -> slot, holding the state after position)
     state_slot: int | None = None
     snaps: dict[int, int] = field(default_factory=dict)
+    # the snapshot a hit through host nodes resumes from, loaded with its KV: checked and copied into
+    # the running slot once its loads are ready (`ready`), as an engine waits before its forward
+    state_from: int | None = None
 
 
 @dataclass
@@ -418,7 +430,8 @@ class Observation:
     state_errors: list[str] = field(default_factory=list)  # node snapshots not holding their path's state
 
 
-def _observe(core: Any, with_host: bool, backend: Any = None, state_pool: Any = None) -> Observation:
+def _observe(core: Any, with_host: bool, backend: Any = None, state_pool: Any = None,
+             host_state_pool: Any = None) -> Observation:
     try:
         check_invariants(core)
         err = None
@@ -441,7 +454,7 @@ def _observe(core: Any, with_host: bool, backend: Any = None, state_pool: Any = 
         if states is not None else {}
     # node snapshots are few (at most the state slots): checked after every call, not every TREE_EVERY
     return Observation(err, reqs, sess, owned, (core.storage is not None, backend), held,
-                       _tree_state_errors(core, state_pool) if state_pool is not None else [])
+                       _tree_state_errors(core, state_pool, host_state_pool) if state_pool is not None else [])
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -477,19 +490,23 @@ def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any) -> list[str]:
     return out
 
 
-def _tree_state_errors(core: Any, pool: Any) -> list[str]:
+def _tree_state_errors(core: Any, pool: Any, host_pool: Any = None) -> list[str]:
     """Every node's state snapshot holds the state after that node's whole path (its last token)."""
     states = core.residency.states
     if states is None:
         return []
     tree = core.residency.tree
     bad = []
-    for node, slot in states.node_state.items():
-        path = tree.path_tokens(node)
-        want = state_fingerprint(pool.shape, int(prefix_hashes(path, node.extra_key)[-1]))
-        if not torch.equal(pool.read_slot(slot), want):
-            bad.append((node.id, len(path), slot))
-    return [f"state snapshots (node, its end, slot) {bad[:6]} do not hold the state after their node's path"] if bad else []
+    for held, spool, tier in ((states.node_state, pool, "device"), (states.host_state, host_pool, "host")):
+        for node, slot in held.items():
+            if tier == "device" and node.id in core.copies.loading:  # its snapshot is still coming back
+                continue
+            path = tree.path_tokens(node)
+            want = state_fingerprint(spool.shape, int(prefix_hashes(path, node.extra_key)[-1]))
+            if not torch.equal(spool.read_slot(slot), want):
+                bad.append((tier, node.id, len(path), slot))
+    return [f"state snapshots (tier, node, its end, slot) {bad[:6]} do not hold the state after their node's "
+            "path"] if bad else []
 
 
 def _bad_positions(pool: Any, slots: np.ndarray, hashes: np.ndarray) -> np.ndarray:
@@ -840,14 +857,22 @@ class Driver:
         if (src is None) != (res.cached == 0):
             raise self.fail("state-hit", f"{what}: {res.cached} tokens cached, resuming from state slot {src!r} "
                             "(KV without the state after it, or a state without KV)")
+        r.state_slot = slot
         if src is None:
             self._write_state(slot, EMPTY_PREFIX)
-        elif src == slot or not self._holds_state(src, self._state_hash(r, res.cached)):
-            raise self.fail("state-content", f"{what}: resumes from state slot {src} (running slot {slot}), which does "
-                            f"not hold the state after its {res.cached} cached tokens")
+        elif src == slot:
+            raise self.fail("state-content", f"{what}: resumes from its own running state slot {slot}")
+        elif res.readiness:  # the snapshot (or the KV) is still loading: resumed in `ready`
+            r.state_from = src
         else:
-            self.state_pool.copy_slot(src, slot)
-        r.state_slot = slot
+            self._resume(r, src, what)
+
+    def _resume(self, r: Req, src: int, what: str) -> None:
+        if not self._holds_state(src, self._state_hash(r, r.base)):
+            raise self.fail("state-content", f"{what}: resumes from state slot {src} (running slot {r.state_slot}), "
+                            f"which does not hold the state after its {r.base} cached tokens")
+        self.state_pool.copy_slot(src, r.state_slot)
+        r.state_from = None
 
     def apply_snapshot(self, r: Req, position: int, slot: Any) -> None:
         """The engine copies the state after `position` tokens into the slot (written now: those
@@ -914,8 +939,11 @@ class Driver:
 
     async def ready(self, r: Req) -> None:
         """A patient caller's wait for the request's loads before it computes: on the fake engine the
-        harness completes those copies (as time would), then waits for their readiness."""
+        harness completes those copies (as time would), then waits for their readiness. A hit through
+        host nodes resumes its state from the snapshot that came with them, once they are ready."""
         if self.cfg.impatient or all(x.done() for x in r.readiness):
+            if r.state_from is not None and all(x.done() and x.error() is None for x in r.readiness):
+                self._resume(r, r.state_from, f"the loads of {r.rid!r}")
             return
         if self.engine is not None:
             pending = set(self.engine.pending())
@@ -934,6 +962,8 @@ class Driver:
                 r.failed = True
             except TimeoutError:
                 raise self.fail("hang", f"the loads of {r.rid!r} never completed") from None
+        if r.state_from is not None and not r.failed:
+            self._resume(r, r.state_from, f"the loads of {r.rid!r}")
 
     async def compute(self, r: Req, upto: int) -> None:
         """The model step: write the fingerprint KV of positions [computed, upto) into their slots."""
@@ -941,6 +971,7 @@ class Driver:
         if upto <= r.computed:
             return
         await self.ready(r)
+        r.state_from = None  # (an impatient caller computes before its state came back: no resume to check)
         a = r.computed
         data = fingerprint_kv(r.hashes[a:upto], NUM_LAYERS, NUM_HEADS, HEAD_DIM)
         self.rt.device_pool.write_slots(torch.from_numpy(r.slots[a:upto].copy()), data)
@@ -960,8 +991,8 @@ class Driver:
     # -- oracles after every call -----------------------------------------------------------------------
     async def _inspect_observation(self) -> Observation:
         with_host, tree = self.with_host, self.rt._tree
-        spool = self.state_pool
-        return await self.inspect(lambda core: _observe(core, with_host, tree.backend, spool))
+        spool, hspool = self.state_pool, self.rt.host_state_pool
+        return await self.inspect(lambda core: _observe(core, with_host, tree.backend, spool, hspool))
 
     async def loading(self) -> bool:
         """Whether a load is in flight (then an insert may stop at its nodes); on the CPU engine a
@@ -1076,6 +1107,8 @@ class Driver:
         pending snapshots the state after its position."""
         bad = []
         for r in self.reqs.values():
+            if r.state_from is not None:  # resumes once its loads are ready (an impatient caller: never)
+                continue
             if r.state_slot is not None and not self._holds_state(r.state_slot, self._state_hash(r, r.computed)):
                 bad.append((r.rid, f"running after {r.computed}", r.state_slot))
             bad += [(r.rid, p, s) for p, s in r.snaps.items() if not self._holds_state(s, self._state_hash(r, p))]
@@ -1084,9 +1117,9 @@ class Driver:
                             "the state after their own token prefix")
 
     async def check_tree(self, what: str) -> None:
-        dev, host, spool = self.rt.device_pool, self.rt.host_pool, self.state_pool
+        dev, host, spool, hspool = self.rt.device_pool, self.rt.host_pool, self.state_pool, self.rt.host_state_pool
         errors, state_errors = await self.inspect(lambda core: (_tree_kv_errors(core, dev, host),
-                                                                _tree_state_errors(core, spool)))
+                                                                _tree_state_errors(core, spool, hspool)))
         if errors:
             raise self.fail("tree-kv-content", f"after {what}: " + "; ".join(errors))
         if state_errors:

@@ -38,6 +38,8 @@ Recurrent state (hybrid episodes only: these plants run just the episodes with s
 - `state_leaf_grows_unchecked`: the same with the checker's state part off, for the fingerprint
   oracle alone (a node's snapshot does not hold the state after its path, or a hit resumes from
   a state that is not its prefix's).
+- `state_load_other_snapshot`: a load through host-only nodes brings back another node's host
+  snapshot for its deepest node (host-tier hybrid episodes).
 
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
@@ -203,13 +205,35 @@ def _state_match_not_cut() -> Callable[[], None]:
             node = node.parent
         return hit_state(self, node)
 
-    RecurrentStates.usable_end = lambda self, look: look.device_len
+    RecurrentStates.usable_end = lambda self, look, host_len: look.device_len + host_len
     RecurrentStates.hit_state = deepest_on_path
 
     def undo() -> None:
         RecurrentStates.usable_end, RecurrentStates.hit_state = usable_end, hit_state
 
     return undo
+
+
+def _state_load_other_snapshot() -> Callable[[], None]:
+    from runtime.tree.recurrent import RecurrentStates
+
+    start_load = RecurrentStates.start_load
+
+    def broken(self: RecurrentStates, host_nodes, slot, op_id):
+        # the load of a host-only chain brings back another node's host snapshot for its deepest node
+        deepest = host_nodes[-1]
+        other = next((n for n in self.host_state if n is not deepest), None)
+        if other is None:
+            return start_load(self, host_nodes, slot, op_id)
+        mine = self.host_state[deepest]
+        self.host_state[deepest], self.host_state[other] = self.host_state[other], mine
+        try:
+            return start_load(self, host_nodes, slot, op_id)
+        finally:
+            self.host_state[deepest], self.host_state[other] = mine, self.host_state[deepest]
+
+    RecurrentStates.start_load = broken
+    return lambda: setattr(RecurrentStates, "start_load", start_load)
 
 
 def _state_leaf_grows() -> Callable[[], None]:
@@ -263,6 +287,9 @@ PLANTS: dict[str, Plant] = {
                               "holds the state snapshot taken at", hybrid=True),
     "state_leaf_grows_unchecked": Plant(_state_leaf_grows_unchecked,
                                         frozenset({"state-content", "tree-state-content"}), hybrid=True),
+    "state_load_other_snapshot": Plant(_state_load_other_snapshot,
+                                       frozenset({"state-content", "tree-state-content", "invariant", "runtime-failed"}),
+                                       hybrid=True),
 }
 
 
