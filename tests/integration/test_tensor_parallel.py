@@ -16,6 +16,7 @@ that the oracle flags it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from contextlib import AsyncExitStack
@@ -24,11 +25,16 @@ from pathlib import Path
 import pytest
 
 from runtime.config import RuntimeConfig
+from runtime.errors import CapacityError
+from runtime.fingerprint import write_fingerprints
 from runtime.invariants import check_invariants
 from runtime.runtime import CacheRuntime
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes
-from tests.integration.support import bad_positions, compute, settle, small_config, toks
+from runtime.memory.pools import DevicePool, HostPool
+from runtime.transfer.fake_engine import FakeCopyEngine
+from runtime.transfer.sharded import ShardedCopyEngine, pool_geometry
+from tests.integration.support import bad_positions, compute, settle, small_config, toks, until
 
 N = 40  # tokens written through to storage (10 pages of 4)
 
@@ -174,3 +180,84 @@ async def test_mla_and_mha_pages_of_the_same_size_never_match(tmp_path):
     assert await run_ranks(tmp_path, 1, prompt, lambda r, n: mla, latent_seed) == [RankResult(0, pages, N, N, [])]
     assert await run_ranks(tmp_path, 1, prompt, lambda r, n: mha, shard_seed) == [RankResult(0, pages, N, N, [])]
     assert len(list(tmp_path.glob("*/*.kv"))) == 2 * pages
+
+
+# -- one control plane: one tree, every rank's pools ------------------------------------------------
+
+
+def _control_plane(size: int, ranks: list):
+    """The engine factory of an instance of `size` ranks under one control plane: rank 0's pools are
+    the runtime's, ranks 1.. get pools of the same geometry; one fake engine per rank (the test
+    completes each rank's copies when it likes), all behind one `ShardedCopyEngine`."""
+    def factory(pools):
+        all_pools = [pools] + [{name: (DevicePool(d.shape, d.num_slots, d.page_size),
+                                       HostPool(h.shape, h.num_slots, h.page_size, h.layout))
+                                for name, (d, h) in pools.items()} for _ in range(size - 1)]
+        ranks.extend((p, FakeCopyEngine(p)) for p in all_pools)
+        return ShardedCopyEngine([e for _, e in ranks], [pool_geometry(p) for p in all_pools])
+    return factory
+
+
+async def _release(engine: FakeCopyEngine, wait: bool = True) -> None:
+    """Complete the rank's copies in flight (`wait`: once the transfer actor has submitted one)."""
+    if wait:
+        await until(lambda: bool(engine.pending()))
+    for op_id in engine.pending():
+        engine.release(op_id)
+    await asyncio.sleep(0.01)  # the bridge sees the completions
+
+
+@pytest.mark.parametrize("size", [2, 4])
+async def test_one_control_plane_waits_for_every_rank(size):
+    """One tree decides for `size` ranks, each with its own pools and its own copy timing: a backup
+    counts (a host copy, a device page evictable) only once every rank copied it, and a load is
+    ready only once every rank's is; each rank's pools then hold its own heads."""
+    ranks: list = []
+    cfg = small_config(device_slots=48, host_tokens=128, write_policy="write_through")
+    async with CacheRuntime.open(cfg, engine_factory=_control_plane(size, ranks)) as rt:
+        try:
+            await _serve_over_ranks(rt, cfg, ranks, size)
+        finally:  # close waits for every copy (a fake engine's close blocks): complete them on every rank
+            for _, engine in ranks:
+                await _release(engine, wait=False)
+            closing = asyncio.ensure_future(rt.close())
+            while not closing.done():
+                for _, engine in ranks:
+                    await _release(engine, wait=False)
+            await closing
+
+
+async def _serve_over_ranks(rt: CacheRuntime, cfg: RuntimeConfig, ranks: list, size: int) -> None:
+    prompt = toks(N + 1, 11)
+    assert rt.device_pool is ranks[0][0]["kv"][0] and len(ranks) == size
+    res = await rt.admit("a", prompt)
+    for r, (pools, _) in enumerate(ranks):  # each rank's model computes its own heads
+        write_fingerprints(pools["kv"][0], res.slots, prompt, shard_seed(r, size))
+    await rt.finish("a", prompt[:N])  # write-through: one backup plan, on every rank
+    for _, engine in ranks[:-1]:
+        await _release(engine)
+    host_nodes = lambda core: sum(n.host is not None for n in core.residency.tree.nodes())  # noqa: E731
+    assert await rt.inspect(host_nodes) == 0  # the last rank has not copied: no host copy yet
+    with pytest.raises(CapacityError):  # ...nor a device page that may go: the node is locked
+        await rt.admit("big", toks(cfg.device_slots - 4, 12))
+    await _release(ranks[-1][1])
+    await settle(rt)
+    assert await rt.inspect(host_nodes) > 0
+    await rt.admit("big", toks(cfg.device_slots - 4, 12))  # evicts the device copies now
+    await rt.abort("big")
+    res = await rt.admit("b", prompt)
+    assert res.loaded_host == N and res.readiness
+    for _, engine in reversed(ranks[1:]):  # every rank but rank 0, the last first
+        await _release(engine)
+        assert not res.readiness[0].all_ready()
+    await _release(ranks[0][1])
+    await res.readiness[0].wait_all()
+    for r, (pools, _) in enumerate(ranks):
+        device = pools["kv"][0]
+        assert bad_positions(device, res.slots[:N], prompt[:N], shard_seed(r, size)) == []
+        if size > 1:  # and not another rank's heads
+            other = shard_seed((r + 1) % size, size)
+            assert len(bad_positions(device, res.slots[:N], prompt[:N], other)) == N
+    await rt.abort("b")
+    await settle(rt)
+    await rt.inspect(lambda core: check_invariants(core, quiescent=True))
