@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from runtime.memory.ledger import LedgerSnapshot, SlotLedger
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node, RadixTree
+    from runtime.tree.records import CopyOp
+    from runtime.tree.recurrent import RecurrentStates
     from runtime.tree.storage_tier import StorageTier
     from runtime.tree.tiers_only import TiersOnlyCore
 
@@ -268,6 +270,8 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
                     _claim(table, "state", 1, np.array([dev]), Owner.node(node.id), f"orphaned load {op.op_id}")
                 if backup:  # the host copy joins the node at the ack
                     _claim(host_table, "host state", 1, np.array([host]), Owner.node(node.id), f"backup {op.op_id}")
+            if not op.orphaned:
+                _check_state_copy(states, op, backup)
     for held, positions, tier, want, kv in ((states.node_state, states.position, "state", table, "device"),
                                             (states.host_state, states.host_position, "host state", host_table, "host")):
         for node, slot in held.items():
@@ -282,6 +286,31 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
     _check_ledger("state", states.ledger, table, pins)
     if states.host_ledger is not None:
         _check_ledger("host state", states.host_ledger, host_table, host_pins)
+
+
+def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> None:
+    """An in-flight copy's state slots are the snapshots of the nodes it copies for, nodes of its own
+    chain (deepest first): a backup reads its node's device snapshot into a host slot taken at that
+    position, a load reads each node's host snapshot into that node's device snapshot. Positions alone
+    do not show a load that brings back another node's snapshot."""
+    copy = op.state
+    chain: list["Node"] = []
+    node, covered = op.node, 0
+    while covered < op.length and node.parent is not None:
+        chain.append(node)
+        covered += node.num_tokens
+        node = node.parent
+    if not copy.nodes or copy.nodes[0] is not op.node or any(n not in chain for n in copy.nodes):
+        _fail(f"copy {op.op_id} carries state for nodes {[n.id for n in copy.nodes]}, not its chain's "
+              f"{[n.id for n in chain]} from its node {op.node.id}")
+    for node, src, dst in zip(copy.nodes, copy.src.tolist(), copy.dst.tolist(), strict=True):
+        if backup:
+            ok = states.node_state.get(node) == src and states.host_position.get(dst) == states.position.get(src)
+        else:
+            ok = states.host_state.get(node) == src and states.node_state.get(node) == dst
+        if not ok:
+            _fail(f"copy {op.op_id} copies state slot {src} -> {dst} for node {node.id}, which is not that "
+                  f"node's snapshot (device {states.node_state.get(node)}, host {states.host_state.get(node)})")
 
 
 # -- shared by both cores -------------------------------------------------------------------

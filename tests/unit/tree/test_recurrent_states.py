@@ -350,10 +350,6 @@ def test_write_back_eviction_keeps_the_host_snapshot():
     assert res.loaded_host == 16 and res.state_from is not None
 
 
-@pytest.mark.xfail(strict=True, reason="invariant checker gap: it compares each snapshot's recorded position "
-                   "with its node's end, but not an in-flight copy's state slots with the snapshots of the nodes "
-                   "it copies for, so a load bringing back another node's host snapshot (positions untouched) "
-                   "passes it")
 def test_checker_catches_a_load_copying_another_nodes_host_snapshot(monkeypatch):
     """Broken variant: the load of a host-only chain copies the snapshots of its two nodes crosswise
     (the deepest node's device slot gets the snapshot at 8, the node at 8 the one at 16), while
