@@ -379,8 +379,6 @@ def test_checker_catches_a_load_copying_another_nodes_host_snapshot(monkeypatch)
         check_invariants(core)
 
 
-@pytest.mark.xfail(strict=True, reason="invariant checker gap: state slots are claimed by owner only, so one slot "
-                   "held twice by the same request (its running slot also a pending snapshot) passes it")
 def test_checker_catches_a_state_slot_held_twice_by_one_request(monkeypatch):
     """Broken variant: `snapshot` hands out the request's running slot (the ledger allocates nothing
     new). The engine's later computation then overwrites the snapshot, and the node that keeps it
