@@ -357,9 +357,6 @@ async def test_readiness_with_fewer_layers_than_the_copy_waits_for_its_last_laye
         assert readiness.all_ready()
 
 
-@pytest.mark.xfail(strict=True, reason="bind points the last readiness layer's future at the copy's last layer "
-                   "but leaves its CUDA event at the copy's layer of that index: a stream waiting on event(last) "
-                   "may read a hybrid load's recurrent state (copied in the copy's later layers) before it lands")
 async def test_readiness_with_fewer_layers_than_the_copy_gives_the_last_layer_the_copy_last_event():
     """The CUDA route of the test above: `event(layer)` is what a model stream waits on instead of
     `wait(layer)`, so the last layer's event must be the copy's last one, as its future is."""
