@@ -275,14 +275,18 @@ class LayerReadiness:
 
     def bind(self, bridge: CompletionBridge, handle: Any, timeout: float | None = None) -> None:
         """Resolve each pending layer from the handle's completion for that layer."""
-        if handle.layer_events is not None:
-            self._events = tuple(handle.layer_events)
         by_id: dict[int, asyncio.Future] = {}
         layers = list(handle.layers)
+        events = list(handle.layer_events) if handle.layer_events is not None else None
         if len(layers) > len(self._futs):
             # the plan's pools have more layers than this readiness (a recurrent state's beside the
             # KV's): the last one waits for the copy's last layer, which finishes after all others
+            # (its future and its event alike: a stream waits on the event instead of the future)
             layers[len(self._futs) - 1] = layers[-1]
+            if events is not None:
+                events[len(self._futs) - 1] = events[-1]
+        if events is not None:
+            self._events = tuple(events[: len(self._futs)])
         for target, c in zip(self._futs, layers):
             src = by_id.get(id(c))
             if src is None:

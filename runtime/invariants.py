@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from runtime.memory.ledger import LedgerSnapshot, SlotLedger
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node, RadixTree
+    from runtime.tree.records import CopyOp
+    from runtime.tree.recurrent import RecurrentStates
     from runtime.tree.storage_tier import StorageTier
     from runtime.tree.tiers_only import TiersOnlyCore
 
@@ -235,15 +237,27 @@ def _path(node: "Node") -> list["Node"]:
 def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
     """Recurrent state (docs/ARCHITECTURE.md, "Recurrent state"): every state slot is a live
     request's running slot, one of its pending snapshots (past its cached prefix), or the snapshot
-    of a live node that holds device KV; the ledger agrees, nothing leaks, nothing is pinned."""
+    of a live node that holds device KV, each slot held once; the ledger agrees, nothing leaks, pins
+    are the copies' and each copy's state slots are its nodes' snapshots."""
     states = core.residency.states
     assert states is not None
     table: dict[int, Owner] = {}
+    holders: dict[str, dict[int, str]] = {"state": {}, "host state": {}}
+
+    def hold(want: dict[int, Owner], tier: str, slot: int, owner: Owner, what: str) -> None:
+        """A state slot has one holder: one request's running state or one of its snapshots, or one
+        node's snapshot (by owner alone, a request's slot held twice would pass)."""
+        seen = holders[tier]
+        if slot in seen:
+            _fail(f"{tier} slot {slot} held twice: as the {seen[slot]} and as the {what}")
+        seen[slot] = what
+        _claim(want, tier, 1, np.array([slot]), owner, what)
+
     if set(states.running) != set(core.requests):
         _fail(f"running state slots {sorted(map(repr, states.running))[:5]} != live requests "
               f"{sorted(map(repr, core.requests))[:5]}")
     for rid, slot in states.running.items():
-        _claim(table, "state", 1, np.array([slot]), core.requests[rid].owner, f"running state of {rid!r}")
+        hold(table, "state", slot, core.requests[rid].owner, f"running state of {rid!r}")
     for rid, mine in states.pending.items():
         rec = core.requests.get(rid)
         if rec is None:
@@ -251,7 +265,7 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
         for position, slot in mine.items():
             if position % core.page_size or not rec.cached_len < position <= rec.seq_len:
                 _fail(f"{rid!r}: pending snapshot at {position} outside ({rec.cached_len}, {rec.seq_len}] or unaligned")
-            _claim(table, "state", 1, np.array([slot]), rec.owner, f"snapshot of {rid!r} at {position}")
+            hold(table, "state", slot, rec.owner, f"snapshot of {rid!r} at {position}")
     live = set(nodes)
     host_table: dict[int, Owner] = {}
     pins: Counter[int] = Counter()
@@ -265,9 +279,11 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
                 pins[dev] += 1
                 host_pins[host] += 1
                 if op.orphaned:
-                    _claim(table, "state", 1, np.array([dev]), Owner.node(node.id), f"orphaned load {op.op_id}")
+                    hold(table, "state", dev, Owner.node(node.id), f"orphaned load {op.op_id}")
                 if backup:  # the host copy joins the node at the ack
-                    _claim(host_table, "host state", 1, np.array([host]), Owner.node(node.id), f"backup {op.op_id}")
+                    hold(host_table, "host state", host, Owner.node(node.id), f"backup {op.op_id}")
+            if not op.orphaned:
+                _check_state_copy(states, op, backup)
     for held, positions, tier, want, kv in ((states.node_state, states.position, "state", table, "device"),
                                             (states.host_state, states.host_position, "host state", host_table, "host")):
         for node, slot in held.items():
@@ -278,10 +294,35 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
             end = sum(n.num_tokens for n in _path(node))
             if positions.get(slot) != end:
                 _fail(f"node {node.id} ends at {end} but holds the {tier} snapshot taken at {positions.get(slot)}")
-            _claim(want, tier, 1, np.array([slot]), Owner.node(node.id), f"{tier} snapshot of node {node.id}")
+            hold(want, tier, slot, Owner.node(node.id), f"{tier} snapshot of node {node.id}")
     _check_ledger("state", states.ledger, table, pins)
     if states.host_ledger is not None:
         _check_ledger("host state", states.host_ledger, host_table, host_pins)
+
+
+def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> None:
+    """An in-flight copy's state slots are the snapshots of the nodes it copies for, nodes of its own
+    chain (deepest first): a backup reads its node's device snapshot into a host slot taken at that
+    position, a load reads each node's host snapshot into that node's device snapshot. Positions alone
+    do not show a load that brings back another node's snapshot."""
+    copy = op.state
+    chain: list["Node"] = []
+    node, covered = op.node, 0
+    while covered < op.length and node.parent is not None:
+        chain.append(node)
+        covered += node.num_tokens
+        node = node.parent
+    if not copy.nodes or copy.nodes[0] is not op.node or any(n not in chain for n in copy.nodes):
+        _fail(f"copy {op.op_id} carries state for nodes {[n.id for n in copy.nodes]}, not its chain's "
+              f"{[n.id for n in chain]} from its node {op.node.id}")
+    for node, src, dst in zip(copy.nodes, copy.src.tolist(), copy.dst.tolist(), strict=True):
+        if backup:
+            ok = states.node_state.get(node) == src and states.host_position.get(dst) == states.position.get(src)
+        else:
+            ok = states.host_state.get(node) == src and states.node_state.get(node) == dst
+        if not ok:
+            _fail(f"copy {op.op_id} copies state slot {src} -> {dst} for node {node.id}, which is not that "
+                  f"node's snapshot (device {states.node_state.get(node)}, host {states.host_state.get(node)})")
 
 
 # -- shared by both cores -------------------------------------------------------------------

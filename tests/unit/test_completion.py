@@ -355,3 +355,18 @@ async def test_readiness_with_fewer_layers_than_the_copy_waits_for_its_last_laye
         evs[2].set()
         await settle(asyncio.ensure_future(readiness.wait_all()))
         assert readiness.all_ready()
+
+
+async def test_readiness_with_fewer_layers_than_the_copy_gives_the_last_layer_the_copy_last_event():
+    """The CUDA route of the test above: `event(layer)` is what a model stream waits on instead of
+    `wait(layer)`, so the last layer's event must be the copy's last one, as its future is."""
+    async with CompletionBridge() as bridge:
+        evs = [Ev(), Ev(), Ev()]
+        handle = CopyHandle(7, tuple(evs), evs[-1], ("e0", "e1", "e2"))
+        readiness = LayerReadiness.pending(2, 7)
+        readiness.bind(bridge, handle)
+        for ev in evs:
+            ev.set()
+        await settle(asyncio.ensure_future(readiness.wait_all()))
+    assert readiness.event(0) == "e0"
+    assert readiness.event(1) == "e2"  # the event after the state's last layer, not after KV layer 1

@@ -348,3 +348,53 @@ def test_write_back_eviction_keeps_the_host_snapshot():
     check_invariants(core, quiescent=True)
     res = core.admit("c", p)
     assert res.loaded_host == 16 and res.state_from is not None
+
+
+def test_checker_catches_a_load_copying_another_nodes_host_snapshot(monkeypatch):
+    """Broken variant: the load of a host-only chain copies the snapshots of its two nodes crosswise
+    (the deepest node's device slot gets the snapshot at 8, the node at 8 the one at 16), while
+    every recorded position, owner and pin stays right. Once the load lands, a hit at 16 resumes
+    from the state at 8: the invariant checker must see it while the load is in flight."""
+    from runtime.errors import InvariantViolation
+    from runtime.tree.recurrent import RecurrentStates, StateCopy
+
+    core = host_core()
+    p = toks(17, 26)
+    run(core, "a", p, snaps=(8, 16))
+    ack(core)
+    take_plans(core)
+    push_off_device(core)
+    start_load = RecurrentStates.start_load
+
+    def crosswise(self, host_nodes, slot, op_id):
+        copy = start_load(self, host_nodes, slot, op_id)
+        return StateCopy(copy.src[::-1].copy(), copy.dst, copy.nodes)
+
+    monkeypatch.setattr(RecurrentStates, "start_load", crosswise)
+    res = core.admit("b", p)
+    assert res.loaded_host == 16 and len(core.copies.ops) == 1
+    (op,) = core.copies.ops.values()
+    assert len(op.state.nodes) == 2  # both snapshots come back, from each other's host slot
+    with pytest.raises(InvariantViolation, match="snapshot"):
+        check_invariants(core)
+
+
+def test_checker_catches_a_state_slot_held_twice_by_one_request(monkeypatch):
+    """Broken variant: `snapshot` hands out the request's running slot (the ledger allocates nothing
+    new). The engine's later computation then overwrites the snapshot, and the node that keeps it
+    holds the state of a longer prefix than its own."""
+    from runtime.errors import InvariantViolation
+    from runtime.tree.recurrent import RecurrentStates
+
+    def aliased(self, rid, owner, position):
+        slot = self.running[rid]
+        self.pending.setdefault(rid, {})[position] = slot
+        self.position[slot] = position
+        return slot
+
+    core = make_core()
+    core.admit("a", toks(17, 27))
+    monkeypatch.setattr(RecurrentStates, "snapshot", aliased)
+    core.snapshot("a", 8)
+    with pytest.raises(InvariantViolation, match="state slot"):
+        check_invariants(core)
