@@ -218,6 +218,9 @@ class SaltBlind(HiCacheConnector):
     _namespace = staticmethod(lambda request: None)
 
 
+# plants a storage read shows (a short read cuts a load): their searches skip episodes without storage
+STORAGE_PLANTS = frozenset({"limit_in_source_order"})
+
 PLANTS: dict[str, type[HiCacheConnector]] = {
     "salt_blind": SaltBlind,
     "limit_in_source_order": LimitInSourceOrder,
@@ -269,6 +272,8 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
     salt = {s: rng.choice([None, None, "tenant-a", "tenant-b"]) for s in range(sessions)}
     turn_of = {s: 0 for s in range(sessions)}
     live: dict[str, tuple[int, list[int], int, str | None]] = {}  # rid -> (session, prompt, max_tokens, salt)
+    if plant in STORAGE_PLANTS and not storage:
+        return ep  # (drawn as every search draws it, not run: the plant cannot show here)
     storage_dir = tempfile.mkdtemp(prefix="hicache-connector-fuzz-") if storage else None
     restart_at = sessions * turns // 2 if storage and rng.random() < 0.5 else -1
     started = 0
