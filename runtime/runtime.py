@@ -237,7 +237,10 @@ class CacheRuntime:
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
             bytes_per_slot=config.bytes_per_token, storage=storage, host_pool=self.host_pool,
-            storage_timeout_s=config.storage_timeout_s)
+            storage_timeout_s=config.storage_timeout_s,
+            pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
+                              for name, pool in self.state_pool.component_pools()}
+                             if self.state_pool is not None else None))
         self._core = CacheCore(config, self.tracer, readiness_factory=LayerReadiness.pending)
         if storage is not None:
             self._core.enable_storage()

@@ -91,7 +91,10 @@ class TransferActor(Actor[TransferMessage]):
     # -- state -------------------------------------------------------------------
     def __init__(self, engine: CopyEngine, *, max_inflight_loads: int, max_queued_backups: int,
                  mailbox_capacity: int, bytes_per_slot: int = 0, storage: Any = None,
-                 host_pool: Any = None, storage_timeout_s: float = 5.0) -> None:
+                 host_pool: Any = None, storage_timeout_s: float = 5.0,
+                 pool_slot_bytes: dict[str, int] | None = None) -> None:
+        """`bytes_per_slot`: a KV slot's bytes (a token's); `pool_slot_bytes`: a slot's bytes in the
+        plan's other pools (a recurrent state's components), for the byte counters."""
         super().__init__(mailbox_capacity)
         self.engine = engine
         self.bridge: CompletionBridge | None = None
@@ -106,6 +109,7 @@ class TransferActor(Actor[TransferMessage]):
         self._coalesce_backups = getattr(engine, "coalesce_backups", False) is True
         self.drain_waiters: list[Reply[None]] = []
         self.bytes_per_slot = bytes_per_slot
+        self.pool_slot_bytes = {"kv": bytes_per_slot, **(pool_slot_bytes or {})}
         self.counters = {"ops_done": 0, "ops_failed": 0, "bytes_device_to_host": 0, "bytes_host_to_device": 0}
         # storage tier: backend calls run in worker threads, one batch per op
         self.storage = storage
@@ -469,7 +473,7 @@ class TransferActor(Actor[TransferMessage]):
             if entry.error is None:
                 self.counters["ops_done"] += 1
                 key = "bytes_device_to_host" if direction is Direction.BACKUP else "bytes_host_to_device"
-                self.counters[key] += plan.num_slots * self.bytes_per_slot
+                self.counters[key] += sum(t.src.numel() * self.pool_slot_bytes.get(t.pool, 0) for t in plan.transfers)
             else:
                 self.counters["ops_failed"] += 1
                 log.warning("copy_failed", op=plan.op_id, direction=direction.value, error=entry.error)

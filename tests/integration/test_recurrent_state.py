@@ -83,6 +83,11 @@ async def test_snapshots_go_to_host_and_come_back_with_their_kv(layout):
         await rt.inspect(lambda core: check_invariants(core, quiescent=True))
         st = await rt.stats()
         assert st["state"]["hits"] == 4 and st["state"]["snapshots_kept"] == 3  # b, a2, b2, c
+        # the byte counters count the states the copies moved beside the KV
+        slot_bytes = rt.config.state_shape.bytes_per_slot
+        kv_pages = await rt.inspect(lambda core: core.residency.host.num_pages - core.residency.host.num_free_pages())
+        assert st["transfer"]["device_to_host_bytes"] == kv_pages * config.page_size * config.bytes_per_token + \
+            3 * slot_bytes  # every backed-up page is still on host, each of the 3 snapshots too
 
 
 async def test_snapshot_refused_without_recurrent_state():
