@@ -28,7 +28,7 @@ device / host KV, `CopyTracker` the backup and load methods.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +39,7 @@ from runtime.errors import CapacityError
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.messages import PoolTransfer
-from runtime.tree.nodes import MatchResult, Node
+from runtime.tree.nodes import MatchResult, Node, node_owner
 
 __all__ = ["RecurrentStates", "StateCopy", "COUNTERS"]
 
@@ -58,13 +58,6 @@ class StateCopy:
 
 def _slots(values: list[int]) -> np.ndarray:
     return np.array(values, dtype=np.int64)
-
-
-def _owner_of(node: Node) -> Owner:
-    owner = node.owner
-    if owner is None:
-        owner = node.owner = Owner.node(node.id)
-    return owner
 
 
 class RecurrentStates:
@@ -113,11 +106,8 @@ class RecurrentStates:
         """Whether `slots` state slots can be had, free or by evicting snapshots of unlocked nodes
         not in `keep` (the path an admission is about to lock): `can_admit` and `admit` agree."""
         free = self.ledger.num_free_pages()
-        if free >= slots:
-            return True
-        ledger = self.ledger
-        return free + sum(1 for n, s in self.node_state.items()
-                          if n.lock_ref == 0 and n not in keep and ledger.pin_count(s) == 0) >= slots
+        return free >= slots or free + sum(1 for n in self._evictable(self.node_state, self.ledger)
+                                           if n not in keep) >= slots
 
     def admit(self, rid: Hashable, owner: Owner) -> int:
         """The running state slot of a new request (CapacityError: none free or evictable)."""
@@ -153,7 +143,7 @@ class RecurrentStates:
         if node in self.node_state:
             self._free([slot], owner, reason="duplicate")
             return
-        self.ledger.assign(np.array([slot]), owner, _owner_of(node), node=node.id)
+        self.ledger.assign(np.array([slot]), owner, node_owner(node), node=node.id)
         self.node_state[node] = slot
         self.stats["state_snapshots_kept"] += 1
 
@@ -175,14 +165,14 @@ class RecurrentStates:
         """`node` loses its device KV: its snapshot goes with it."""
         slot = self.node_state.pop(node, None)
         if slot is not None:
-            self._free([slot], _owner_of(node), node=node.id, reason="evict")
+            self._free([slot], node_owner(node), node=node.id, reason="evict")
 
     def drop_host(self, node: Node) -> None:
         """`node` loses its host KV: the host copy of its snapshot goes with it."""
         slot = self.host_state.pop(node, None)
         if slot is not None:
             assert self.host_ledger is not None
-            self.host_ledger.free(np.array([slot]), _owner_of(node), node=node.id, reason="evict")
+            self.host_ledger.free(np.array([slot]), node_owner(node), node=node.id, reason="evict")
             del self.host_position[slot]
 
     # -- copies (CopyTracker) -------------------------------------------------------
@@ -195,13 +185,12 @@ class RecurrentStates:
             return None
         host = self.host_ledger
         if host.num_free_pages() == 0:
-            victims = [n for n in self.host_state
-                       if n.lock_ref == 0 and host.pin_count(self.host_state[n]) == 0]
+            victims = list(self._evictable(self.host_state, host))
             if not victims:
                 return None
             self.drop_host(min(victims, key=lambda n: n.last_access))
             self.stats["state_snapshots_evicted"] += 1
-        dst = int(host.alloc(1, _owner_of(node), node=node.id)[0])
+        dst = int(host.alloc(1, node_owner(node), node=node.id)[0])
         self.host_position[dst] = self.position[src]
         copy = StateCopy(_slots([src]), _slots([dst]), (node,))
         self.ledger.pin(copy.src, op_id)
@@ -217,13 +206,13 @@ class RecurrentStates:
         if ok:
             self.host_state[node] = dst
         else:
-            self.host_ledger.free(copy.dst, _owner_of(node), node=node.id, reason="copy_failed")
+            self.host_ledger.free(copy.dst, node_owner(node), node=node.id, reason="copy_failed")
             del self.host_position[dst]
 
     def reserve_load(self, node: Node) -> int:
         """A device state slot for the snapshot a load through host-only `node` brings back
         (owned by `node`; CapacityError: none free or evictable). `start_load` attaches it."""
-        return self._alloc(_owner_of(node), node=node.id)
+        return self._alloc(node_owner(node), node=node.id)
 
     def start_load(self, host_nodes: list[Node], slot: int, op_id: int) -> StateCopy:
         """A load of the host-only chain `host_nodes` brings back the deepest node's host snapshot
@@ -237,7 +226,7 @@ class RecurrentStates:
         for node in host_nodes[:-1]:  # best effort, without evicting: later hits may end there
             if node in self.host_state and self.ledger.num_free_pages():
                 nodes.append(node)
-                dst.append(int(self.ledger.alloc(1, _owner_of(node), node=node.id)[0]))
+                dst.append(int(self.ledger.alloc(1, node_owner(node), node=node.id)[0]))
         src = [self.host_state[node] for node in nodes]
         for node, s, d in zip(nodes, src, dst, strict=True):
             self.node_state[node] = d
@@ -260,11 +249,11 @@ class RecurrentStates:
 
     def free_orphaned(self, copy: StateCopy) -> None:
         for node, slot in zip(copy.nodes, copy.dst.tolist(), strict=True):
-            self._free([slot], _owner_of(node), node=node.id, reason="load_orphaned")
+            self._free([slot], node_owner(node), node=node.id, reason="load_orphaned")
 
     def free_node_slot(self, node: Node, slot: int) -> None:
         """Free a device state slot `node` owns but does not hold (a reserved load's, unused)."""
-        self._free([slot], _owner_of(node), node=node.id, reason="unused")
+        self._free([slot], node_owner(node), node=node.id, reason="unused")
 
     def transfers(self, copy: StateCopy) -> tuple[PoolTransfer, ...]:
         """One `PoolTransfer` per state component copying `copy`'s slots (fresh tensors)."""
@@ -272,6 +261,11 @@ class RecurrentStates:
                      for name in self.pools)
 
     # -- helpers -----------------------------------------------------------------
+    @staticmethod
+    def _evictable(held: dict[Node, int], ledger: SlotLedger) -> Iterator[Node]:
+        """Nodes whose snapshot in `held` may be evicted: unlocked, and no copy reads or writes it."""
+        return (n for n, slot in held.items() if n.lock_ref == 0 and ledger.pin_count(slot) == 0)
+
     def _free(self, slots: list[int], owner: Owner, **ctx: object) -> None:
         self.ledger.free(np.array(slots, dtype=np.int64), owner, **ctx)
         for slot in slots:
@@ -281,7 +275,7 @@ class RecurrentStates:
         if self.ledger.num_free_pages() == 0:
             # least recently used unlocked snapshot: its node keeps its KV (a hit there just
             # reaches less far); O(snapshots), a state slot is large and they are few
-            victims = [n for n in self.node_state if n.lock_ref == 0 and self.ledger.pin_count(self.node_state[n]) == 0]
+            victims = list(self._evictable(self.node_state, self.ledger))
             if not victims:
                 raise CapacityError(f"no state slot free: {self.ledger.num_pages} held by running requests, "
                                     "their snapshots and locked nodes")

@@ -24,18 +24,10 @@ from runtime.memory.owners import Owner, Tier
 from runtime.memory.state_pool import STATE_POOL_PREFIX
 from runtime.trace import SlotTracer
 from runtime.tree.policies import policy_by_name
+from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, tests)
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
 from runtime.tree.records import EMPTY, aligned
 from runtime.tree.recurrent import RecurrentStates
-
-
-def node_owner(node: Node) -> Owner:
-    """The ledger owner of a node's slots, made once per node (an `Owner` costs ~1 µs to build,
-    and the eviction and split paths name it for every node they touch)."""
-    owner = node.owner
-    if owner is None:
-        owner = node.owner = Owner.node(node.id)
-    return owner
 
 
 class Residency:

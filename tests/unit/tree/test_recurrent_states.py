@@ -268,13 +268,18 @@ def push_off_device(core: CacheCore) -> None:
     check_invariants(core)
 
 
-def test_host_hit_loads_the_snapshot_back_and_resumes_from_it():
-    core = host_core()
-    p = toks(17, 21)
-    run(core, "a", p, snaps=(8, 16))
+def cache_on_host_only(core: CacheCore, p, snaps: tuple[int, ...]) -> None:
+    """`p` cached with snapshots at `snaps`, backed up with them, then pushed off device."""
+    run(core, "a", p, snaps=snaps)
     ack(core)
     take_plans(core)
     push_off_device(core)
+
+
+def test_host_hit_loads_the_snapshot_back_and_resumes_from_it():
+    core = host_core()
+    p = toks(17, 21)
+    cache_on_host_only(core, p, (8, 16))
     states = core.residency.states
     assert not states.node_state and len(states.host_state) == 2
     res = core.admit("b", p)
@@ -296,10 +301,7 @@ def test_host_hit_loads_the_snapshot_back_and_resumes_from_it():
 def test_failed_load_takes_the_loaded_snapshot_back():
     core = host_core()
     p = toks(17, 22)
-    run(core, "a", p, snaps=(16,))
-    ack(core)
-    take_plans(core)
-    push_off_device(core)
+    cache_on_host_only(core, p, (16,))
     free = core.residency.states.ledger.num_free_pages()
     core.admit("b", p)
     take_plans(core)
@@ -360,10 +362,7 @@ def test_checker_catches_a_load_copying_another_nodes_host_snapshot(monkeypatch)
 
     core = host_core()
     p = toks(17, 26)
-    run(core, "a", p, snaps=(8, 16))
-    ack(core)
-    take_plans(core)
-    push_off_device(core)
+    cache_on_host_only(core, p, (8, 16))
     start_load = RecurrentStates.start_load
 
     def crosswise(self, host_nodes, slot, op_id):
