@@ -260,10 +260,9 @@ class Prepare:
 @message
 class AttachStorage:
     """Storage controls (`attach_storage`): put a storage tier behind the host tier, on `backend`
-    (checked by the façade); `removable`: it offers `remove(keys)` (`clear_storage`)."""
+    (checked by the façade)."""
 
     backend: Any
-    removable: bool
     reply: "Reply[Any] | None" = field(default=None, compare=False)
 
 

@@ -148,7 +148,11 @@ def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostP
 
 def check_backend(config: RuntimeConfig, storage: Any) -> None:
     """A storage backend given by the caller (`open(storage=)`, `attach_storage`): it has the
-    protocol's methods and pages of this config's size (`ConfigError` otherwise)."""
+    protocol's methods and pages of this config's size, and no recurrent state (not stored yet:
+    KV pages without their states would be read for hits that never use them); `ConfigError`
+    otherwise."""
+    if config.state_shape is not None:
+        raise ConfigError("recurrent state (state_layers > 0) has no storage tier yet")
     missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")
                if not callable(getattr(storage, name, None))]
     if missing:
@@ -157,11 +161,6 @@ def check_backend(config: RuntimeConfig, storage: Any) -> None:
     if getattr(storage, "page_bytes", None) != want:
         raise ConfigError(f"storage backend pages are {getattr(storage, 'page_bytes', None)} bytes; "
                           f"this config's pages are {want}")
-
-
-def can_remove(storage: Any) -> bool:
-    """The backend offers `remove(keys) -> int` (what `clear_storage` needs)."""
-    return storage is not None and callable(getattr(storage, "remove", None))
 
 
 def make_event_hub(config: RuntimeConfig) -> EventHub | None:
@@ -563,7 +562,7 @@ class CacheRuntime:
         if self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
         check_backend(self.config, backend)
-        await self._sup.ask(self._tree.mailbox, AttachStorage(backend, can_remove(backend), Reply()))
+        await self._sup.ask(self._tree.mailbox, AttachStorage(backend, Reply()))
 
     async def detach_storage(self) -> None:
         """Turn the storage tier off: no storage op starts from now on; those in flight (writes,

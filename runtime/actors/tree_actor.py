@@ -55,6 +55,7 @@ from runtime.messages import (
 from runtime.messages import OffloadMessage, OffloadStarted, ReleaseOffloaded, StartOffload  # decode offload
 from runtime.errors import CallerError, InternalError, RuntimeClosed, StateError
 from runtime.events.hub import EventHub
+from runtime.storage.backend import can_remove
 from runtime.tree.cache import CacheCore
 from runtime.tree.records import PrefetchWait, StoredPages
 
@@ -78,7 +79,6 @@ class TreeActor(Actor[TreeMessage]):
         # for the storage ops to drain, or (a clear) for its removal
         self.controls: deque[AttachStorage | DetachStorage | ClearStorage] = deque()
         self.backend = storage  # the storage backend attached (a key only: the transfer actor calls it)
-        self.storage_removable = callable(getattr(storage, "remove", None))  # clear_storage works
         # page hashes known stored in backends detached earlier: a re-attach (of the same object)
         # gets them back, so that its clear removes the pages written before the detach too
         self.detached_known: weakref.WeakKeyDictionary[Any, StoredPages] = weakref.WeakKeyDictionary()
@@ -310,7 +310,7 @@ class TreeActor(Actor[TreeMessage]):
                     reply.set_exception(StateError("a storage tier is attached already: detach it first"))
                     continue
                 self.core.enable_storage(self._take_known(msg.backend))
-                self.backend, self.storage_removable = msg.backend, msg.removable
+                self.backend = msg.backend
                 # before any storage op the tier issues from now on (the transfer mailbox is FIFO)
                 self._to_transfer(SetStorageBackend(msg.backend, reply), reply)
                 continue
@@ -318,7 +318,7 @@ class TreeActor(Actor[TreeMessage]):
                 controls.popleft()
                 reply.set_exception(StateError("no storage tier is attached"))
                 continue
-            if type(msg) is ClearStorage and not self.storage_removable:
+            if type(msg) is ClearStorage and not can_remove(self.backend):
                 controls.popleft()
                 reply.set_exception(StateError("the storage backend cannot remove pages (it has no remove(keys))"))
                 continue

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from runtime.errors import ConfigError, LengthError
+from runtime.memory.pools import _page_rows
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -89,12 +90,6 @@ class StateShape:
         """Bytes of one state slot: every component of every recurrent layer."""
         return self.num_layers * sum(c.row_bytes for c in self.components)
 
-    def component(self, name: str) -> StateComponent:
-        for c in self.components:
-            if c.name == name:
-                return c
-        raise KeyError(name)
-
 
 @dataclass(frozen=True)
 class _RowGeometry:
@@ -123,12 +118,7 @@ class StateComponentPool:
         self.shape = _RowGeometry(pool.shape.num_layers, component.elems, component.itemsize)
 
     def page_rows(self) -> np.ndarray:
-        if self.buffer.device.type != "cpu":
-            raise TypeError("page_rows() needs a CPU buffer")
-        row_bytes = self.component.row_bytes
-        word = next(w for w in (np.uint64, np.uint32, np.uint16, np.uint8) if row_bytes % np.dtype(w).itemsize == 0)
-        raw = self.buffer.view(torch.uint8).numpy()
-        return raw.reshape(1, self.shape.num_layers, self.num_slots, row_bytes).view(word)
+        return _page_rows(self.buffer, page_first=False, shape=self.shape, page_size=1)
 
 
 class StatePool:
@@ -140,10 +130,10 @@ class StatePool:
             raise ConfigError(f"StatePool num_slots must be a positive int, got {num_slots!r}")
         self.shape = shape
         self.num_slots = num_slots
-        self.device = torch.device(device)
-        self.pinned = bool(pin_memory) and self.device.type == "cpu"
+        device = torch.device(device)
+        self.pinned = bool(pin_memory) and device.type == "cpu"
         self.buffers: dict[str, torch.Tensor] = {
-            c.name: torch.zeros((shape.num_layers, num_slots, *c.shape), dtype=c.dtype, device=self.device,
+            c.name: torch.zeros((shape.num_layers, num_slots, *c.shape), dtype=c.dtype, device=device,
                                 pin_memory=self.pinned)
             for c in shape.components
         }

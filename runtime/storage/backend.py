@@ -97,6 +97,11 @@ class StorageBackend(Protocol):
 # Every value a backend hands the runtime goes through one of these two (the transfer actor's
 # lookups and writes, and `read_prefix`); anything else raises `ContractViolation`.
 
+def can_remove(storage: Any) -> bool:
+    """The backend offers `remove(keys) -> int` (what `clear_storage` needs)."""
+    return storage is not None and callable(getattr(storage, "remove", None))
+
+
 def checked_count(call: str, value: object, nkeys: int) -> int:
     """``value`` as a page count of a call over ``nkeys`` keys: a Python or numpy integer (not a
     bool) in ``[0, nkeys]``."""

@@ -29,7 +29,7 @@ from runtime.errors import ConfigError, RuntimeClosed, ValidationError
 from runtime.memory.pools import DevicePool, HostPool
 from runtime.messages import Direction, TransferPlan
 from runtime.transfer.cpu_engine import check_pool_pairs
-from runtime.transfer.engine import CopyHandle, check_bounds, layer_count, pool_pair, resolve
+from runtime.transfer.engine import CopyHandle, check_bounds, layer_count, pool_pair, resolve, row_bytes_of
 
 __all__ = ["CudaCopyEngine", "CudaEventCompletion"]
 
@@ -152,9 +152,8 @@ class CudaCopyEngine:
 def _rows(zero_copy: Any, buffer: torch.Tensor, device: DevicePool, *, page_first: bool) -> Any:
     """A pool's page rows for the kernel (row = one page of one layer's part: K, V, latent, state)."""
     shape = device.shape
-    row_bytes = device.page_size * shape.token_elems * shape.itemsize
-    return zero_copy.RowTensor(buffer, page_first=page_first, num_layers=shape.num_layers, row_bytes=row_bytes,
-                               parts=shape.parts)
+    return zero_copy.RowTensor(buffer, page_first=page_first, num_layers=shape.num_layers,
+                               row_bytes=row_bytes_of(device), parts=shape.parts)
 
 
 class _Finish(CudaEventCompletion):

@@ -16,7 +16,7 @@ error. The rule, by construction:
   the request's (`pending`) until an insert reaches their position, when they pass to the node
   ending there (split if needed), or are freed when the node has one already;
 - a snapshot is freed with its node's device KV (evicted or deleted with it), and snapshots of
-  unlocked nodes are evicted, least recently used first, when a state slot is needed;
+  unlocked nodes are evicted, in the tree's eviction order, when a state slot is needed;
 - with a host tier, a node's backup copies its snapshot too (`host_state`, freed with the node's
   host copy), and a hit through host-only nodes ends at the deepest one whose snapshot is on host:
   its load brings the snapshot back to a device slot of that node, the hit resumes from it.
@@ -40,6 +40,7 @@ from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.messages import PoolTransfer
 from runtime.tree.nodes import MatchResult, Node, node_owner
+from runtime.tree.policies import EvictionPolicy
 
 __all__ = ["RecurrentStates", "StateCopy", "COUNTERS"]
 
@@ -62,12 +63,14 @@ def _slots(values: list[int]) -> np.ndarray:
 
 class RecurrentStates:
     # -- state -------------------------------------------------------------------
-    def __init__(self, num_slots: int, host_slots: int = 0, pools: tuple[str, ...] = ("state",)) -> None:
-        """`pools`: the plan pool names of the state's components (`state.<name>`)."""
+    def __init__(self, num_slots: int, host_slots: int, pools: tuple[str, ...], policy: EvictionPolicy) -> None:
+        """`pools`: the plan pool names of the state's components (`state.<name>`); `policy`: the
+        tree's eviction order, which snapshot evictions follow too."""
         # not traced: the slot tracer's tiers are KV tiers (the trace auditor replays them)
         self.ledger = SlotLedger(num_slots, 1, Tier.DEVICE)
         self.host_ledger: SlotLedger | None = SlotLedger(host_slots, 1, Tier.HOST) if host_slots > 0 else None
         self.pools = pools
+        self.policy = policy
         self.host_state: dict[Node, int] = {}  # node -> host copy of its snapshot
         self.host_position: dict[int, int] = {}  # host snapshot slot -> its prefix length
         self.running: dict[Hashable, int] = {}  # rid -> its running state slot
@@ -106,8 +109,10 @@ class RecurrentStates:
         """Whether `slots` state slots can be had, free or by evicting snapshots of unlocked nodes
         not in `keep` (the path an admission is about to lock): `can_admit` and `admit` agree."""
         free = self.ledger.num_free_pages()
-        return free >= slots or free + sum(1 for n in self._evictable(self.node_state, self.ledger)
-                                           if n not in keep) >= slots
+        if free >= slots:
+            return True
+        keep = set(keep)
+        return free + sum(1 for n in self._evictable(self.node_state, self.ledger) if n not in keep) >= slots
 
     def admit(self, rid: Hashable, owner: Owner) -> int:
         """The running state slot of a new request (CapacityError: none free or evictable)."""
@@ -188,7 +193,7 @@ class RecurrentStates:
             victims = list(self._evictable(self.host_state, host))
             if not victims:
                 return None
-            self.drop_host(min(victims, key=lambda n: n.last_access))
+            self.drop_host(min(victims, key=self.policy.key))
             self.stats["state_snapshots_evicted"] += 1
         dst = int(host.alloc(1, node_owner(node), node=node.id)[0])
         self.host_position[dst] = self.position[src]
@@ -273,13 +278,13 @@ class RecurrentStates:
 
     def _alloc(self, owner: Owner, **ctx: object) -> int:
         if self.ledger.num_free_pages() == 0:
-            # least recently used unlocked snapshot: its node keeps its KV (a hit there just
+            # the first unlocked snapshot in the eviction order: its node keeps its KV (a hit there just
             # reaches less far); O(snapshots), a state slot is large and they are few
             victims = list(self._evictable(self.node_state, self.ledger))
             if not victims:
                 raise CapacityError(f"no state slot free: {self.ledger.num_pages} held by running requests, "
                                     "their snapshots and locked nodes")
-            victim = min(victims, key=lambda n: n.last_access)
+            victim = min(victims, key=self.policy.key)
             self.drop(victim)
             self.stats["state_snapshots_evicted"] += 1
         return int(self.ledger.alloc(1, owner, **ctx)[0])

@@ -34,7 +34,7 @@ class Residency:
     # -- state -------------------------------------------------------------------
     def __init__(self, page_size: int, device_slots: int, host_slots: int, *, eviction_policy: str = "lru",
                  write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0,
-                 host_state_slots: int = 0, state_pools: tuple[str, ...] = ("state",)) -> None:
+                 host_state_slots: int = 0, state_pools: tuple[str, ...] = ()) -> None:
         """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
         device memory): a tree of host copies over the host ledger. `state_slots` > 0: a hybrid
         model's recurrent states (`RecurrentStates`): node snapshots go with the node's device KV
@@ -48,8 +48,8 @@ class Residency:
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | None = None
-        self.states: RecurrentStates | None = (RecurrentStates(state_slots, host_state_slots, state_pools)
-                                               if state_slots > 0 else None)
+        self.states: RecurrentStates | None = (
+            RecurrentStates(state_slots, host_state_slots, state_pools, self.tree.policy) if state_slots > 0 else None)
 
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder

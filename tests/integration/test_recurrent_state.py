@@ -99,6 +99,25 @@ async def test_snapshot_refused_without_recurrent_state():
         await rt.abort("a")
 
 
+async def test_no_storage_given_or_attached_with_recurrent_state(tmp_path):
+    """The config refuses a storage backend with recurrent state; one given to `open` or attached
+    later is refused the same (the façade's one backend check)."""
+    from runtime.errors import ConfigError
+    from runtime.storage.file_backend import FileBackend
+
+    config = small_config(copy_engine="cpu", **STATE)
+    backend = FileBackend(str(tmp_path), config.page_size * config.bytes_per_token)
+    try:
+        with pytest.raises(ConfigError):
+            CacheRuntime(config, storage=backend)
+        async with CacheRuntime.open(config) as rt:
+            with pytest.raises(ConfigError):
+                await rt.attach_storage(backend)
+            assert (await rt.stats())["storage"]["writes_issued"] == 0
+    finally:
+        backend.close()
+
+
 def test_state_pool_shapes_follow_the_config():
     config = small_config(copy_engine="cpu", **STATE)
     shape = config.state_shape
