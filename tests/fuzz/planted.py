@@ -39,7 +39,9 @@ Recurrent state (hybrid episodes only: these plants run just the episodes with s
   oracle alone (a node's snapshot does not hold the state after its path, or a hit resumes from
   a state that is not its prefix's).
 - `state_load_other_snapshot`: a load through host-only nodes brings back another node's host
-  snapshot for its deepest node (host-tier hybrid episodes).
+  snapshot for its deepest node (host-tier hybrid episodes); the invariant checker sees the copy's
+  source is not its node's snapshot; `state_load_other_snapshot_unchecked`: the same with the
+  checker's state part off, for the fingerprint oracles alone.
 
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
@@ -237,6 +239,16 @@ def _state_load_other_snapshot() -> Callable[[], None]:
     return lambda: setattr(RecurrentStates, "start_load", start_load)
 
 
+def _state_load_other_snapshot_unchecked() -> Callable[[], None]:
+    undo_plant, undo_check = _state_load_other_snapshot(), _without_state_checks()
+
+    def undo() -> None:
+        undo_plant()
+        undo_check()
+
+    return undo
+
+
 def _state_leaf_grows() -> Callable[[], None]:
     from runtime.tree.residency import Residency
 
@@ -253,25 +265,32 @@ def _state_leaf_grows() -> Callable[[], None]:
     return lambda: setattr(Residency, "insert", insert)
 
 
-def _state_leaf_grows_unchecked() -> Callable[[], None]:
+def _without_state_checks() -> Callable[[], None]:
+    """The invariant checker's recurrent-state part off: the fingerprint oracles alone must find it."""
     import runtime.invariants as invariants
 
     check = invariants._check_states
     invariants._check_states = lambda core, nodes: None
-    undo_leaf = _state_leaf_grows()
+    return lambda: setattr(invariants, "_check_states", check)
+
+
+def _state_leaf_grows_unchecked() -> Callable[[], None]:
+    undo_check, undo_leaf = _without_state_checks(), _state_leaf_grows()
 
     def undo() -> None:
         undo_leaf()
-        invariants._check_states = check
+        undo_check()
 
     return undo
 
 
-# the storage plants skip the episodes without storage, the state plants those without recurrent
-# state: each finds its bug in the same calls, in less time (the default run's wall time)
+# the storage plants search only the episodes on file storage (the storage-content oracle's), the
+# state plants those with recurrent state: each is found in the same episode as by the whole run,
+# in less time (calls of the episodes skipped are not counted: test_planted bounds the episode)
 EPISODES: dict[str, Callable[[object], bool]] = {
     "hybrid": lambda cfg: cfg.hybrid,  # type: ignore[attr-defined]
     "storage": lambda cfg: cfg.storage != "none",  # type: ignore[attr-defined]
+    "file": lambda cfg: cfg.storage == "file",  # type: ignore[attr-defined]
 }
 
 PLANTS: dict[str, Plant] = {
@@ -287,17 +306,18 @@ PLANTS: dict[str, Plant] = {
     "host_leaf_ignores_children": Plant(_host_leaf_ignores_children, frozenset({"invariant", "runtime-failed"}),
                                         "evictable host leaves"),
     "split_keeps_page_hashes": Plant(_split_keeps_page_hashes, frozenset({"kv-events"})),
-    "clear_leaves_pages": Plant(_clear_leaves_pages, frozenset({"storage-content"}), episodes="storage"),
+    "clear_leaves_pages": Plant(_clear_leaves_pages, frozenset({"storage-content"}), episodes="file"),
     "detach_forgets_stored": Plant(_detach_forgets_stored, frozenset({"kv-events", "storage-content"}), episodes="storage"),
-    "gone_forgets_doubtful": Plant(_gone_forgets_doubtful, frozenset({"storage-content"}), episodes="storage"),
+    "gone_forgets_doubtful": Plant(_gone_forgets_doubtful, frozenset({"storage-content"}), episodes="file"),
     "state_match_not_cut": Plant(_state_match_not_cut, frozenset({"state-hit", "state-content"}), episodes="hybrid"),
     "state_leaf_grows": Plant(_state_leaf_grows, frozenset({"invariant", "runtime-failed"}),
                               "holds the state snapshot taken at", episodes="hybrid"),
     "state_leaf_grows_unchecked": Plant(_state_leaf_grows_unchecked,
                                         frozenset({"state-content", "tree-state-content"}), episodes="hybrid"),
-    "state_load_other_snapshot": Plant(_state_load_other_snapshot,
-                                       frozenset({"state-content", "tree-state-content", "invariant", "runtime-failed"}),
-                                       episodes="hybrid"),
+    "state_load_other_snapshot": Plant(_state_load_other_snapshot, frozenset({"invariant", "runtime-failed"}),
+                                       "not that node's snapshot", episodes="hybrid"),
+    "state_load_other_snapshot_unchecked": Plant(_state_load_other_snapshot_unchecked,
+                                                 frozenset({"state-content", "tree-state-content"}), episodes="hybrid"),
 }
 
 
