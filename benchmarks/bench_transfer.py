@@ -220,11 +220,8 @@ def main() -> None:
         "candidate": "requester actor -> TransferActor -> "
                      + ("CudaCopyEngine" if device.type == "cuda" else "CpuCopyEngine") + ", awaiting the ack",
         "baselines": ["index_select+index_copy_", "contiguous copy_"],
-        "shape": {"layers": shape.num_layers, "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
-                  "dtype": args.dtype},
-        "bytes_per_token": shape.bytes_per_token,
         "shapes": {name: describe(named[name]) for name in args.shapes},
-        "page_sizes": args.page_sizes,
+        "page_sizes": {name: STATE_PAGE_SIZES.get(name, args.page_sizes) for name in args.shapes},
         "layouts": args.layouts,
         "mib_per_transfer": args.mib,
         "repeats": args.repeats,

@@ -23,7 +23,8 @@ What it does, per scheduling step (one task, `ServingLoop._run`):
    are awaited **per layer**: a pump task on the loop awaits ``readiness.wait(i)`` and sets a
    ``threading.Event`` per layer; the model's ``before_layer(i)`` hook blocks on it, so layer 0
    runs while the later layers are still being copied (``layerwise=False`` awaits all layers
-   before the forward instead).
+   before the forward instead; a hybrid model always does: its forward reads each resumed
+   state first, and the loads' layers are the pools', not the model's).
 5. **Sample and finish**: greedy (argmax); a request that emits an EOS id or reaches
    ``max_new_tokens`` is finished with ``rt.finish(rid, prompt + generated[:-1])`` (only
    tokens whose KV was written: the last sampled token never went through the model).
@@ -493,20 +494,21 @@ class ServingLoop:
         the request's KV is inserted); no snapshot when no state slot is free."""
         from runtime.integrations.hf_hybrid import HybridSeq
 
-        seqs = []
-        for r in batch:
-            end = len(r.context)
-            at = end - end % self._page_size
-            snaps: tuple[tuple[int, int], ...] = ()
-            if at > r.start and at - r.snapshot_at >= self.snapshot_every:
-                try:
-                    snaps = ((at, await self.rt.snapshot(r.rid, at)),)
-                    r.snapshot_at = at
-                except CapacityError:
-                    pass
-            seqs.append(HybridSeq(slots=r.slots, start=r.start, input_ids=r.context[r.start:],
-                                  state_slot=r.state_slot, state_from=r.state_from, snapshots=snaps))
-        return seqs
+        ends = [len(r.context) - len(r.context) % self._page_size for r in batch]
+        asks = [i for i, (r, at) in enumerate(zip(batch, ends, strict=True))
+                if at > r.start and at - r.snapshot_at >= self.snapshot_every]
+        # the step's snapshots asked together: one wait for the tree actor, not one per request
+        slots = await asyncio.gather(*(self.rt.snapshot(batch[i].rid, ends[i]) for i in asks), return_exceptions=True)
+        snaps: dict[int, tuple[tuple[int, int], ...]] = {}
+        for i, slot in zip(asks, slots, strict=True):
+            if isinstance(slot, CapacityError):
+                continue  # no state slot: this forward leaves no snapshot
+            if isinstance(slot, BaseException):
+                raise slot
+            snaps[i] = ((ends[i], slot),)
+            batch[i].snapshot_at = ends[i]
+        return [HybridSeq(slots=r.slots, start=r.start, input_ids=r.context[r.start:], state_slot=r.state_slot,
+                          state_from=r.state_from, snapshots=snaps.get(i, ())) for i, r in enumerate(batch)]
 
     def _fail(self, r: _Request, exc: BaseException) -> None:
         if not r.future.done():
