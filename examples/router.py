@@ -161,6 +161,9 @@ class Router:
         self.n, self.fleet, self.storage_dir, self.policy = n, fleet, storage_dir, policy
         self.load_bound = load_bound  # never more than this many requests above the least loaded
         self.load_tokens = load_tokens  # what a request already there costs a new one, in computed tokens
+        # the share of a computed token's cost a token loaded from host / from storage saves
+        self._host_saves = 1 - fleet.host_s_per_token / fleet.prefill_s_per_token
+        self._storage_saves = 1 - (fleet.host_s_per_token + fleet.storage_s_per_token) / fleet.prefill_s_per_token
         self.identity = KVIdentity.from_config(fleet.runtime_config(storage_dir))
         self.index = PrefixIndex(shared_storage=True)
         self.instances: list[Instance] = []
@@ -213,9 +216,9 @@ class Router:
             if inst.inflight > least + self.load_bound:
                 continue
             hit = self.index.match(inst.index, hashes)
-            # the tokens it would compute (a host page costs a tenth of one, a storage page four
-            # tenths: what the simulated forward charges), and the requests queued before it
-            missing = len(prompt) - (hit.device + 0.9 * hit.host + 0.6 * hit.storage) * ps
+            # the tokens it would compute, a loaded one counted at what the forward charges for it
+            # (a storage token is read, then loaded from host), and the requests queued before it
+            missing = len(prompt) - (hit.device + self._host_saves * hit.host + self._storage_saves * hit.storage) * ps
             cost = (missing + inst.inflight * self.load_tokens, inst.inflight)
             if best_cost is None or cost < best_cost:
                 best, best_cost = inst.index, cost
