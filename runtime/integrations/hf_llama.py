@@ -35,10 +35,13 @@ head_dim]`` (``runtime.memory.pools.DevicePool``); nothing else of it is used.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,12 +58,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 __all__ = [
     "ATTN_NAME",
     "SMOLLM2_GGUF_FILE",
+    "KVScales",
     "LayerRead",
     "PagedSeq",
     "PagedOutput",
     "PagedKVModel",
     "kv_geometry",
     "kv_shape",
+    "calibrate_kv_scales",
     "tiny_llama",
     "TINY_CONFIG",
     "random_model",
@@ -95,11 +100,57 @@ class LayerRead:
     kv_len: int
 
 
+@dataclass(frozen=True)
+class KVScales:
+    """Per-layer scales of an fp8 KV pool (vLLM's ``k_scale`` / ``v_scale``): layer ``l``'s pool
+    holds ``k / k[l]`` cast to fp8, and attention reads ``fp8 * k[l]``. They are the model's, not the
+    cache's: the runtime moves and stores the bytes. Bytes quantized under other scales read as
+    other values, so an instance whose scales are not fixed by its checkpoint folds
+    :meth:`version` into ``RuntimeConfig.weight_version`` before it shares storage
+    (docs/ARCHITECTURE.md, "KV dtypes")."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.k) != len(self.v):
+            raise ValueError(f"{len(self.k)} K scales, {len(self.v)} V scales")
+        if not all(math.isfinite(x) and x > 0 for x in self.k + self.v):
+            raise ValueError("every KV scale must be a finite number > 0")
+
+    def version(self) -> str:
+        """A short digest of the scales (exact float bits), for ``weight_version``."""
+        raw = struct.pack(f"<{2 * len(self.k)}d", *self.k, *self.v)
+        return "kv-scales-" + hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+_BYTE_FLOATS = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def _write_pool(pool_t: torch.Tensor, idx: torch.Tensor, new: torch.Tensor, scale: float | None) -> None:
+    """``pool_t[idx] = new`` in the pool's dtype; an fp8 pool stores ``new / scale`` (saturated to
+    the format's range) through a uint8 view (CPU torch has no fp8 ``index_copy_``)."""
+    if pool_t.dtype not in _BYTE_FLOATS:
+        pool_t.index_copy_(0, idx, new.to(pool_t.dtype))
+        return
+    top = torch.finfo(pool_t.dtype).max
+    q = (new.float() / (scale or 1.0)).clamp_(-top, top).to(pool_t.dtype)
+    pool_t.view(torch.uint8).index_copy_(0, idx, q.view(torch.uint8))
+
+
+def _read_pool(pool_t: torch.Tensor, idx: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """``pool_t[idx]`` in ``dtype``; an fp8 pool's values times ``scale``."""
+    if pool_t.dtype not in _BYTE_FLOATS:
+        return pool_t.index_select(0, idx).to(dtype)
+    raw = pool_t.view(torch.uint8).index_select(0, idx).view(pool_t.dtype).to(dtype)
+    return raw if scale is None else raw * scale
+
+
 class _PagedContext:
     """Everything the attention of one forward needs, computed once (not per layer)."""
 
     __slots__ = ("pool", "before_layer", "write_idx", "valid_rows", "gather_idx", "mask", "is_causal", "batch", "kv_len",
-                 "layer_reads")
+                 "layer_reads", "kv_scales")
 
     def __init__(
         self,
@@ -113,6 +164,7 @@ class _PagedContext:
         batch: int,
         kv_len: int,
         layer_reads: dict[int, LayerRead] | None = None,
+        kv_scales: KVScales | None = None,
     ) -> None:
         self.pool = pool
         self.before_layer = before_layer
@@ -124,6 +176,7 @@ class _PagedContext:
         self.batch = batch
         self.kv_len = kv_len
         self.layer_reads = layer_reads  # layers that read other slots than gather_idx (sliding window)
+        self.kv_scales = kv_scales  # an fp8 pool's per-layer scales (None: 1)
 
 
 def paged_attention(
@@ -154,18 +207,17 @@ def paged_attention(
     if ctx.valid_rows is not None:
         k_new = k_new.index_select(0, ctx.valid_rows)
         v_new = v_new.index_select(0, ctx.valid_rows)
-    k_pool.index_copy_(0, ctx.write_idx, k_new.to(k_pool.dtype))
-    v_pool.index_copy_(0, ctx.write_idx, v_new.to(v_pool.dtype))
+    scales = ctx.kv_scales
+    k_scale, v_scale = (scales.k[layer], scales.v[layer]) if scales is not None else (None, None)
+    _write_pool(k_pool, ctx.write_idx, k_new, k_scale)
+    _write_pool(v_pool, ctx.write_idx, v_new, v_scale)
     # read positions 0..total-1 of every sequence, or the layer's own read (its window)
     gather_idx, mask, is_causal, kv_len = ctx.gather_idx, ctx.mask, ctx.is_causal, ctx.kv_len
     read = ctx.layer_reads.get(layer) if ctx.layer_reads else None
     if read is not None:
         gather_idx, mask, is_causal, kv_len = read.gather_idx, read.mask, False, read.kv_len
-    k_all = k_pool.index_select(0, gather_idx).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
-    v_all = v_pool.index_select(0, gather_idx).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
-    if k_all.dtype != query.dtype:
-        k_all = k_all.to(query.dtype)
-        v_all = v_all.to(query.dtype)
+    k_all = _read_pool(k_pool, gather_idx, k_scale, query.dtype).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
+    v_all = _read_pool(v_pool, gather_idx, v_scale, query.dtype).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         query,
         k_all,
@@ -229,6 +281,28 @@ def kv_shape(model: Any, dtype: torch.dtype | None = None) -> Any:
     return KVShape(layers, kv_heads, head_dim, dtype or model.dtype)
 
 
+def calibrate_kv_scales(model: Any, input_ids: Sequence[int], dtype: torch.dtype = torch.float8_e4m3fn,
+                        headroom: float = 2.0) -> KVScales:
+    """Per-layer fp8 scales from one forward of ``input_ids`` (as a calibration pass computes
+    vLLM's ``k_scale``/``v_scale``): each layer's absolute maximum of K and of V (K after RoPE, as
+    the pool stores it) times ``headroom``, over the format's largest value."""
+    from types import SimpleNamespace
+
+    layers, kv_heads, head_dim = kv_geometry(model.config)
+    dev = next(model.parameters()).device
+    n = len(input_ids)
+    shape = (n, kv_heads, head_dim)
+    pool = SimpleNamespace(k=[torch.zeros(shape, device=dev) for _ in range(layers)],
+                           v=[torch.zeros(shape, device=dev) for _ in range(layers)])
+    PagedKVModel(model, pool)([PagedSeq(list(range(n)), 0, list(input_ids))])
+    top = torch.finfo(dtype).max
+
+    def scale(t: torch.Tensor) -> float:
+        return max(float(t.abs().max()), 1e-12) * headroom / top
+
+    return KVScales(tuple(scale(t) for t in pool.k), tuple(scale(t) for t in pool.v))
+
+
 def _as_long(x: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         if x.dtype.is_floating_point or x.dtype == torch.bool:
@@ -248,10 +322,12 @@ class PagedKVModel:
     The model is switched to :data:`ATTN_NAME` attention (``set_attn_implementation``) if it is
     not built with it; in that mode its own ``forward``/``generate`` still work (SDPA).
     ``check_slots`` validates slot ranges and that no slot is written twice in one forward
-    (costs a host sync on CUDA; turn off in production).
+    (costs a host sync on CUDA; turn off in production). ``kv_scales``: an fp8 pool's per-layer
+    scales (:class:`KVScales`; without them an fp8 pool holds the K/V values cast as they are).
     """
 
-    def __init__(self, model: LlamaForCausalLM, pool: Any, *, check_slots: bool = True) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: Any, *, check_slots: bool = True,
+                 kv_scales: KVScales | None = None) -> None:
         if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
             model.set_attn_implementation(ATTN_NAME)
         model.eval()
@@ -267,6 +343,12 @@ class PagedKVModel:
             for t in (pool.k[layer], pool.v[layer]):
                 if t.dim() != 3 or tuple(t.shape[1:]) != want:
                     raise ValueError(f"pool layer {layer}: shape {tuple(t.shape)}, expected [slots, {want[0]}, {want[1]}]")
+        if kv_scales is not None:
+            if pool.k[0].dtype not in _BYTE_FLOATS:
+                raise ValueError(f"KV scales are for fp8 pools, this one is {pool.k[0].dtype}")
+            if len(kv_scales.k) != self.num_layers:
+                raise ValueError(f"{len(kv_scales.k)} KV scales for {self.num_layers} layers")
+        self.kv_scales = kv_scales
         self.num_slots = int(pool.k[0].shape[0])
         self.device = pool.k[0].device
         if next(model.parameters()).device != self.device:
@@ -332,7 +414,7 @@ class PagedKVModel:
 
         ctx = _PagedContext(
             self.pool, before_layer, write_idx, valid_rows, gather_idx.reshape(-1), mask, is_causal, bsz, kv_len,
-            self._layer_reads(slots, starts, totals, position_ids),
+            self._layer_reads(slots, starts, totals, position_ids), self.kv_scales,
         )
         with torch.inference_mode():
             out = self.model.model(

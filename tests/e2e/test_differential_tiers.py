@@ -58,12 +58,13 @@ def user_msg(u: int, t: int) -> list[int]:
     return ids(20 + 3 * u, 100 * u + t)
 
 
-def mismatches(ref_model, results, new: int = NEW, tol: float = TOL) -> list[str]:
+def mismatches(ref_model, results, new: int = NEW, tol: float = TOL, reference=greedy_generate_reference) -> list[str]:
     """results: (rid, prompt, tokens, logits) per turn; each turn generated up to `new` tokens, its
-    logits within `tol` of the reference's."""
+    logits within `tol` of the reference's (``reference(ref_model, prompt, new, return_logits=True)``:
+    by default transformers' own generate)."""
     bad = []
     for rid, prompt, tokens, logits in results:
-        want, want_logits = greedy_generate_reference(ref_model, prompt, new, return_logits=True)
+        want, want_logits = reference(ref_model, prompt, new, return_logits=True)
         if tokens != want:
             bad.append(f"{rid} @{len(prompt)}: tokens {tokens} != {want}")
             continue

@@ -16,8 +16,10 @@ pytest.importorskip("transformers")
 
 from runtime.integrations.hf_llama import (  # noqa: E402
     ATTN_NAME,
+    KVScales,
     PagedKVModel,
     PagedSeq,
+    calibrate_kv_scales,
     greedy_generate_reference,
     kv_geometry,
 )
@@ -207,6 +209,32 @@ def test_low_precision_pool_casts(model, ref_model):
     ref = ref_logits(ref_model, torch.cat([ids, torch.tensor([7])]))[-1]
     assert out.logits.dtype == torch.float32
     assert (out.logits[0] - ref).abs().max().item() < 5e-2
+
+
+def test_fp8_pool_with_scales(model):
+    """An fp8 pool holds K/V / scale and attention reads fp8 * scale: the pool's bytes are the
+    scaled values' fp8 encodings, and scales are refused where they mean nothing."""
+    layers = model.config.num_hidden_layers
+    scales = calibrate_kv_scales(model, rand_ids(64, 3).tolist())
+    assert len(scales.k) == layers and all(0 < x < 1 for x in scales.k + scales.v)
+    assert scales.version() == calibrate_kv_scales(model, rand_ids(64, 3).tolist()).version()
+    assert scales.version() != KVScales(tuple(2 * x for x in scales.k), scales.v).version()
+    pool = make_pool("stand_in", model, dtype=torch.float8_e4m3fn)
+    fp32 = make_pool("stand_in", model)
+    ids, slots = rand_ids(32, 5), rand_slots(32, 5)
+    got = PagedKVModel(model, pool, kv_scales=scales)([PagedSeq(slots, 0, ids)]).logits
+    exact = PagedKVModel(model, fp32)([PagedSeq(slots, 0, ids)]).logits
+    assert (got - exact).abs().max().item() < 1.0  # fp8 rounding (~0.3 here); reads without the scales: 4.8
+    # layer 0's K/V depend on the embeddings alone (later layers see fp8 attention's outputs)
+    for got, exact, scale in ((pool.k[0], fp32.k[0], scales.k[0]), (pool.v[0], fp32.v[0], scales.v[0])):
+        want = (exact[slots] / scale).to(torch.float8_e4m3fn)
+        assert torch.equal(got[slots].view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError):
+        PagedKVModel(model, fp32, kv_scales=scales)  # an fp32 pool has no scales
+    with pytest.raises(ValueError):
+        PagedKVModel(model, pool, kv_scales=KVScales(scales.k[:1], scales.v[:1]))  # one layer of four
+    with pytest.raises(ValueError):
+        KVScales((1.0, 0.0), (1.0, 1.0))
 
 
 @pytest.mark.slow
