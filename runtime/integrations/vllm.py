@@ -441,7 +441,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         load = job.load
         usable = None
         if load.read is not None:
-            op_id, _, keys, pages = load.read
+            op_id, keys, pages = load.read.op_id, load.read.keys, load.read.pages
             try:
                 got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages]), None
             except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
@@ -471,7 +471,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             return {plan.op_id: repr(exc)}, {}, set()
 
     def _write(self, request: StorageRequest) -> JobResult:
-        op_id, _, keys, pages = request
+        op_id, keys, pages = request.op_id, request.keys, request.pages
         copier = self._copier()
         try:
             ok = checked_flags("set_batch", self.storage.set_batch(list(keys), [copier.page_buffer(p) for p in pages]),
