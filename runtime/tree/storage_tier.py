@@ -103,7 +103,7 @@ class StorageTier:
         if not pick:
             return
         keys = [hashes[i] for i in pick]
-        rank_keys = self._keys_per_rank(path, node.extra_key, keys, [first + i for i in pick])
+        rank_keys = self.keys_per_rank(path, node.extra_key, keys, [first + i for i in pick])
         host = host.reshape(-1, ps)[pick].reshape(-1)
         op_id = next(self._op_ids)
         res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
@@ -147,7 +147,7 @@ class StorageTier:
         if start:
             self._hold_anchor(pf, res.tree.settle(look, touch=False))
             pf.link = every[start // ps - 1]
-        rank_keys = self._keys_per_rank(tokens[:match_len], extra_key, keys, range(start // ps, match_len // ps))
+        rank_keys = self.keys_per_rank(tokens[:match_len], extra_key, keys, range(start // ps, match_len // ps))
         self.prefetches[rid] = pf
         self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf, rank_keys=rank_keys)
         self._requests.append(StorageRequest(op_id, False, tuple(keys), (), rank_keys))
@@ -413,7 +413,7 @@ class StorageTier:
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         first = pf.start // res.page_size
-        rank_keys = self._keys_per_rank(pf.tokens, pf.extra_key, keys, range(first, first + len(keys)))
+        rank_keys = self.keys_per_rank(pf.tokens, pf.extra_key, keys, range(first, first + len(keys)))
         self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf, rank_keys=rank_keys)
         self.stats["storage_reads_issued"] += 1
         return StorageRequest(op_id, False, tuple(keys), self._host_pages(host), rank_keys)
@@ -441,7 +441,7 @@ class StorageTier:
     def _hashes(self, tokens: np.ndarray, extra_key: Hashable) -> list[bytes]:
         return page_hashes(tokens, self.residency.page_size, extra_key, self.identity)
 
-    def _keys_per_rank(self, tokens: np.ndarray, extra_key: Hashable, keys: list[bytes],
+    def keys_per_rank(self, tokens: np.ndarray, extra_key: Hashable, keys: list[bytes],
                        pages: Sequence[int]) -> tuple[tuple[bytes, ...], ...]:
         """Every rank's keys of pages `pages` (ascending) of `tokens`, rank 0's being `keys`: the
         prefix hashed once per rank's shard. () when `keys` serve every rank."""

@@ -284,7 +284,7 @@ async def test_a_rank_reading_another_ranks_shard_is_caught(tmp_path, monkeypatc
     rank 0's heads: the oracle flags every position of rank 1."""
     def rank_0s_keys(self, tokens, extra_key, keys, pages):
         return (tuple(keys),) * len(self.ranks) if self.ranks and keys else ()
-    monkeypatch.setattr(StorageTier, "_keys_per_rank", rank_0s_keys)
+    monkeypatch.setattr(StorageTier, "keys_per_rank", rank_0s_keys)
     cfg = plane_config(2)
     prompt = toks(N + 1, 23)
     with FileBackend(tmp_path, cfg.page_size * cfg.bytes_per_token) as fb:
