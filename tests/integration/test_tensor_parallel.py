@@ -12,6 +12,9 @@ fail: every rank then addresses the same page hashes, rank 0's pages land first,
 finds them at its first admit and is served rank 0's heads (had it written first, its write would
 have found rank 0's pages present and kept them: pages are immutable). `test_identity_without_the_shard_reads_another_ranks_heads` runs that variant and asserts
 that the oracle flags it.
+
+The second half runs one runtime over every rank (`tp_ranks`, one control plane): each rank's
+pools, copies, storage keys and load readiness its own, one tree deciding for all of them.
 """
 
 from __future__ import annotations
@@ -381,9 +384,8 @@ async def _serve_over_ranks(rt: CacheRuntime, cfg: RuntimeConfig, engines, size:
     await checked(rt, quiescent=True)
 
 
-async def test_one_rank_has_one_readiness_and_its_own_pools():
-    """tp_ranks=1 (the default): the pools are the runtime's own, the engine is not sharded, and a
-    load's readiness is its own rank 0's."""
+async def test_one_rank_keeps_its_own_pools_and_engine():
+    """tp_ranks=1 (the default): the pools are the runtime's own and the engine is not sharded."""
     cfg = small_config(device_slots=48, host_tokens=128)
     async with CacheRuntime.open(cfg, engine_factory=FakeCopyEngine) as rt:
         assert rt.device_pools == (rt.device_pool,) and rt.host_pools == (rt.host_pool,)
