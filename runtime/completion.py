@@ -29,7 +29,7 @@ import concurrent.futures as cf
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.errors import RuntimeClosed, TransferError
+from runtime.errors import ArgumentError, InternalError, RuntimeClosed, TransferError
 
 __all__ = ["CompletionBridge", "LayerReadiness", "as_transfer_error"]
 
@@ -234,12 +234,18 @@ class LayerReadiness:
     ``wait(layer)`` resolves when layer ``layer`` (and so every earlier one) is on the
     device, or raises its `TransferError` / `TimeoutError`. Cancelling a waiter never
     cancels the shared per-layer futures.
+
+    Under one control plane over tensor-parallel ranks it is the instance's readiness (a layer
+    is ready when every rank's is) and holds each rank's own: ``rank(r)``, so that rank r's
+    model waits for its own copy only.
     """
 
-    def __init__(self, futures: Sequence[asyncio.Future], events: Sequence[Any] | None = None, op_id: int | None = None) -> None:
+    def __init__(self, futures: Sequence[asyncio.Future], events: Sequence[Any] | None = None, op_id: int | None = None,
+                 ranks: Sequence["LayerReadiness"] = ()) -> None:
         self._futs = tuple(futures)
         self._events = tuple(events) if events is not None else None
         self.op_id = op_id
+        self._ranks = tuple(ranks)
         seen: set[int] = set()
         for f in self._futs:
             if id(f) not in seen:
@@ -267,14 +273,34 @@ class LayerReadiness:
         return cls([f] * num_layers)
 
     @classmethod
-    def pending(cls, num_layers: int, op_id: int | None = None) -> "LayerReadiness":
+    def pending(cls, num_layers: int, op_id: int | None = None, ranks: int = 1) -> "LayerReadiness":
         """Readiness created when a load is issued, before the engine starts it; the transfer
-        actor later `bind`s it to the copy's per-layer completions."""
+        actor later `bind`s it to the copy's per-layer completions. `ranks` > 1: with a pending
+        readiness of each rank's own (`rank(r)`)."""
         loop = asyncio.get_running_loop()
-        return cls([loop.create_future() for _ in range(num_layers)], None, op_id)
+        own = () if ranks == 1 else tuple(cls.pending(num_layers, op_id) for _ in range(ranks))
+        return cls([loop.create_future() for _ in range(num_layers)], None, op_id, own)
+
+    def rank(self, r: int) -> "LayerReadiness":
+        """Rank `r`'s readiness under one control plane over tensor-parallel ranks (its layers
+        ready when its own copy's are); one rank, or a load with no per-rank part: this one."""
+        if type(r) is not int or not 0 <= r < self.num_ranks:
+            raise ArgumentError(f"rank must be an int in [0, {self.num_ranks}), got {r!r}")
+        return self._ranks[r] if self._ranks else self
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self._ranks) or 1
 
     def bind(self, bridge: CompletionBridge, handle: Any, timeout: float | None = None) -> None:
-        """Resolve each pending layer from the handle's completion for that layer."""
+        """Resolve each pending layer from the handle's completion for that layer (and each rank's
+        readiness from that rank's handle, `CopyHandle.ranks`)."""
+        if self._ranks:
+            if len(handle.ranks) != len(self._ranks):
+                raise InternalError(f"a load's readiness of {len(self._ranks)} ranks got a copy of "
+                                    f"{len(handle.ranks)} ranks")
+            for own, rank_handle in zip(self._ranks, handle.ranks):
+                own.bind(bridge, rank_handle, timeout)
         by_id: dict[int, asyncio.Future] = {}
         layers = list(handle.layers)
         events = list(handle.layer_events) if handle.layer_events is not None else None
@@ -294,6 +320,8 @@ class LayerReadiness:
             src.add_done_callback(lambda f, target=target: _copy_outcome(f, target))
 
     def fail_all(self, exc: BaseException) -> None:
+        for own in self._ranks:
+            own.fail_all(exc)
         for f in self._futs:
             if not f.done():
                 f.set_exception(exc)

@@ -67,6 +67,10 @@ class RuntimeConfig:
     # (num_kv_heads is the rank's); the shard is part of the storage identity (docs/STORAGE.md)
     tp_rank: int = 0
     tp_size: int = 1
+    # One control plane over every rank of the instance (docs/ARCHITECTURE.md, "Tensor
+    # parallelism"): this runtime drives `tp_ranks` ranks, each with device and host pools of its
+    # own (rank 0's the identity's: tp_size must equal it, tp_rank 0); 1: this runtime is one rank
+    tp_ranks: int = 1
     # Recurrent state of a hybrid model (Mamba / linear-attention layers; docs/ARCHITECTURE.md,
     # "Recurrent state"): `state_layers` recurrent layers, each holding the components of
     # `state_components` ("name:dim x dim...:dtype", comma separated, e.g.
@@ -141,6 +145,7 @@ class RuntimeConfig:
         need(type(self.tp_size) is int and self.tp_size > 0, f"tp_size must be a positive integer, got {self.tp_size!r}")
         need(type(self.tp_rank) is int and 0 <= self.tp_rank < self.tp_size,
              f"tp_rank must be an int in [0, tp_size) = [0, {self.tp_size}), got {self.tp_rank!r}")
+        self._check_tp_ranks(need)
         ps = self.page_size
         need(isinstance(ps, int) and 1 <= ps <= 256 and ps & (ps - 1) == 0,
              f"page_size must be a power of two in 1..256, got {ps!r}")
@@ -219,6 +224,16 @@ class RuntimeConfig:
         need(isinstance(self.metrics_interval_s, (int, float)) and not isinstance(self.metrics_interval_s, bool)
              and 0 < self.metrics_interval_s < float("inf"),
              f"metrics_interval_s must be a positive number of seconds, got {self.metrics_interval_s!r}")
+
+    def _check_tp_ranks(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
+        need(type(self.tp_ranks) is int and self.tp_ranks > 0,
+             f"tp_ranks must be a positive integer, got {self.tp_ranks!r}")
+        if self.tp_ranks == 1:
+            return
+        need(self.tp_size == self.tp_ranks and self.tp_rank == 0,
+             f"tp_ranks {self.tp_ranks}: one control plane drives every rank of the instance, so tp_size must "
+             f"equal it and tp_rank be 0 (got tp_size {self.tp_size}, tp_rank {self.tp_rank})")
+        need(self.state_layers == 0, "tp_ranks > 1: recurrent state (state_layers > 0) has no per-rank pools yet")
 
     def _check_state(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
         for name in ("state_layers", "state_slots"):

@@ -445,6 +445,11 @@ class SubmitStorage:
     pages: tuple[int, ...]  # host page indices, one per key
     ack_to: "Mailbox[Any]"
     reply: None = None
+    # one control plane over tensor-parallel ranks: rank r's keys (rank 0's are `keys`), each rank
+    # writing or reading its own host pool's `pages`; the ack counts a page only when every rank's
+    # shard of it is stored. (): `keys` serve every rank (one rank; a replicated shard: rank 0
+    # writes the one copy, every rank reads it)
+    rank_keys: tuple[tuple[bytes, ...], ...] = ()
 
 
 @message

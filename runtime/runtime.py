@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,7 @@ from runtime.stats import nest
 from runtime.supervisor import State, Supervisor, wait_shielded
 from runtime.trace import JsonlSink, SlotTracer, get_logger
 from runtime.transfer.engine import CopyEngine
+from runtime.transfer.sharded import ShardedCopyEngine, pool_geometry
 from runtime.tree.cache import CacheCore
 from runtime.validation import (
     TOKEN_LIMIT,
@@ -144,6 +146,17 @@ def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostP
     from runtime.transfer.cpu_engine import CpuCopyEngine
 
     return CpuCopyEngine(pools, workers_per_direction=config.copy_workers)
+
+
+def make_rank_engines(config: RuntimeConfig, device_pools: Sequence[DevicePool], host_pools: Sequence[HostPool],
+                      factory: EngineFactory | None = None) -> CopyEngine:
+    """The copy engine of one control plane over `config.tp_ranks` ranks: an engine per rank over
+    that rank's pools (`factory(pools)` each, or the config's kind), all behind one
+    `ShardedCopyEngine` (every rank runs every plan; an op completes when every rank's did)."""
+    if not host_pools:
+        return _NoHostTier()
+    engines = [make_engine(config, device, host, factory) for device, host in zip(device_pools, host_pools, strict=True)]
+    return ShardedCopyEngine(engines, [pool_geometry({"kv": pair}) for pair in zip(device_pools, host_pools)])
 
 
 def check_backend(config: RuntimeConfig, storage: Any) -> None:
@@ -218,6 +231,14 @@ class CacheRuntime:
         self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
         self.host_pool = (HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
                           if config.host_slots > 0 else None)
+        # one control plane over `tp_ranks` tensor-parallel ranks: every rank's pools, one geometry
+        # (rank 0's the ones above); one rank: just those
+        self.device_pools: tuple[DevicePool, ...] = (self.device_pool,) + tuple(
+            DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
+            for _ in range(config.tp_ranks - 1))
+        self.host_pools: tuple[HostPool, ...] = () if self.host_pool is None else (self.host_pool,) + tuple(
+            HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
+            for _ in range(config.tp_ranks - 1))
         # a hybrid model's recurrent states: running requests' and the tree's snapshots
         self.state_pool = (StatePool(config.state_shape, config.state_slots, torch.device(config.device))
                            if config.state_shape is not None else None)
@@ -230,8 +251,11 @@ class CacheRuntime:
         if storage is not None and self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier")
         self._owned_storage = storage if own else None  # closed by the runtime (built from the config)
-        self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory,
-                                  (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None)
+        if config.tp_ranks == 1:
+            self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory,
+                                      (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None)
+        else:
+            self.engine = make_rank_engines(config, self.device_pools, self.host_pools, engine_factory)
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
@@ -239,8 +263,11 @@ class CacheRuntime:
             storage_timeout_s=config.storage_timeout_s,
             pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
                               for name, pool in self.state_pool.component_pools()}
-                             if self.state_pool is not None else None))
-        self._core = CacheCore(config, self.tracer, readiness_factory=LayerReadiness.pending)
+                             if self.state_pool is not None else None),
+            rank_host_pools=self.host_pools if config.tp_ranks > 1 else ())
+        readiness = (LayerReadiness.pending if config.tp_ranks == 1
+                     else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
+        self._core = CacheCore(config, self.tracer, readiness_factory=readiness)
         if storage is not None:
             self._core.enable_storage()
         # decode offload: the offload actor and the tree actor know each other's mailbox
@@ -281,7 +308,8 @@ class CacheRuntime:
                    storage: Any = None, metrics_registry: CollectorRegistry | None = None
                    ) -> AsyncIterator["CacheRuntime"]:
         """Start the runtime in the running loop. `engine_factory(pools)` overrides the copy
-        engine (tests hold copies in flight with `FakeCopyEngine`); `storage` is a storage
+        engine (tests hold copies in flight with `FakeCopyEngine`; with `tp_ranks` > 1 it makes
+        each rank's engine over that rank's pools, `rt.engine.engines[r]`); `storage` is a storage
         backend instance (overrides `config.storage_backend`; the caller closes it);
         `metrics_registry`: export `hicache_*` metrics on it (docs/API.md, "Metrics")."""
         rt = cls(config or RuntimeConfig(), engine_factory=engine_factory, storage=storage,

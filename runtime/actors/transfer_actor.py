@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,13 @@ from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine, merged_plan
 
 log = get_logger("hicache.transfer")
+
+
+def _page_rows(pool: Any) -> np.ndarray | None:
+    """A page_first host pool's pages as contiguous byte rows (read and written in place), else None."""
+    if pool.layout == "page_first" and pool.buffer.is_contiguous():
+        return pool.buffer.view(-1).view(torch.uint8).view(pool.num_pages, -1).numpy()
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +100,11 @@ class TransferActor(Actor[TransferMessage]):
     def __init__(self, engine: CopyEngine, *, max_inflight_loads: int, max_queued_backups: int,
                  mailbox_capacity: int, bytes_per_slot: int = 0, storage: Any = None,
                  host_pool: Any = None, storage_timeout_s: float = 5.0,
-                 pool_slot_bytes: dict[str, int] | None = None) -> None:
+                 pool_slot_bytes: dict[str, int] | None = None, rank_host_pools: Sequence[Any] = ()) -> None:
         """`bytes_per_slot`: a KV slot's bytes (a token's); `pool_slot_bytes`: a slot's bytes in the
-        plan's other pools (a recurrent state's components), for the byte counters."""
+        plan's other pools (a recurrent state's components), for the byte counters;
+        `rank_host_pools`: under one control plane over tensor-parallel ranks, every rank's host
+        pool (rank 0's is `host_pool`), each rank's storage I/O its own (`SubmitStorage.rank_keys`)."""
         super().__init__(mailbox_capacity)
         self.engine = engine
         self.bridge: CompletionBridge | None = None
@@ -119,11 +129,13 @@ class TransferActor(Actor[TransferMessage]):
         self._storage_timers: dict[int, asyncio.TimerHandle] = {}
         self.storage_overdue: set[int] = set()  # in flight past their deadline (a subset of storage_inflight)
         self._storage_pool: ThreadPoolExecutor | None = None
-        # page_first host pool: page p is one contiguous row, read and written in place
-        self._page_rows: np.ndarray | None = None
-        if host_pool is not None and host_pool.layout == "page_first" and host_pool.buffer.is_contiguous():
-            self._page_rows = host_pool.buffer.view(-1).view(torch.uint8).view(host_pool.num_pages, -1).numpy()
-        self._registered_pool = False  # whether we registered the host pool with the backend (zero-copy)
+        # every rank's host pool with its page rows (page_first: page p is one contiguous row, read
+        # and written in place; else None); one rank: the host pool's
+        pools = tuple(rank_host_pools) or ((host_pool,) if host_pool is not None else ())
+        if rank_host_pools and rank_host_pools[0] is not host_pool:
+            raise InternalError("rank_host_pools[0] must be host_pool (rank 0's)")
+        self._rank_pools: tuple[tuple[Any, np.ndarray | None], ...] = tuple((p, _page_rows(p)) for p in pools)
+        self._registered: list[Any] = []  # host pool buffers we registered with the backend (zero-copy)
         self._removals = 0  # clear_storage removals running in worker threads
         self.counters.update({"storage_ops_done": 0, "storage_ops_failed": 0, "storage_bytes_written": 0,
                               "storage_bytes_read": 0, "storage_errors": 0, "storage_backend_errors": 0,
@@ -163,24 +175,28 @@ class TransferActor(Actor[TransferMessage]):
         """Register the page_first host pool with a backend that takes registrations (Mooncake), so
         that storage reads land in pool pages and writes leave from them with no staging copy."""
         register = getattr(self.storage, "register_buffer", None)
-        if register is None or self._page_rows is None:
+        if register is None:
             return
-        try:
-            register(self.host_pool.buffer)
-        except Exception as exc:  # noqa: BLE001 - e.g. the embedder registered it (or more) already
-            log.debug("storage_register_host_pool_skipped", error=repr(exc))
-        else:
-            self._registered_pool = True
+        for pool, rows in self._rank_pools:  # (every rank's, under one control plane)
+            if rows is None:
+                continue
+            try:
+                register(pool.buffer)
+            except Exception as exc:  # noqa: BLE001 - e.g. the embedder registered it (or more) already
+                log.debug("storage_register_host_pool_skipped", error=repr(exc))
+            else:
+                self._registered.append(pool.buffer)
 
     def _unregister_host_pool(self) -> None:
-        if self._registered_pool:
+        if self._registered:
             if self.storage_inflight:  # stopping after a failure with a worker maybe still moving
                 return                 # pool pages: keep it registered (the backend holds the tensor)
-            self._registered_pool = False
-            try:
-                self.storage.unregister_buffer(self.host_pool.buffer)
-            except Exception as exc:  # noqa: BLE001 - backend closed first: nothing left to unregister
-                log.debug("storage_unregister_host_pool_failed", error=repr(exc))
+            buffers, self._registered = self._registered, []
+            for buffer in buffers:
+                try:
+                    self.storage.unregister_buffer(buffer)
+                except Exception as exc:  # noqa: BLE001 - backend closed first: nothing left to unregister
+                    log.debug("storage_unregister_host_pool_failed", error=repr(exc))
 
     # -- handlers ----------------------------------------------------------------
     def on_submit(self, msg: SubmitCopy) -> None:
@@ -223,26 +239,50 @@ class TransferActor(Actor[TransferMessage]):
             return False
 
     def _run_storage(self, msg: SubmitStorage) -> tuple[int, tuple[bool, ...]]:
-        """In a worker thread: one batch call (a write), or one read of the leading present pages.
-        Every result is checked against the backend contract (`ContractViolation` otherwise)."""
-        backend, pool, rows = self.storage, self.host_pool, self._page_rows
+        """In a worker thread: the op on every rank, each with its own keys and host pool (one rank
+        without tensor parallelism). A write stores a page only when every rank's shard is stored
+        (the flags' AND; a replicated shard: rank 0 writes the one copy); a lookup or read counts
+        the leading pages every rank has (the minimum; a later rank looks only that far)."""
+        ranks = self._rank_pools
+        keys_of = msg.rank_keys or (msg.keys,) * len(ranks)
+        if len(keys_of) != len(ranks) or any(len(keys) != len(msg.keys) for keys in keys_of):
+            raise InternalError(f"storage op {msg.op_id}: {len(keys_of)} key lists for {len(ranks)} ranks")
         if msg.write:
-            srcs = [rows[p] for p in msg.pages] if rows is not None else [pool.read_page(p) for p in msg.pages]
-            ok = checked_flags("set_batch", backend.set_batch(list(msg.keys), srcs), len(msg.keys))
+            ok = (True,) * len(msg.keys)
+            for (pool, rows), keys in zip(ranks if msg.rank_keys else ranks[:1], keys_of):
+                ok = tuple(a and b for a, b in zip(ok, self._storage_call(True, keys, msg.pages, pool, rows)[1]))
             return sum(ok), ok
-        if not msg.pages:  # a lookup
-            return checked_count("exists_prefix", backend.exists_prefix(list(msg.keys)), len(msg.keys)), ()
+        count = len(msg.keys)
+        lookers = ranks if msg.rank_keys or msg.pages else ranks[:1]  # a replicated lookup: one list
+        for (pool, rows), keys in zip(lookers, keys_of):
+            if count == 0:
+                break
+            count = self._storage_call(False, keys[:count], msg.pages[:count], pool, rows)[0]
+        return count, ()
+
+    def _storage_call(self, write: bool, keys: Sequence[bytes], pages: Sequence[int], pool: Any,
+                      rows: np.ndarray | None) -> tuple[int, tuple[bool, ...]]:
+        """One rank's part of a storage op: one batch call (a write), or one read of the leading
+        present pages, into or from `pool`'s `pages` (`rows`: its page rows, page_first). Every
+        result is checked against the backend contract (`ContractViolation` otherwise)."""
+        backend = self.storage
+        if write:
+            srcs = [rows[p] for p in pages] if rows is not None else [pool.read_page(p) for p in pages]
+            ok = checked_flags("set_batch", backend.set_batch(list(keys), srcs), len(keys))
+            return sum(ok), ok
+        if not pages:  # a lookup
+            return checked_count("exists_prefix", backend.exists_prefix(list(keys)), len(keys)), ()
         if rows is not None:
             # page_first keeps a page contiguous in the canonical form: read straight into the pool
             # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
-            return read_prefix(backend, list(msg.keys), [rows[p] for p in msg.pages]), ()
+            return read_prefix(backend, list(keys), [rows[p] for p in pages]), ()
         shape = pool.shape
-        stage = torch.empty((len(msg.keys), shape.num_layers, shape.parts, pool.page_size, shape.num_kv_heads,
+        stage = torch.empty((len(keys), shape.num_layers, shape.parts, pool.page_size, shape.num_kv_heads,
                              shape.head_dim), dtype=shape.dtype)  # untouched: pages never read cost no memory
         bufs = list(stage)
-        k = read_prefix(backend, list(msg.keys), bufs)  # a missing page ends the hit (presence is a hint)
+        k = read_prefix(backend, list(keys), bufs)  # a missing page ends the hit (presence is a hint)
         for i in range(k):
-            pool.write_page(msg.pages[i], bufs[i])
+            pool.write_page(pages[i], bufs[i])
         return k, ()
 
     def _post_storage_future(self, loop: asyncio.AbstractEventLoop, op_id: int, fut: Any) -> None:
@@ -317,7 +357,9 @@ class TransferActor(Actor[TransferMessage]):
             self.counters["storage_ops_done"] += 1
             if submit.write or submit.pages:  # a lookup moves no bytes
                 key = "storage_bytes_written" if submit.write else "storage_bytes_read"
-                self.counters[key] += msg.pages * page_bytes
+                # every rank's shard (a replicated shard: one copy written, read by every rank)
+                movers = 1 if submit.write and not submit.rank_keys else len(self._rank_pools)
+                self.counters[key] += msg.pages * page_bytes * movers
         elif msg.violation is not None:
             self.counters["storage_ops_failed"] += 1
             self.counters["storage_backend_errors"] += 1

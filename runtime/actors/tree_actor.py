@@ -200,8 +200,9 @@ class TreeActor(Actor[TreeMessage]):
         copies, stores, notes = self.core.take_effects()
         for plan, readiness in copies:
             self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
-        for op_id, write, keys, pages in stores:
-            self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox))
+        for op_id, write, keys, pages, rank_keys in stores:
+            self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox,
+                                                             rank_keys=rank_keys))
         if notes:
             mailbox = self.offload_mailbox
             if mailbox is not None and not mailbox.closed:

@@ -63,7 +63,7 @@ from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.messages import TransferPlan
 from runtime.storage.backend import checked_flags, read_prefix
 from runtime.storage.file_backend import FileBackend
-from runtime.storage.hashing import KVIdentity
+from runtime.storage.hashing import KVIdentity, tp_shard
 from runtime.trace import get_logger
 from runtime.transfer.block_copier import PagedKVCopier
 from runtime.tree.storage_tier import StorageRequest
@@ -114,10 +114,18 @@ JobResult = tuple[dict[int, str | None], dict[int, StorageOutcome], set[int]]
 @dataclass
 class CopyAcks(KVConnectorWorkerMetadata):
     """Workers -> scheduler: each copy's outcome (None: done; else what failed) and each storage
-    op's. An op failed on any worker failed (each worker holds its own shard of every page)."""
+    op's. An op failed on any worker failed (each worker holds its own shard of every page); a
+    storage op's pages are the minimum over workers, a write's per-page flags the AND.
+    `reports`: per op, how many workers' outcomes this holds (workers finish an op at different
+    steps; the scheduler applies it once every worker reported it)."""
 
     outcomes: dict[int, str | None] = field(default_factory=dict)
     storage: dict[int, StorageOutcome] = field(default_factory=dict)
+    reports: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of_worker(cls, outcomes: dict[int, str | None], storage: dict[int, StorageOutcome]) -> "CopyAcks":
+        return cls(outcomes, storage, dict.fromkeys([*outcomes, *storage], 1))
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, CopyAcks)
@@ -130,7 +138,19 @@ class CopyAcks(KVConnectorWorkerMetadata):
                 p0, e0, ok0 = stored[op]
                 pages, err, ok = min(p0, pages), e0 or err, tuple(a and b for a, b in zip(ok0, ok))
             stored[op] = (pages, err, ok)
-        return CopyAcks(merged, stored)
+        reports = dict(self.reports)
+        for op, n in other.reports.items():
+            reports[op] = reports.get(op, 0) + n
+        return CopyAcks(merged, stored, reports)
+
+    def split(self, workers: int) -> tuple["CopyAcks", "CopyAcks"]:
+        """(the ops every one of `workers` reported, the rest)."""
+        done = {op for op, n in self.reports.items() if n >= workers}
+        parts = tuple(CopyAcks({op: e for op, e in self.outcomes.items() if (op in done) == whole},
+                               {op: o for op, o in self.storage.items() if (op in done) == whole},
+                               {op: n for op, n in self.reports.items() if (op in done) == whole})
+                      for whole in (True, False))
+        return parts[0], parts[1]
 
 
 @dataclass(frozen=True)
@@ -170,6 +190,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         if type(host_blocks) is not int or host_blocks <= 0:
             raise ConfigError(f"kv_connector_extra_config.host_blocks must be a positive int, got {host_blocks!r}")
         self.host_blocks = host_blocks
+        parallel = vllm_config.parallel_config
+        # tensor parallelism: every worker stores its own heads under its own keys, which the
+        # scheduler's storage ops carry for every rank (`StorageRequest.rank_keys`); the scheduler
+        # applies an op once every worker reported it
+        self.tp_size = parallel.tensor_parallel_size
+        self.tp_rank = parallel.rank % self.tp_size  # (a worker's; the scheduler's is 0)
+        self._workers = parallel.world_size
+        self._partial_acks = CopyAcks()  # ops some workers reported, not all yet
         self.identity = _identity(vllm_config, kv_cache_config, extra)
         self.storage = _open_storage(vllm_config, kv_cache_config, extra)
         # scheduler side
@@ -204,7 +232,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         if role is KVConnectorRole.SCHEDULER:
             self.core = TiersOnlyCore(self.block_size, host_blocks * self.block_size, kv_cache_config.num_blocks)
             if self.storage is not None:
-                self.core.enable_storage(self.identity, self.storage.exists_prefix)
+                self.core.enable_storage(self.identity, self.storage.exists_prefix, self.tp_size)
         # KV events of the host tier and storage (`take_events`): on with vLLM's own
         self.events: ConnectorEvents | None = None
         kv_events = vllm_config.kv_events_config
@@ -275,6 +303,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             return
         if not isinstance(acks, CopyAcks):
             raise ConfigError(f"unexpected worker metadata {type(acks).__name__}")
+        acks, self._partial_acks = self._partial_acks.aggregate(acks).split(self._workers)
         for op_id, error in sorted(acks.outcomes.items()):
             self.core.apply_ack(op_id, error)
         for op_id, (pages, error, ok) in sorted(acks.storage.items()):  # (after the loads that pin their pages)
@@ -368,7 +397,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._collect()
         if not self._outcomes and not self._storage_outcomes:
             return None
-        acks = CopyAcks(self._outcomes, self._storage_outcomes)
+        acks = CopyAcks.of_worker(self._outcomes, self._storage_outcomes)
         self._outcomes, self._storage_outcomes = {}, {}
         return acks
 
@@ -441,7 +470,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         load = job.load
         usable = None
         if load.read is not None:
-            op_id, _, keys, pages = load.read
+            op_id, keys, pages = load.read.op_id, self._own_keys(load.read), load.read.pages
             try:
                 got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages]), None
             except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
@@ -471,7 +500,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             return {plan.op_id: repr(exc)}, {}, set()
 
     def _write(self, request: StorageRequest) -> JobResult:
-        op_id, _, keys, pages = request
+        op_id, keys, pages = request.op_id, self._own_keys(request), request.pages
         copier = self._copier()
         try:
             ok = checked_flags("set_batch", self.storage.set_batch(list(keys), [copier.page_buffer(p) for p in pages]),
@@ -481,6 +510,10 @@ class HiCacheConnector(KVConnectorBase_V1):
             log.warning("vllm_storage_write_failed", op=op_id, error=repr(exc))
             return {}, {op_id: (0, repr(exc), ())}, set()
 
+    def _own_keys(self, request: StorageRequest) -> tuple[bytes, ...]:
+        """This worker's keys of a storage op: its rank's list (its own heads), or the one list."""
+        return request.rank_keys[self.tp_rank] if request.rank_keys else request.keys
+
     def _copier(self) -> PagedKVCopier:
         if self.copier is None:
             raise ConfigError("HiCacheConnector: no KV caches registered")
@@ -489,14 +522,16 @@ class HiCacheConnector(KVConnectorBase_V1):
 
 def _identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> KVIdentity:
     """What makes a stored page reusable by another instance: the model and its weights, the KV
-    dtype and shape, and the page layout (a vLLM 0.33 block: heads x block x K|V, every layer)."""
+    dtype and shape (a rank's heads), the page layout (a vLLM 0.33 block: heads x block x K|V,
+    every layer) and, under tensor parallelism, rank 0's shard (the scheduler's storage tier
+    derives every rank's from it)."""
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     model = vllm_config.model_config
     layout = f"vllm-block:{spec.num_kv_heads}x{spec.block_size}x{2 * spec.head_size}"
     return KVIdentity(str(extra.get("model_id", model.model)), str(extra.get("weight_version", model.revision or "")),
                       str(spec.dtype).removeprefix("torch."), len(group.layer_names), spec.num_kv_heads,
-                      spec.head_size, layout)
+                      spec.head_size, layout, shard=tp_shard(0, vllm_config.parallel_config.tensor_parallel_size))
 
 
 def _open_storage(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> FileBackend | None:
@@ -505,12 +540,11 @@ def _open_storage(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra
         return None
     if not isinstance(path, str) or not path:
         raise ConfigError(f"kv_connector_extra_config.storage_dir must be a directory path, got {path!r}")
-    # Each rank holds its own heads, so each needs its own keys (KVIdentity.shard, tp_shard(rank,
-    # size)); the scheduler picks a page's keys and has no rank, so the per-rank key lists of
-    # docs/ARCHITECTURE.md "Tensor parallelism" come first; until then, refusing storage under TP is
-    # what keeps a rank off another rank's shard
-    if vllm_config.parallel_config.tensor_parallel_size > 1:
-        raise ConfigError("HiCacheConnector's storage tier supports tensor_parallel_size 1 for now")
+    # Under tensor parallelism each rank holds its own heads under its own keys (the scheduler's
+    # storage ops carry every rank's). Pipeline stages hold different layers of one page: no
+    # per-stage keys yet, so a stage would read another stage's layers
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError("HiCacheConnector's storage tier supports pipeline_parallel_size 1 for now")
     group = kv_cache_config.kv_cache_groups[0]  # a page: one block of every layer
     return FileBackend(path, len(group.layer_names) * group.kv_cache_spec.page_size_bytes,
                        cap_bytes=extra.get("storage_cap_bytes"))

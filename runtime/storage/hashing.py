@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
 
 import numpy as np
@@ -56,6 +56,17 @@ def tp_shard(tp_rank: int, tp_size: int) -> str:
     if not 0 <= tp_rank < tp_size:
         raise ValidationError(f"tp_rank must be in [0, tp_size) = [0, {tp_size}), got {tp_rank}")
     return "" if tp_size == 1 else f"tp{tp_rank}of{tp_size}"
+
+
+def rank_identities(identity: "KVIdentity", tp_ranks: int) -> tuple["KVIdentity", ...]:
+    """The identities of the `tp_ranks` ranks one control plane drives, whose rank 0 is `identity`:
+    one per rank, each its own shard; () when one key list serves every rank (one rank, or a
+    REPLICATED shard: rank 0 writes the one copy and every rank reads it)."""
+    if tp_ranks == 1 or identity.shard == REPLICATED:
+        return ()
+    if identity.shard != tp_shard(0, tp_ranks):
+        raise ValidationError(f"rank 0 of {tp_ranks} ranks has shard {tp_shard(0, tp_ranks)!r}, got {identity.shard!r}")
+    return tuple(replace(identity, shard=tp_shard(r, tp_ranks)) for r in range(tp_ranks))
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,12 +84,15 @@ class CopyHandle:
     ``layers``: one completion per layer, in layer order, each finishing no later than the
     next (a BACKUP may share one completion for all layers). ``done``: every layer finished.
     ``layer_events``: CUDA events per layer (for ``stream.wait_event``) or None.
+    ``ranks``: under one control plane over tensor-parallel ranks, each rank's own handle (rank
+    r's load readiness follows its own copy); empty for one rank.
     """
 
     op_id: int
     layers: tuple[Completion, ...]
     done: Completion
     layer_events: tuple[Any, ...] | None = None
+    ranks: tuple["CopyHandle", ...] = ()
 
 
 class CopyEngine(Protocol):

@@ -10,8 +10,9 @@ and everything it allows (a node's host copy counting, a device page freed after
 load's readiness), waits for the slowest rank: no rank is ever behind a decision.
 
 Each rank's engine resolves the plan on its own (seed 001: resolution never writes the plan), so
-the ranks share nothing but the plan. Storage I/O is not sharded here (per-rank storage keys are
-the storage tier's, not built yet).
+the ranks share nothing but the plan. The handle keeps every rank's own handle (`CopyHandle.ranks`):
+a load's per-rank readiness follows it (`LayerReadiness.rank`). Storage I/O is fanned out by the
+transfer actor (per-rank key lists, `SubmitStorage.rank_keys`), not here.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class ShardedCopyEngine:
         # rank accepts, and a refused plan started nowhere
         handles = [engine.submit(plan) for engine in self.engines]
         layers = tuple(AllRanks(per_layer) for per_layer in zip(*(h.layers for h in handles), strict=True))
-        return CopyHandle(plan.op_id, layers, AllRanks([h.done for h in handles]), None)
+        return CopyHandle(plan.op_id, layers, AllRanks([h.done for h in handles]), None, tuple(handles))
 
     def close(self) -> None:
         for engine in self.engines:

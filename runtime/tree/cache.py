@@ -109,7 +109,7 @@ class CacheCore:
             raise StateError("a storage tier needs the host tier")
         self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config))
         if kept is not None:
-            self.storage.known, self.storage.doubtful = kept.known, kept.doubtful
+            self.storage.known, self.storage.doubtful, self.storage.rank_keys = kept.known, kept.doubtful, kept.rank_keys
 
     def disable_storage(self) -> StoredPages:
         """`detach_storage`, once no storage op is in flight: the tier goes, and with it the records
@@ -117,7 +117,7 @@ class CacheCore:
         hashes it knew stored or in doubt (kept by the caller with that backend, for a re-attach)."""
         if self.storage is None or self.storage.ops:
             raise InternalError("storage detached with storage ops in flight")
-        kept = StoredPages(self.storage.known, self.storage.doubtful)
+        kept = StoredPages(self.storage.known, self.storage.doubtful, self.storage.rank_keys)
         self.storage = None
         return kept
 

@@ -211,6 +211,7 @@ class StoredPages:
 
     known: set[bytes]
     doubtful: set[bytes]
+    rank_keys: dict[bytes, tuple[bytes, ...]] = field(default_factory=dict)  # `StorageTier.rank_keys`
 
 
 @dataclass(slots=True)
@@ -226,6 +227,9 @@ class StorageOp:
     # order) and the hash of the page before each key (None: it starts its sequence)
     tokens: np.ndarray | None = None
     parents: list[bytes | None] | None = None
+    # under one control plane over tensor-parallel ranks: every rank's keys (rank 0's are `keys`),
+    # one list per rank; () when `keys` serve every rank (one rank, a replicated shard)
+    rank_keys: tuple[tuple[bytes, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

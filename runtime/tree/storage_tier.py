@@ -18,8 +18,8 @@ read): the pages `clear_storage` removes. While a storage control drains (`pause
 from __future__ import annotations
 
 import itertools
-from collections.abc import Container, Hashable, Iterator
-from typing import Any
+from collections.abc import Container, Hashable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from runtime.config import RuntimeConfig
 from runtime.errors import ArgumentError, InternalError
 from runtime.memory.owners import Owner
 from runtime.events.wire import STORAGE
-from runtime.storage.hashing import KVIdentity, page_hashes
+from runtime.storage.hashing import KVIdentity, page_hashes, rank_identities
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
 from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, aligned
@@ -42,7 +42,18 @@ _PREPARED_CAP = 4096
 COUNTERS = ("storage_writes_issued", "storage_pages_written", "storage_write_failures", "storage_lookups_issued",
             "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
             "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted")
-StorageRequest = tuple[int, bool, tuple[bytes, ...], tuple[int, ...]]  # op id, write, keys, host pages
+
+
+class StorageRequest(NamedTuple):
+    """A storage op for the transfer side: write, read or (a read with no pages) look up `keys`."""
+
+    op_id: int
+    write: bool
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]  # host pages, one per key
+    # under one control plane over tensor-parallel ranks: rank r's keys are rank_keys[r] (rank 0's
+    # are `keys`); (): `keys` serve every rank (one rank; a replicated shard, written by rank 0)
+    rank_keys: tuple[tuple[bytes, ...], ...] = ()
 
 
 def storage_key_ok(extra_key: Hashable) -> bool:
@@ -60,6 +71,10 @@ class StorageTier:
         self.residency = residency
         self._op_ids = op_ids
         self.identity = identity
+        # one control plane over tensor-parallel ranks: every rank's identity, its keys its own (the
+        # tree's own records, `known` and KV events, name a page by rank 0's key); () with one list
+        self.ranks = rank_identities(identity, config.tp_ranks)
+        self.rank_keys: dict[bytes, tuple[bytes, ...]] = {}  # a known page's (rank 0's key) other ranks' keys
         self.ops: dict[int, StorageOp] = {}
         self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
         self.prefetches: dict[Hashable, Prefetch] = {}
@@ -88,16 +103,17 @@ class StorageTier:
         if not pick:
             return
         keys = [hashes[i] for i in pick]
+        rank_keys = self.keys_per_rank(path, node.extra_key, keys, [first + i for i in pick])
         host = host.reshape(-1, ps)[pick].reshape(-1)
         op_id = next(self._op_ids)
         res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
         res.tree.protect_host(node, length)
-        sop = StorageOp(op_id, True, host, keys, node=node, length=length)
+        sop = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys)
         if res.events is not None:  # what a STORAGE event of the written pages says
             sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
             sop.parents = [every[first + i - 1] if first + i else None for i in pick]
         self.ops[op_id] = sop
-        self._requests.append((op_id, True, tuple(keys), self._host_pages(host)))
+        self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys))
         self.stats["storage_writes_issued"] += 1
 
     def write_chain(self, node: Node, length: int) -> None:
@@ -131,9 +147,10 @@ class StorageTier:
         if start:
             self._hold_anchor(pf, res.tree.settle(look, touch=False))
             pf.link = every[start // ps - 1]
+        rank_keys = self.keys_per_rank(tokens[:match_len], extra_key, keys, range(start // ps, match_len // ps))
         self.prefetches[rid] = pf
-        self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf)
-        self._requests.append((op_id, False, tuple(keys), ()))
+        self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf, rank_keys=rank_keys)
+        self._requests.append(StorageRequest(op_id, False, tuple(keys), (), rank_keys))
         self.stats["storage_lookups_issued"] += 1
         return len(keys) * ps
 
@@ -249,7 +266,7 @@ class StorageTier:
             if pf.by_prepare and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
                 self.prefetched.add(pf.rid)
             self._gone(sop.keys[pages:])  # (evicted elsewhere): rewrite it next time
-            self._found(pf, sop.keys[:pages])
+            self._found(pf, sop, pages)
             self.stats["storage_read_misses"] += len(sop.keys) - pages
             self.stats["storage_pages_read"] += pages
         rest = pf.host[pages * ps:]
@@ -272,9 +289,11 @@ class StorageTier:
             raise InternalError(f"storage clear with {len(self.ops)} storage ops in flight")
         if self.residency.events is not None:  # (the doubtful ones were reported removed when doubted)
             self.residency.events.removed_pages(sorted(self.known), STORAGE)
-        out = sorted(self.known | self.doubtful)
+        pages = self.known | self.doubtful
+        out = sorted(pages | {k for page in pages for k in self.rank_keys.get(page, ())})
         self.known.clear()
         self.doubtful.clear()
+        self.rank_keys.clear()
         return out
 
     def take_requests(self) -> list[StorageRequest]:
@@ -297,6 +316,7 @@ class StorageTier:
         if error is None and len(stored) < len(sop.keys):
             _log.warning("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
         self.known.update(stored)
+        self._remember_ranks(sop, [i for i, good in enumerate(ok) if good])
         if self.residency.events is not None and stored:
             self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
@@ -318,9 +338,12 @@ class StorageTier:
             events.stored_pages(sop.keys[i:j], sop.parents[i], sop.tokens[i * ps: j * ps], sop.node.extra_key, STORAGE)
             i = j
 
-    def _found(self, pf: Prefetch, keys: list[bytes]) -> None:
-        """Storage holds `keys` (the leading pages a lookup or read of `pf` found): known stored,
-        and a STORAGE event for those not known before (from the first such page on)."""
+    def _found(self, pf: Prefetch, sop: StorageOp, pages: int) -> None:
+        """Storage holds the leading `pages` of `sop`'s keys (a lookup or read of `pf` found them on
+        every rank): known stored, and a STORAGE event for those not known before (from the first
+        such page on)."""
+        keys = sop.keys[:pages]
+        self._remember_ranks(sop, range(pages))
         events = self.residency.events
         if events is not None:
             new = next((i for i, k in enumerate(keys) if k not in self.known), len(keys))
@@ -352,7 +375,7 @@ class StorageTier:
         elif not pf.cancelled:
             self.stats["storage_read_misses"] += len(sop.keys) - found
             self._gone(sop.keys[found:])
-            self._found(pf, sop.keys[:found])
+            self._found(pf, sop, found)
         if found and self._read(pf, sop.keys[:found]):
             return None  # its waiters wait for the read
         self._release_anchor(pf)
@@ -389,9 +412,11 @@ class StorageTier:
         res.host.pin(host, op_id, trusted=True)  # (the ledger's own alloc)
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
-        self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf)
+        first = pf.start // res.page_size
+        rank_keys = self.keys_per_rank(pf.tokens, pf.extra_key, keys, range(first, first + len(keys)))
+        self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf, rank_keys=rank_keys)
         self.stats["storage_reads_issued"] += 1
-        return op_id, False, tuple(keys), self._host_pages(host)
+        return StorageRequest(op_id, False, tuple(keys), self._host_pages(host), rank_keys)
 
     def _hold_anchor(self, pf: Prefetch, m: MatchResult) -> None:
         """Keep the prefetch's anchor (the matched prefix `m`, ending exactly at `pf.start`) in the
@@ -415,6 +440,26 @@ class StorageTier:
 
     def _hashes(self, tokens: np.ndarray, extra_key: Hashable) -> list[bytes]:
         return page_hashes(tokens, self.residency.page_size, extra_key, self.identity)
+
+    def keys_per_rank(self, tokens: np.ndarray, extra_key: Hashable, keys: list[bytes],
+                       pages: Sequence[int]) -> tuple[tuple[bytes, ...], ...]:
+        """Every rank's keys of pages `pages` (ascending) of `tokens`, rank 0's being `keys`: the
+        prefix hashed once per rank's shard. () when `keys` serve every rank."""
+        if not self.ranks or not keys:
+            return ()
+        ps = self.residency.page_size
+        head = tokens[:(pages[-1] + 1) * ps]
+        others = []
+        for identity in self.ranks[1:]:
+            every = page_hashes(head, ps, extra_key, identity)
+            others.append(tuple(every[i] for i in pages))
+        return (tuple(keys), *others)
+
+    def _remember_ranks(self, sop: StorageOp, stored: Sequence[int]) -> None:
+        """The other ranks' keys of `sop`'s pages `stored` (now known stored): a clear removes them too."""
+        if sop.rank_keys:
+            for i in stored:
+                self.rank_keys[sop.keys[i]] = tuple(keys[i] for keys in sop.rank_keys[1:])
 
     def _host_pages(self, host: np.ndarray) -> tuple[int, ...]:
         ps = self.residency.page_size

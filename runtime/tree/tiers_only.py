@@ -128,12 +128,17 @@ class TiersOnlyCore:
             ("lookups", "tokens_host_hit", "tokens_storage_hit", "tokens_loaded", "tokens_storage_loaded",
              "tokens_backed_up", "tokens_backup_skipped", "load_errors", "backup_errors", "storage_lookup_errors"), 0)
 
-    def enable_storage(self, identity: KVIdentity, exists_prefix: Callable[[list[bytes]], int]) -> None:
+    def enable_storage(self, identity: KVIdentity, exists_prefix: Callable[[list[bytes]], int],
+                       tp_ranks: int = 1) -> None:
         """A storage tier behind the host tier: pages addressed by `identity`'s page hashes;
-        `exists_prefix` (the backend's) answers lookups on the scheduler's thread."""
+        `exists_prefix` (the backend's) answers lookups on the scheduler's thread. `tp_ranks` > 1:
+        the engine's tensor-parallel ranks, each storing its own shard under its own keys
+        (`identity` is rank 0's; a storage op carries every rank's, `StorageRequest.rank_keys`,
+        and a lookup counts the pages every rank has)."""
         if self.storage is not None:
             raise StateError("storage is enabled already")
-        self.storage = StorageTier(RuntimeConfig(page_size=self.page_size), self.residency, self._op_ids, identity)
+        config = RuntimeConfig(page_size=self.page_size, tp_ranks=tp_ranks, tp_size=tp_ranks)
+        self.storage = StorageTier(config, self.residency, self._op_ids, identity)
         self._exists = exists_prefix
 
     def page_keys(self, tokens: Any, extra_key: Hashable) -> list[bytes]:
@@ -160,7 +165,7 @@ class TiersOnlyCore:
             wanted = (keys if keys is not None else self._page_keys(tokens, extra_key))[host_end // ps: n // ps]
             if wanted:
                 try:
-                    stored_end += checked_count("exists_prefix", self._exists(wanted), len(wanted)) * ps
+                    stored_end += self._stored_pages(tokens[:n], extra_key, wanted, host_end // ps) * ps
                 except Exception as exc:  # noqa: BLE001 - a failing backend is a miss, never a crashed scheduler
                     self.stats["storage_lookup_errors"] += 1
                     log.warning("tiers_storage_lookup_failed", error=repr(exc))
@@ -350,6 +355,18 @@ class TiersOnlyCore:
             return []
         return page_hashes(tokens[:aligned(len(tokens) - 1, self.page_size)], self.page_size, extra_key,
                            self.storage.identity)
+
+    def _stored_pages(self, tokens: np.ndarray, extra_key: Hashable, wanted: list[bytes], first: int) -> int:
+        """The leading pages of `wanted` (the keys of pages `first`.. of `tokens`) that storage
+        holds for every rank (each rank's own keys; a later rank is asked only that far)."""
+        assert self._exists is not None and self.storage is not None
+        every = self.storage.keys_per_rank(tokens, extra_key, wanted, range(first, first + len(wanted))) or (wanted,)
+        found = len(wanted)
+        for keys in every:
+            if found == 0:
+                break
+            found = checked_count("exists_prefix", self._exists(list(keys[:found])), found)
+        return found
 
     def _check_open(self, rid: Hashable) -> None:
         rec = self.requests.get(rid)

@@ -339,18 +339,3 @@ def test_a_requests_kept_token_array_is_extended_and_never_used_once_vllm_change
     assert conn._tokens_of(req).tolist() == ids
     del ids[20:]  # shorter than the kept array
     assert conn._tokens_of(req).tolist() == ids
-
-
-def test_storage_under_tensor_parallelism_is_refused(tmp_path):
-    """The scheduler picks a page's storage keys and has no rank, so under TP every rank would
-    read and write the same keys (another rank's heads): the connector refuses storage there
-    until per-rank keys exist (docs/ARCHITECTURE.md, "Tensor parallelism")."""
-    from types import SimpleNamespace
-
-    from runtime.errors import ConfigError
-    from runtime.integrations.vllm import _open_storage
-
-    vllm_cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="tensor_parallel_size 1"):
-        _open_storage(vllm_cfg, None, {"storage_dir": str(tmp_path)})  # type: ignore[arg-type]
-    assert list(tmp_path.iterdir()) == []  # refused before the directory was touched

@@ -5,11 +5,15 @@ tests do): `schedule()`, then the worker connector's per-step calls around a fak
 `update_from_output`. The fake forward writes a fingerprint of each computed token's prefix
 into its KV slot in every layer, and samples the next token from a sum over *all* the KV it
 reads: wrong KV anywhere in a request's context changes its output. A tiny `LlamaConfig` saved
-to a temp dir is the model (no hub); vLLM's block size 16, KV float32, one group.
+to a temp dir is the model (no hub); vLLM's block size 16, KV float32, one group. Under tensor
+parallelism (`vllm_config(tp=n)`) there is a worker connector and KV tensors per rank, each rank's
+fingerprints its own, every rank's KV read for sampling, and the workers' outputs merged by
+vLLM's own `KVOutputAggregator`, as vLLM's executor merges them.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 import zlib
@@ -28,10 +32,12 @@ from vllm.config import (  # noqa: E402
     KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -65,7 +71,7 @@ def save_tiny_model(path: str) -> None:
 
 def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime.integrations.vllm",
                 extra: dict[str, Any] | None = None, max_batched: int = 256, max_seqs: int = 16,
-                kv_events: bool = False) -> VllmConfig:
+                kv_events: bool = False, tp: int = 1) -> VllmConfig:
     kvt = None
     if connector is not None:
         kvt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
@@ -78,12 +84,14 @@ def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime
                                          enable_chunked_prefill=True, is_encoder_decoder=False,
                                          async_scheduling=False, disable_hybrid_kv_cache_manager=True),
         cache_config=cache, kv_transfer_config=kvt, device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         # (publisher "null": a test puts its own collector in the scheduler's `kv_event_publisher`)
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None)
 
 
-def fingerprint(prefix_hash: int, layer: int) -> float:
-    return float(prefix_hash % 4093 + 1 + 5000 * layer)  # exact in float32; sums of 2k stay exact
+def fingerprint(prefix_hash: int, layer: int, rank: int = 0) -> float:
+    """A token's KV in `layer` of tensor-parallel rank `rank` (its own heads: every rank's differ)."""
+    return float(prefix_hash % 4093 + 1 + 5000 * layer + 10007 * rank)  # exact in float32; sums of 2k stay exact
 
 
 @dataclass
@@ -93,8 +101,11 @@ class FakeEngine:
     config: VllmConfig
     num_blocks: int
     scheduler: Scheduler = field(init=False)
-    worker: Any = field(init=False)
-    kv: dict[str, torch.Tensor] = field(init=False)
+    worker: Any = field(init=False)  # rank 0's worker connector (None without a connector)
+    workers: list[Any] = field(init=False)  # one per tensor-parallel rank
+    kv: dict[str, torch.Tensor] = field(init=False)  # rank 0's KV tensors
+    kvs: list[dict[str, torch.Tensor]] = field(init=False)  # every rank's
+    aggregator: KVOutputAggregator = field(init=False)
     computed: dict[str, int] = field(default_factory=dict)  # tokens the fake forward computed per request
     outputs: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
     finished: set[str] = field(default_factory=set)
@@ -117,12 +128,24 @@ class FakeEngine:
         self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=kvc,
                                    structured_output_manager=StructuredOutputManager(self.config),
                                    block_size=BLOCK, log_stats=True)
-        raw = torch.zeros(tensor.size, dtype=torch.int8)
-        self.kv = dict(zip(NAMES, create_kv_cache_views(raw, spec, self.num_blocks, KVCacheLayout.LBNHC, tensor)))
-        self.worker = None
+        # one worker per tensor-parallel rank, each with KV tensors of its own (rank r's heads)
+        ranks = self.config.parallel_config.tensor_parallel_size
+        self.kvs = [dict(zip(NAMES, create_kv_cache_views(torch.zeros(tensor.size, dtype=torch.int8), spec,
+                                                          self.num_blocks, KVCacheLayout.LBNHC, tensor)))
+                    for _ in range(ranks)]
+        self.kv = self.kvs[0]
+        self.workers = []
         if self.config.kv_transfer_config is not None:
-            self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kvc)
-            self.worker.register_kv_caches(self.kv)
+            for rank, kv in enumerate(self.kvs):
+                config = self.config if rank == 0 else copy.deepcopy(self.config)
+                config.parallel_config.rank = rank  # (what vLLM's worker sets)
+                worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kvc)
+                worker.register_kv_caches(kv)
+                self.workers.append(worker)
+        self.worker = self.workers[0] if self.workers else None
+        # every worker's outputs as vLLM's executor merges them (a request's load or backup is
+        # finished once every worker reported it; the workers' metadata aggregated per step)
+        self.aggregator = KVOutputAggregator(ranks)
 
     @property
     def connector(self) -> Any:
@@ -148,26 +171,18 @@ class FakeEngine:
         self.preempted |= set(so.preempted_req_ids or ())
         if not so.num_scheduled_tokens:
             time.sleep(0.0005)  # waiting on the worker's thread: do not spin
-        out = None
-        if self.worker is not None:
-            w = self.worker
+        for w in self.workers:
             w.bind_connector_metadata(so.kv_connector_metadata)
             if so.has_sync_kv_loads:
                 w.start_load_kv(None)
         sampled = self._forward(so)
-        if self.worker is not None:
-            if not so.has_sync_kv_loads:
-                w.start_load_kv(None)
-            w.wait_for_save()
-            sending, recving = w.get_finished(so.finished_req_ids)
-            out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                    invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                    kv_connector_worker_meta=w.build_connector_worker_meta())
-            w.clear_connector_metadata()
         ids = list(so.num_scheduled_tokens)
-        engine_out = self.scheduler.update_from_output(so, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=[sampled.get(r, []) for r in ids], kv_connector_output=out))
+        outputs = [ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                     sampled_token_ids=[sampled.get(r, []) for r in ids],
+                                     kv_connector_output=self._worker_output(w, so))
+                   for w in self.workers or [None]]
+        engine_out = self.scheduler.update_from_output(
+            so, outputs[0] if len(outputs) == 1 else self.aggregator.aggregate(outputs))
         for outputs in engine_out.values():
             for o in outputs.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -176,6 +191,20 @@ class FakeEngine:
                 if o.new_token_ids and o.request_id in self._wrong_reads:
                     raise AssertionError(self._wrong_reads[o.request_id])
         self._wrong_reads.clear()
+
+    def _worker_output(self, w: Any, so: Any) -> KVConnectorOutput | None:
+        """A worker's part of the step after the forward (None without a connector)."""
+        if w is None:
+            return None
+        if not so.has_sync_kv_loads:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
+                                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                kv_connector_worker_meta=w.build_connector_worker_meta())
+        w.clear_connector_metadata()
+        return out
 
     def _schedule(self) -> Any:
         return self.scheduler.schedule()
@@ -198,17 +227,19 @@ class FakeEngine:
             for pos in range(start, end):
                 h = _extend_hash(h, tokens[pos])
                 b, off = blocks[pos // BLOCK], pos % BLOCK
-                for layer, name in enumerate(NAMES):
-                    self.kv[name][b, :, off, :] = fingerprint(h, layer)
+                for rank, kv in enumerate(self.kvs):
+                    for layer, name in enumerate(NAMES):
+                        kv[name][b, :, off, :] = fingerprint(h, layer, rank)
             self.computed[rid] = self.computed.get(rid, 0) + n
             scheduled.append((rid, req, blocks, end))
         for rid, req, blocks, end in scheduled:
             if end >= req.num_tokens:  # prefill done (or a decode step): sample from every KV slot read
                 pos = torch.arange(end)
                 where = torch.tensor(blocks)[pos // BLOCK]
-                reads = [self.kv[name][where, 0, pos % BLOCK, 0] for name in NAMES]
+                # every rank's KV is read (a rank served another rank's heads changes the output)
+                reads = [kv[name][where, 0, pos % BLOCK, 0] for kv in self.kvs for name in NAMES]
                 if self.check_reads:
-                    self._check_read(rid, req.all_token_ids, blocks, reads, req.cache_salt)
+                    self._check_read(rid, req.all_token_ids, blocks, reads[:len(NAMES)], req.cache_salt)
                 # (float64 sums of integer-valued float32 fingerprints: exact, in any order)
                 total = sum(float(r.double().sum()) for r in reads)
                 sampled[rid] = [int(total) % (VOCAB - 10) + 10]
@@ -240,7 +271,8 @@ class FakeEngine:
 
             check_tiers_only(self.connector.core, quiescent=True)
             conn = self.connector
-            assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or self.worker._jobs)
+            assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or conn._partial_acks.reports)
+            assert not any(w._jobs for w in self.workers)
 
 
 class EagerFreeConnector(HiCacheConnector):
@@ -256,13 +288,13 @@ class EagerFreeConnector(HiCacheConnector):
         return None, received  # (nothing was held for a finished request: nothing to hand back)
 
 
-def expected_block(tokens: list[int], index: int, layer: int, salt: str | None = None) -> torch.Tensor:
-    """What the fake forward writes into block `index` of `tokens` in `layer`."""
+def expected_block(tokens: list[int], index: int, layer: int, salt: str | None = None, rank: int = 0) -> torch.Tensor:
+    """What the fake forward writes into block `index` of `tokens` in `layer` of rank `rank`."""
     h = _prefix_hash(tokens[: index * BLOCK], salt)
     values = []
     for pos in range(index * BLOCK, (index + 1) * BLOCK):
         h = _extend_hash(h, tokens[pos])
-        values.append(fingerprint(h, layer))
+        values.append(fingerprint(h, layer, rank))
     return torch.tensor(values, dtype=torch.float32)[None, :, None].expand(KV_HEADS, BLOCK, 2 * HEAD)
 
 

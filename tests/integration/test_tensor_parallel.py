@@ -12,6 +12,9 @@ fail: every rank then addresses the same page hashes, rank 0's pages land first,
 finds them at its first admit and is served rank 0's heads (had it written first, its write would
 have found rank 0's pages present and kept them: pages are immutable). `test_identity_without_the_shard_reads_another_ranks_heads` runs that variant and asserts
 that the oracle flags it.
+
+The second half runs one runtime over every rank (`tp_ranks`, one control plane): each rank's
+pools, copies, storage keys and load readiness its own, one tree deciding for all of them.
 """
 
 from __future__ import annotations
@@ -25,15 +28,14 @@ from pathlib import Path
 import pytest
 
 from runtime.config import RuntimeConfig
-from runtime.errors import CapacityError
+from runtime.errors import ArgumentError, CapacityError
 from runtime.fingerprint import write_fingerprints
 from runtime.invariants import check_invariants
 from runtime.runtime import CacheRuntime
 from runtime.storage.file_backend import FileBackend
-from runtime.storage.hashing import KVIdentity, page_hashes
-from runtime.memory.pools import DevicePool, HostPool
+from runtime.storage.hashing import KVIdentity, page_hashes, tp_shard
 from runtime.transfer.fake_engine import FakeCopyEngine
-from runtime.transfer.sharded import ShardedCopyEngine, pool_geometry
+from runtime.tree.storage_tier import StorageTier
 from tests.integration.support import bad_positions, compute, settle, small_config, toks, until
 
 N = 40  # tokens written through to storage (10 pages of 4)
@@ -183,19 +185,133 @@ async def test_mla_and_mha_pages_of_the_same_size_never_match(tmp_path):
 
 
 # -- one control plane: one tree, every rank's pools ------------------------------------------------
+# `tp_ranks=n`: one runtime drives n ranks, each with device and host pools of its own
+# (`rt.device_pools[r]`, `rt.host_pools[r]`), one copy engine per rank behind a ShardedCopyEngine,
+# and each rank's storage I/O under its own keys (`SubmitStorage.rank_keys`).
 
 
-def _control_plane(size: int, ranks: list):
-    """The engine factory of an instance of `size` ranks under one control plane: rank 0's pools are
-    the runtime's, ranks 1.. get pools of the same geometry; one fake engine per rank (the test
-    completes each rank's copies when it likes), all behind one `ShardedCopyEngine`."""
-    def factory(pools):
-        all_pools = [pools] + [{name: (DevicePool(d.shape, d.num_slots, d.page_size),
-                                       HostPool(h.shape, h.num_slots, h.page_size, h.layout))
-                                for name, (d, h) in pools.items()} for _ in range(size - 1)]
-        ranks.extend((p, FakeCopyEngine(p)) for p in all_pools)
-        return ShardedCopyEngine([e for _, e in ranks], [pool_geometry(p) for p in all_pools])
-    return factory
+def plane_config(size: int, **changes) -> RuntimeConfig:
+    return small_config(copy_engine="cpu", host_tokens=256, tp_ranks=size, tp_size=size, **changes)
+
+
+def rank_keys(config: RuntimeConfig, rank: int, prompt) -> list[bytes]:
+    """Rank `rank`'s page keys of `prompt[:N]`, from its shard (worked out here, not by the runtime)."""
+    identity = dataclasses.replace(KVIdentity.from_config(config), shard=tp_shard(rank, config.tp_ranks))
+    return page_hashes(prompt[:N], config.page_size, None, identity)
+
+
+async def checked(rt: CacheRuntime, quiescent: bool = False) -> None:
+    await rt.inspect(lambda core: check_invariants(core, quiescent=quiescent))
+
+
+async def store_and_reload(rt: CacheRuntime, prompt, seed=shard_seed, lose=None) -> tuple[int, list[list[int]]]:
+    """Serve `prompt` on every rank (each rank's model writes `seed(r, n)`'s fingerprint into its
+    own device pool), write it through to storage, flush, then `lose()` (if given: drop stored
+    pages) and admit it again. Returns the tokens that admit found and, per rank, the positions
+    whose KV in that rank's device pool is not `seed(r, n)`'s."""
+    n = rt.config.tp_ranks
+    res = await cached_admit(rt, "a", prompt)
+    assert res.cached == 0
+    for r, pool in enumerate(rt.device_pools):
+        write_fingerprints(pool, res.slots, prompt, seed(r, n))
+    await rt.finish("a", prompt[:N])  # write-through: one backup plan on every rank, then the storage write
+    await settle(rt)
+    await checked(rt)
+    assert await rt.flush() > 0
+    await checked(rt, quiescent=True)
+    if lose is not None:
+        lose()
+    res = await cached_admit(rt, "b", prompt)
+    bad = [bad_positions(pool, res.slots[:res.cached], prompt[:res.cached], seed(r, n))
+           for r, pool in enumerate(rt.device_pools)]
+    await checked(rt)
+    await rt.abort("b")
+    await settle(rt)
+    await checked(rt, quiescent=True)
+    return res.cached, bad
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("size", [2, 4])
+async def test_one_control_plane_stores_and_reads_every_ranks_shard(tmp_path, size, host_layout):
+    """Write-through, flush, prefetch: every rank's shard is stored under its own keys (one file per
+    page per rank) and read back into that rank's pools only, the whole prefix from storage."""
+    cfg = plane_config(size, host_layout=host_layout)
+    prompt = toks(N + 1, 21)
+    pages = N // cfg.page_size
+    with FileBackend(tmp_path, cfg.page_size * cfg.bytes_per_token) as fb:
+        async with CacheRuntime.open(cfg, storage=fb) as rt:
+            assert rt.device_pools[0] is rt.device_pool and rt.host_pools[0] is rt.host_pool
+            assert len({id(p) for p in rt.device_pools + rt.host_pools}) == 2 * size
+            cached, bad = await store_and_reload(rt, prompt)
+            assert cached == N and bad == [[]] * size
+            stats = await rt.stats()
+            assert stats["storage"]["hit_tokens"] == N
+            assert stats["storage"]["written_bytes"] == size * N * cfg.bytes_per_token  # every rank's shard
+            for r in range(size):
+                assert fb.exists_prefix(rank_keys(cfg, r, prompt)) == pages
+        assert len(list(tmp_path.glob("*/*.kv"))) == size * pages
+
+
+@pytest.mark.parametrize("size", [2, 4])
+async def test_a_page_counts_only_when_every_rank_has_it(tmp_path, size):
+    """One rank's page gone from storage: the hit stops there for every rank (a lookup's count is
+    the minimum over ranks), and what is read is still each rank's own."""
+    cfg = plane_config(size)
+    prompt = toks(N + 1, 22)
+    lost = 6  # page index
+    with FileBackend(tmp_path, cfg.page_size * cfg.bytes_per_token) as fb:
+        async with CacheRuntime.open(cfg, storage=fb) as rt:
+            lose = lambda: fb.remove([rank_keys(cfg, size - 1, prompt)[lost]])  # noqa: E731
+            cached, bad = await store_and_reload(rt, prompt, lose=lose)
+            assert cached == lost * cfg.page_size and bad == [[]] * size
+
+
+async def test_clear_storage_removes_every_ranks_shard(tmp_path):
+    """`clear_storage` under one control plane removes every rank's pages, not rank 0's alone."""
+    cfg = plane_config(2)
+    prompt = toks(N + 1, 25)
+    pages = N // cfg.page_size
+    with FileBackend(tmp_path, cfg.page_size * cfg.bytes_per_token) as fb:
+        async with CacheRuntime.open(cfg, storage=fb) as rt:
+            assert await store_and_reload(rt, prompt) == (N, [[], []])
+            assert len(list(tmp_path.glob("*/*.kv"))) == 2 * pages
+            assert await rt.clear_storage() == 2 * pages
+            await checked(rt, quiescent=True)
+        assert list(tmp_path.glob("*/*.kv")) == []
+
+
+async def test_a_rank_reading_another_ranks_shard_is_caught(tmp_path, monkeypatch):
+    """Broken variant: every rank is given rank 0's key list. Rank 0 writes its shard, rank 1's
+    write finds those pages present (pages are immutable), and after the flush every rank reads
+    rank 0's heads: the oracle flags every position of rank 1."""
+    def rank_0s_keys(self, tokens, extra_key, keys, pages):
+        return (tuple(keys),) * len(self.ranks) if self.ranks and keys else ()
+    monkeypatch.setattr(StorageTier, "keys_per_rank", rank_0s_keys)
+    cfg = plane_config(2)
+    prompt = toks(N + 1, 23)
+    with FileBackend(tmp_path, cfg.page_size * cfg.bytes_per_token) as fb:
+        async with CacheRuntime.open(cfg, storage=fb) as rt:
+            cached, bad = await store_and_reload(rt, prompt)
+    assert cached == N and bad == [[], list(range(N))]
+    assert len(list(tmp_path.glob("*/*.kv"))) == N // cfg.page_size  # one copy: rank 0's
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("size", [2, 4])
+async def test_one_control_plane_mla_stores_one_copy_every_rank_reads(tmp_path, size, host_layout):
+    """MLA: the latent is the same on every rank (one key list, shard "replicated"): rank 0 writes
+    the one copy and after the flush every rank reads it into its own pools."""
+    cfg = plane_config(size, kv_layout="mla", num_kv_heads=1, head_dim=16, host_layout=host_layout)
+    prompt = toks(N + 1, 24)
+    with FileBackend(tmp_path, cfg.page_size * cfg.bytes_per_token) as fb:
+        async with CacheRuntime.open(cfg, storage=fb) as rt:
+            cached, bad = await store_and_reload(rt, prompt, latent_seed)
+            assert cached == N and bad == [[]] * size
+            stats = await rt.stats()
+            assert stats["storage"]["written_bytes"] == N * cfg.bytes_per_token  # one copy
+            assert stats["storage"]["read_bytes"] == size * N * cfg.bytes_per_token  # read by every rank
+    assert len(list(tmp_path.glob("*/*.kv"))) == N // cfg.page_size
 
 
 async def _release(engine: FakeCopyEngine, wait: bool = True) -> None:
@@ -210,54 +326,67 @@ async def _release(engine: FakeCopyEngine, wait: bool = True) -> None:
 @pytest.mark.parametrize("size", [2, 4])
 async def test_one_control_plane_waits_for_every_rank(size):
     """One tree decides for `size` ranks, each with its own pools and its own copy timing: a backup
-    counts (a host copy, a device page evictable) only once every rank copied it, and a load is
-    ready only once every rank's is; each rank's pools then hold its own heads."""
-    ranks: list = []
-    cfg = small_config(device_slots=48, host_tokens=128, write_policy="write_through")
-    async with CacheRuntime.open(cfg, engine_factory=_control_plane(size, ranks)) as rt:
+    counts (a host copy, a device page evictable) only once every rank copied it; a load is ready
+    for rank r once rank r's copy is (`readiness.rank(r)`) and for the instance once every rank's
+    is; each rank's pools then hold its own heads."""
+    cfg = small_config(device_slots=48, host_tokens=128, write_policy="write_through", tp_ranks=size, tp_size=size)
+    async with CacheRuntime.open(cfg, engine_factory=FakeCopyEngine) as rt:
+        engines = rt.engine.engines
         try:
-            await _serve_over_ranks(rt, cfg, ranks, size)
+            await _serve_over_ranks(rt, cfg, engines, size)
         finally:  # close waits for every copy (a fake engine's close blocks): complete them on every rank
-            for _, engine in ranks:
+            for engine in engines:
                 await _release(engine, wait=False)
             closing = asyncio.ensure_future(rt.close())
             while not closing.done():
-                for _, engine in ranks:
+                for engine in engines:
                     await _release(engine, wait=False)
             await closing
 
 
-async def _serve_over_ranks(rt: CacheRuntime, cfg: RuntimeConfig, ranks: list, size: int) -> None:
+async def _serve_over_ranks(rt: CacheRuntime, cfg: RuntimeConfig, engines, size: int) -> None:
     prompt = toks(N + 1, 11)
-    assert rt.device_pool is ranks[0][0]["kv"][0] and len(ranks) == size
+    assert len(engines) == size and all(isinstance(e, FakeCopyEngine) for e in engines)
     res = await rt.admit("a", prompt)
-    for r, (pools, _) in enumerate(ranks):  # each rank's model computes its own heads
-        write_fingerprints(pools["kv"][0], res.slots, prompt, shard_seed(r, size))
+    for r, pool in enumerate(rt.device_pools):  # each rank's model computes its own heads
+        write_fingerprints(pool, res.slots, prompt, shard_seed(r, size))
     await rt.finish("a", prompt[:N])  # write-through: one backup plan, on every rank
-    for _, engine in ranks[:-1]:
+    for engine in engines[:-1]:
         await _release(engine)
     host_nodes = lambda core: sum(n.host is not None for n in core.residency.tree.nodes())  # noqa: E731
     assert await rt.inspect(host_nodes) == 0  # the last rank has not copied: no host copy yet
     with pytest.raises(CapacityError):  # ...nor a device page that may go: the node is locked
         await rt.admit("big", toks(cfg.device_slots - 4, 12))
-    await _release(ranks[-1][1])
+    await _release(engines[-1])
     await settle(rt)
+    await checked(rt)
     assert await rt.inspect(host_nodes) > 0
     await rt.admit("big", toks(cfg.device_slots - 4, 12))  # evicts the device copies now
     await rt.abort("big")
     res = await rt.admit("b", prompt)
     assert res.loaded_host == N and res.readiness
-    for _, engine in reversed(ranks[1:]):  # every rank but rank 0, the last first
-        await _release(engine)
-        assert not res.readiness[0].all_ready()
-    await _release(ranks[0][1])
-    await res.readiness[0].wait_all()
-    for r, (pools, _) in enumerate(ranks):
-        device = pools["kv"][0]
-        assert bad_positions(device, res.slots[:N], prompt[:N], shard_seed(r, size)) == []
-        if size > 1:  # and not another rank's heads
-            other = shard_seed((r + 1) % size, size)
-            assert len(bad_positions(device, res.slots[:N], prompt[:N], other)) == N
+    readiness = res.readiness[0]
+    for r in reversed(range(size)):  # the last rank first
+        assert not readiness.rank(r).all_ready()
+        await _release(engines[r])
+        await readiness.rank(r).wait_all()  # rank r's own layers: ready now
+        assert all(not readiness.rank(q).all_ready() for q in range(r))  # ...and no lower rank's
+        assert readiness.all_ready() == (r == 0)  # the instance's: once every rank's is
+    await readiness.wait_all()
+    with pytest.raises(ArgumentError):
+        readiness.rank(size)
+    for r, pool in enumerate(rt.device_pools):
+        assert bad_positions(pool, res.slots[:N], prompt[:N], shard_seed(r, size)) == []
+        other = shard_seed((r + 1) % size, size)  # and not another rank's heads
+        assert len(bad_positions(pool, res.slots[:N], prompt[:N], other)) == N
     await rt.abort("b")
     await settle(rt)
-    await rt.inspect(lambda core: check_invariants(core, quiescent=True))
+    await checked(rt, quiescent=True)
+
+
+async def test_one_rank_keeps_its_own_pools_and_engine():
+    """tp_ranks=1 (the default): the pools are the runtime's own and the engine is not sharded."""
+    cfg = small_config(device_slots=48, host_tokens=128)
+    async with CacheRuntime.open(cfg, engine_factory=FakeCopyEngine) as rt:
+        assert rt.device_pools == (rt.device_pool,) and rt.host_pools == (rt.host_pool,)
+        assert isinstance(rt.engine, FakeCopyEngine)

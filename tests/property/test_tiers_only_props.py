@@ -248,7 +248,7 @@ class StorageModelEngine(ModelEngine):
         load's end, and the plan's pages from `read_at` on are the read's pages from `read_skip` on
         (the engine's own hit may cover the read's first pages)."""
         assert ld.plan is not None and ld.read is not None
-        _, write, keys_read, pages = ld.read
+        write, keys_read, pages = ld.read.write, ld.read.keys, ld.read.pages
         end = (local + ld.tokens) // PS
         host_end = end - len(pages)  # (in pages: where the host tier's hit ended)
         assert not write and len(keys_read) == len(pages) > 0 and host_end >= 0
@@ -300,7 +300,8 @@ class StorageModelEngine(ModelEngine):
         """What the worker does for op `op_id` (a backup's host pages are filled at its ack)."""
         fault = self.rng.random() < 0.1
         if op_id in self.writes:
-            _, _, keys, pages = self.writes.pop(op_id)
+            write = self.writes.pop(op_id)
+            keys, pages = write.keys, write.pages
             ok = []
             for key, page in zip(keys, pages):
                 content = tuple(self.host.get(page * PS + o) for o in range(PS))
@@ -312,7 +313,7 @@ class StorageModelEngine(ModelEngine):
         elif op_id in self.reads:
             tokens, local, ld = self.reads.pop(op_id)
             assert ld.read is not None
-            read_op, _, keys, pages = ld.read
+            read_op, keys, pages = ld.read.op_id, ld.read.keys, ld.read.pages
             got = 0 if fault else self.stored_prefix(keys)
             if got and self.rng.random() < 0.2:
                 got = self.rng.randrange(got)  # a page found unreadable ends the prefix read

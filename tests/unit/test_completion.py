@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime.completion import CompletionBridge, LayerReadiness
-from runtime.errors import RuntimeClosed, TransferError
+from runtime.errors import ArgumentError, InternalError, RuntimeClosed, TransferError
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.transfer.cpu_engine import CpuCopyEngine
@@ -289,6 +289,49 @@ async def test_layer_readiness_failure_and_shared_completion():
         with pytest.raises(TransferError):
             await r.wait(2)
         assert r.done() and not r.ready(0)
+
+
+async def test_per_rank_readiness_follows_each_ranks_own_copy():
+    """A load under one control plane over 2 ranks: rank r's readiness is ready when rank r's
+    copy is; the instance's when every rank's is (its layers: the ranks' AND). A failure of one
+    rank fails that rank's and the instance's, not the other rank's."""
+    ranks = [(Ev(), Ev()), (Ev(), Ev())]
+    rank_handles = tuple(CopyHandle(1, layers, layers[-1], None) for layers in ranks)
+    both = [Ev(), Ev()]  # the instance's layers (what ShardedCopyEngine's AllRanks gives)
+    handle = CopyHandle(1, tuple(both), both[-1], None, rank_handles)
+    async with CompletionBridge() as bridge:
+        r = LayerReadiness.pending(2, 1, ranks=2)
+        assert r.num_ranks == 2 and r.rank(0) is not r.rank(1)
+        r.bind(bridge, handle)
+        for ev in ranks[1]:
+            ev.set()
+        await r.rank(1).wait_all()
+        assert not r.rank(0).ready(0) and not r.ready(0)
+        ranks[0][0].set()
+        both[0].set()
+        await r.rank(0).wait(0)
+        await r.wait(0)
+        ranks[0][1].set(RuntimeError("rank 0 lost layer 1"))
+        both[1].set(RuntimeError("rank 0: lost"))
+        with pytest.raises(TransferError):
+            await r.rank(0).wait(1)
+        with pytest.raises(TransferError):
+            await r.wait_all()
+        assert r.rank(1).all_ready()
+        for bad in (2, -1, 1.0, None):
+            with pytest.raises(ArgumentError):
+                r.rank(bad)
+        with pytest.raises(InternalError):  # a copy of another rank count never binds
+            LayerReadiness.pending(2, 2, ranks=3).bind(bridge, handle)
+
+
+async def test_one_rank_readiness_is_its_own_rank_0():
+    r = LayerReadiness.pending(2, 1)
+    assert r.num_ranks == 1 and r.rank(0) is r
+    with pytest.raises(ArgumentError):
+        r.rank(1)
+    r.fail_all(TransferError("gone"))
+    assert r.done() and not r.all_ready()
 
 
 async def test_layer_readiness_completed():

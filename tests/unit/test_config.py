@@ -218,6 +218,26 @@ def test_tp_rank_and_size_are_validated(changes, says):
     assert says in error(RuntimeConfig, **changes)
 
 
+@pytest.mark.parametrize("changes, says", [
+    (dict(tp_ranks=0), "tp_ranks must be a positive integer, got 0"),
+    (dict(tp_ranks=True), "tp_ranks must be a positive integer, got True"),
+    (dict(tp_ranks=2.0, tp_size=2), "tp_ranks must be a positive integer, got 2.0"),
+    (dict(tp_ranks=2), "tp_ranks 2: one control plane drives every rank of the instance, so tp_size must equal it"),
+    (dict(tp_ranks=2, tp_size=4), "tp_size must equal it and tp_rank be 0 (got tp_size 4, tp_rank 0)"),
+    (dict(tp_ranks=2, tp_size=2, tp_rank=1), "(got tp_size 2, tp_rank 1)"),
+    (dict(tp_ranks=2, tp_size=2, state_layers=1, state_components="conv:4x2:float32", state_slots=4),
+     "tp_ranks > 1: recurrent state (state_layers > 0) has no per-rank pools yet"),
+])
+def test_tp_ranks_is_validated(changes, says):
+    assert says in error(RuntimeConfig, **changes)
+
+
+def test_tp_ranks_of_one_control_plane():
+    cfg = RuntimeConfig.from_env({"HICACHE_TP_RANKS": "4", "HICACHE_TP_SIZE": "4"})
+    assert (cfg.tp_ranks, cfg.tp_size, cfg.tp_rank) == (4, 4, 0)
+    assert RuntimeConfig().tp_ranks == 1
+
+
 def test_tp_fields_from_env():
     cfg = RuntimeConfig.from_env({"HICACHE_TP_RANK": "3", "HICACHE_TP_SIZE": "4"})
     assert (cfg.tp_rank, cfg.tp_size) == (3, 4)

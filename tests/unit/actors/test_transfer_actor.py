@@ -758,3 +758,140 @@ async def test_an_op_done_before_its_deadline_gets_no_overdue_and_the_drain_wait
     finally:
         fb.release()
         inner.close()
+
+
+# -- one control plane over tensor-parallel ranks: each rank's storage I/O its own ------------------
+
+
+class KeyedBackend:
+    """An in-memory backend: page bytes by key, every call recorded; `refuse`: keys a write fails."""
+
+    page_bytes = PAGE_BYTES
+    exists_is_local = False
+    get_prefix = None
+
+    def __init__(self, refuse: set[bytes] = frozenset()) -> None:
+        self.pages: dict[bytes, bytes] = {}
+        self.refuse = refuse
+        self.calls: list[tuple[str, tuple[bytes, ...]]] = []
+
+    def exists_prefix(self, keys):
+        self.calls.append(("exists_prefix", tuple(keys)))
+        return next((i for i, k in enumerate(keys) if k not in self.pages), len(keys))
+
+    def get_batch(self, keys, dests):
+        self.calls.append(("get_batch", tuple(keys)))
+        for k, d in zip(keys, dests):
+            if k in self.pages:
+                np.asarray(memoryview(d).cast("B"))[:] = np.frombuffer(self.pages[k], np.uint8)
+        return [k in self.pages for k in keys]
+
+    def set_batch(self, keys, srcs):
+        self.calls.append(("set_batch", tuple(keys)))
+        for k, s in zip(keys, srcs):
+            if k not in self.refuse:
+                self.pages[k] = bytes(memoryview(s).cast("B"))
+        return [k not in self.refuse for k in keys]
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
+@asynccontextmanager
+async def ranks_actor(backend: Any, ranks: int) -> AsyncIterator[tuple[TransferActor, list[HostPool], Mailbox[Any]]]:
+    """A transfer actor storing for `ranks` ranks, each with its own (page_first) host pool."""
+    dev = DevicePool(SHAPE, DEV_PAGES * PS, PS)
+    hosts = [HostPool(SHAPE, HOST_PAGES * PS, PS, "page_first", pin_memory=False) for _ in range(ranks)]
+    transfer = TransferActor(FakeCopyEngine({"kv": (dev, hosts[0])}), max_inflight_loads=3, max_queued_backups=8,
+                             mailbox_capacity=64, bytes_per_slot=SHAPE.bytes_per_token, storage=backend,
+                             host_pool=hosts[0], rank_host_pools=hosts)
+    sup = Supervisor([transfer])
+    await sup.start()
+    try:
+        yield transfer, hosts, Mailbox(64)
+    finally:
+        await sup.stop()
+    sup.raise_if_failed()
+
+
+def rank_op(op_id: int, kind: str, ack_to: Mailbox[Any], ranks: int, n: int = 3, replicated: bool = False) -> Any:
+    from runtime.messages import SubmitStorage
+
+    lists = tuple(tuple(f"r{r}-p{i}".encode() for i in range(n)) for r in range(ranks))
+    pages = () if kind == "lookup" else tuple(range(n))
+    return SubmitStorage(op_id, kind == "write", lists[0], pages, ack_to, rank_keys=() if replicated else lists)
+
+
+def fill(hosts: list[HostPool], n: int = 3) -> None:
+    """Rank r's host page p holds the value 10 * r + p."""
+    for r, host in enumerate(hosts):
+        for p in range(n):
+            host.buffer.view(HOST_PAGES, -1)[p] = 10 * r + p
+
+
+async def test_a_write_stores_every_ranks_shard_under_its_keys_and_a_page_only_when_all_did():
+    backend = KeyedBackend(refuse={b"r1-p1"})
+    async with ranks_actor(backend, 2) as (transfer, hosts, acks):
+        fill(hosts)
+        transfer.mailbox.put_internal(rank_op(1, "write", acks, 2))
+        [ack] = await next_msgs(acks)
+    assert (ack.pages, ack.ok, ack.error) == (2, (True, False, True), None)  # rank 1 lost page 1: not stored
+    assert [c for c, _ in backend.calls] == ["set_batch", "set_batch"]
+    for r in range(2):
+        for p in range(3):
+            key = f"r{r}-p{p}".encode()
+            if key != b"r1-p1":  # each rank's own page bytes under its own key
+                assert set(np.frombuffer(backend.pages[key], np.float32)) == {10 * r + p}
+
+
+async def test_a_lookup_and_a_read_count_the_pages_every_rank_has_each_into_its_own_pool():
+    backend = KeyedBackend()
+    async with ranks_actor(backend, 2) as (transfer, hosts, acks):
+        fill(hosts)
+        transfer.mailbox.put_internal(rank_op(1, "write", acks, 2))
+        await next_msgs(acks)
+        del backend.pages[b"r1-p2"]  # rank 1's last page gone
+        backend.calls.clear()
+        transfer.mailbox.put_internal(rank_op(2, "lookup", acks, 2))
+        [ack] = await next_msgs(acks)
+        assert ack.pages == 2
+        assert backend.calls == [("exists_prefix", (b"r0-p0", b"r0-p1", b"r0-p2")),
+                                 ("exists_prefix", (b"r1-p0", b"r1-p1", b"r1-p2"))]
+        for host in hosts:
+            host.buffer.zero_()
+        transfer.mailbox.put_internal(rank_op(3, "read", acks, 2))
+        [ack] = await next_msgs(acks)
+        assert (ack.pages, ack.error) == (2, None)
+        for r, host in enumerate(hosts):
+            for p in range(2):
+                assert set(host.buffer.view(HOST_PAGES, -1)[p].tolist()) == {10 * r + p}
+
+
+async def test_a_replicated_shard_is_written_by_rank_0_and_read_by_every_rank():
+    backend = KeyedBackend()
+    async with ranks_actor(backend, 3) as (transfer, hosts, acks):
+        fill(hosts)
+        transfer.mailbox.put_internal(rank_op(1, "write", acks, 3, replicated=True))
+        [ack] = await next_msgs(acks)
+        assert ack.pages == 3 and [c for c, _ in backend.calls] == ["set_batch"]
+        for host in hosts:
+            host.buffer.zero_()
+        transfer.mailbox.put_internal(rank_op(2, "read", acks, 3, replicated=True))
+        [ack] = await next_msgs(acks)
+        assert ack.pages == 3
+        for host in hosts:  # rank 0's latent, in every rank's pool
+            for p in range(3):
+                assert set(host.buffer.view(HOST_PAGES, -1)[p].tolist()) == {p}
+
+
+async def test_an_op_without_a_key_list_per_rank_fails_and_touches_nothing():
+    from runtime.messages import SubmitStorage
+
+    backend = KeyedBackend()
+    async with ranks_actor(backend, 2) as (transfer, hosts, acks):
+        transfer.mailbox.put_internal(SubmitStorage(1, True, (b"a",), (0,), acks, rank_keys=((b"a",),)))
+        [ack] = await next_msgs(acks)
+    assert ack.pages == 0 and "1 key lists for 2 ranks" in ack.error and backend.calls == []

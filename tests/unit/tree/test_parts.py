@@ -140,8 +140,8 @@ def test_storage_tier_lookup_that_finds_nothing_ends_the_prefetch():
     res = Residency.from_config(cfg)
     storage = StorageTier(cfg, res, itertools.count(1), KVIdentity.from_config(cfg))
     assert storage.prepare("p", toks(33, 0), None) == 32
-    (op_id, write, keys, pages), = storage.take_requests()
-    assert not write and len(keys) == 8 and pages == ()
+    (op_id, write, keys, pages, rank_keys), = storage.take_requests()
+    assert not write and len(keys) == 8 and pages == () and rank_keys == ()  # one rank: one key list
     assert "p" in storage.prefetches
     pf = storage.apply_ack(op_id, 0, None, (), set())
     assert pf is not None and pf.rid == "p" and not storage.prefetches and not storage.ops
