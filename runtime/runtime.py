@@ -16,6 +16,7 @@ every pending and later call raises `RuntimeFailed` and leaving the `async with`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import copy
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -215,7 +216,14 @@ class CacheRuntime:
         self.config = config
         shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype,
                         parts=config.kv_parts)
-        self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
+        sliding = len(config.sliding_layer_set)
+        # sliding layers: the full pool holds the other layers, in order; the sliding ones are in
+        # `swa_pool`, addressed through `swa_map` (set below, from the tree's ledger)
+        full = dataclasses.replace(shape, num_layers=config.num_layers - sliding) if sliding else shape
+        self.device_pool = DevicePool(full, config.device_slots, config.page_size, torch.device(config.device))
+        self.swa_pool = (DevicePool(dataclasses.replace(shape, num_layers=sliding), config.swa_slots, config.page_size,
+                                    torch.device(config.device)) if sliding else None)
+        self.swa_map: torch.Tensor | None = None
         self.host_pool = (HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
                           if config.host_slots > 0 else None)
         # a hybrid model's recurrent states: running requests' and the tree's snapshots
@@ -241,6 +249,9 @@ class CacheRuntime:
                               for name, pool in self.state_pool.component_pools()}
                              if self.state_pool is not None else None))
         self._core = CacheCore(config, self.tracer, readiness_factory=LayerReadiness.pending)
+        if self._core.residency.sliding is not None:
+            # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
+            self.swa_map = torch.from_numpy(self._core.residency.sliding.swa.map)
         if storage is not None:
             self._core.enable_storage()
         # decode offload: the offload actor and the tree actor know each other's mailbox
