@@ -77,7 +77,7 @@ class RuntimeConfig:
     state_slots: int = 0
     host_state_slots: int | None = None  # host copies of snapshots (None: 2 x state_slots with a host tier)
     # Sliding-window attention (docs/ARCHITECTURE.md, "Pool groups"): the layers in `sliding_layers`
-    # ("0,1,3": indices into num_layers; "" none) read only the last `sliding_window` tokens and keep
+    # ("0,1,3" or (0, 1, 3): indices into num_layers; "" none) read only the last `sliding_window` tokens and keep
     # their K/V in a pool of their own of `swa_tokens` slots (None: as many as device_slots), whose
     # pages the tree drops where no match can need them
     sliding_layers: str = ""
@@ -247,6 +247,9 @@ class RuntimeConfig:
         need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
 
     def _check_sliding(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
+        spec = self.sliding_layers
+        if isinstance(spec, (tuple, list)) and all(type(x) is int for x in spec):
+            object.__setattr__(self, "sliding_layers", ",".join(map(str, spec)))  # one form: the string
         layers = self.sliding_layer_set  # parses sliding_layers (ConfigError naming the field)
         if not layers:
             need(self.sliding_window == 0 and self.swa_tokens is None,

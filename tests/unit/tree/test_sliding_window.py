@@ -60,6 +60,7 @@ def dropped(core: CacheCore, tokens: np.ndarray) -> list[bool]:
     (dict(swa_tokens=6), "swa_tokens"),
     (dict(host_tokens=64), "host tier"),
     (dict(sliding_layers="", swa_tokens=None), "sliding_window"),
+    (dict(sliding_layers=(0, "2")), "sliding_layers"),
 ])
 def test_config_names_the_bad_field(changes, field):
     with pytest.raises(ConfigError, match=field):
@@ -71,6 +72,11 @@ def test_no_sliding_layers_keeps_the_plain_ledger():
                                    host_tokens=0))
     assert core.residency.sliding is None and type(core.residency.device).__name__ == "SlotLedger"
     assert RuntimeConfig(sliding_layers="1", sliding_window=4, host_tokens=0).swa_slots == 4096
+    config = RuntimeConfig(num_layers=4, sliding_layers=(3, 0, 1), sliding_window=4, host_tokens=0)
+    assert config.sliding_layers == "3,0,1" and config.sliding_layer_set == (0, 1, 3)
+    assert RuntimeConfig.from_dict(config.to_dict()) == config
+    assert RuntimeConfig.from_env({"HICACHE_SLIDING_LAYERS": "0,1", "HICACHE_SLIDING_WINDOW": "8",
+                                   "HICACHE_HOST_TOKENS": "0", "HICACHE_NUM_LAYERS": "3"}).sliding_layer_set == (0, 1)
 
 
 def test_every_allocated_page_gets_a_sliding_page_and_gives_it_back():
