@@ -204,6 +204,8 @@ class CacheCore:
         stats["tokens_device_hit"] += m.device_len
         stats["tokens_host_hit"] += host_len
         stats["tokens_recomputed"] += len(tokens) - cached
+        if res.sliding is not None:
+            res.sliding.count_cut()
         if self._selective:
             for node in device_nodes:
                 if node.hit_count >= self.config.write_through_threshold:

@@ -361,7 +361,8 @@ class Residency:
                   admitting: bool = False) -> tuple[MatchResult, int, int]:
         """The read-only look an admission starts from: (look, host tokens to load, device pages
         needed for them and the uncached rest). The last token is always computed (the model
-        needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (counted)."""
+        needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (a sliding cut is
+        noted for `SlidingWindow.count_cut`)."""
         ps = self.page_size
         look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, admitting=admitting)
         return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
@@ -379,11 +380,11 @@ class Residency:
                 look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
                 host_len = look.host_len if self.host is not None else 0
         sliding = self.sliding
-        if sliding is not None and look.device_len:  # (no host tier with sliding layers)
-            usable = sliding.usable_end(look)
+        if sliding is not None:  # (no host tier with sliding layers)
+            usable = sliding.usable_end(look) if look.device_len else 0
+            if admitting:
+                sliding.note_cut(look.device_len - usable)
             if usable < look.device_len:
-                if admitting:
-                    sliding.note_cut(look.device_len, usable)
                 look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
         return look, host_len
 

@@ -18,7 +18,7 @@ sliding KV of [e-W+1, e) only; full layers need all of [0, e). The rule, by cons
 - **split**: a split at q makes q a node end; if pages of q's window were dropped already,
   matches at q are cut (correct, just a shorter hit).
 
-Owns no state of its own beyond counters: which pages are dropped is `SwaSlots.map` (-1), read
+Owns no state of its own beyond counters (and the cut of the admission in progress): which pages are dropped is `SwaSlots.map` (-1), read
 through the node's full slots, so splits, adoption and eviction need nothing here.
 """
 
@@ -44,6 +44,7 @@ class SlidingWindow:
         self.ledger = ledger
         self.tree = tree
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._cut = 0  # tokens the current admission's look was cut by (note_cut, count_cut)
 
     # -- matching ----------------------------------------------------------------
     def usable_end(self, look: MatchResult) -> int:
@@ -61,9 +62,16 @@ class SlidingWindow:
         ok = np.flatnonzero(gone[ends] == gone[lo])
         return int(ok[-1] + 1) * ps if len(ok) else 0
 
-    def note_cut(self, matched: int, usable: int) -> None:
-        self.stats["swa_cut_backs"] += 1
-        self.stats["swa_cut_tokens"] += matched - usable
+    def note_cut(self, cut: int) -> None:
+        """An admission's look was cut by `cut` tokens (0: not cut); counted by `count_cut` once
+        the admission succeeds (a refused admit, retried, would count again)."""
+        self._cut = cut
+
+    def count_cut(self) -> None:
+        if self._cut:
+            self.stats["swa_cut_backs"] += 1
+            self.stats["swa_cut_tokens"] += self._cut
+            self._cut = 0
 
     # -- the drop rule -----------------------------------------------------------------
     def limit(self, num_tokens: int) -> int:

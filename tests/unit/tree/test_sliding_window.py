@@ -109,7 +109,9 @@ def test_a_match_is_cut_back_to_a_present_window():
     # e = 16 needs [11, 16): pages 2, 3 (page 2 dropped); e = 20 needs pages 3, 4: present
     assert core.match_prefix(a[:18])["device"] == 0
     assert core.match_prefix(a[:21])["device"] == 20
-    assert core.stats["swa_cut_backs"] == 0  # questions are not counted
+    with pytest.raises(CapacityError):  # a hit at 16, cut; 25 pages: refused
+        core.admit("big", np.concatenate([a[:16], toks(84, 9)]))
+    assert core.stats["swa_cut_backs"] == 0  # questions and refused admits are not counted
     res = run(core, "c", np.concatenate([a[:16], toks(8, 3)]))  # diverges at 16: a split there
     assert res.cached == 0 and core.stats["swa_cut_backs"] == 1 and core.stats["swa_cut_tokens"] == 16
     # c's pages came from a's lower half (split at 16: pages 4, 5 drop) and b: a's end still matches
