@@ -264,8 +264,9 @@ class RuntimeConfig:
              "sliding_layers: every layer slides; at least one full-attention layer is needed (not yet otherwise)")
         need(self.kv_layout == "mha", "sliding_layers needs kv_layout 'mha'")
         need(self.state_layers == 0, "sliding_layers with recurrent state (state_layers > 0): not yet")
-        # the drop rule covers the device tier; host copies of a pool that drops pages: not yet
-        need(self.host_slots == 0, "sliding_layers has no host tier yet: set host_tokens=0")
+        # the rule covers the device and host tiers; storage pages and decode offload: not yet
+        need(self.storage_backend == "none", "sliding_layers has no storage tier yet")
+        need(not self.decode_offload, "sliding_layers has no decode offload yet")
 
     # -- derived -------------------------------------------------------------------
     @property

@@ -307,7 +307,8 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
     full -> sliding map agree (each sliding page held by exactly one allocated full page); only
     tree nodes' pages lack sliding KV, and in each node they are a prefix of its pages (what the
     drop rule drops and a split hands on); no live request's window reads a dropped page: from
-    `cached_len - W + 1` on, everything it maps has sliding KV."""
+    `cached_len - W + 1` on, everything it maps has sliding KV; host copies' missing prefixes
+    belong to live host copies, and every backup in flight has its record."""
     sliding = core.residency.sliding
     assert sliding is not None
     swa, ps, window = sliding.swa, core.page_size, sliding.window
@@ -325,9 +326,18 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
         if dropped and flags[:dropped].any():
             _fail(f"node {node.id}: its pages without sliding KV are not a prefix of its pages "
                   f"({(~flags).astype(int).tolist()})")
+    for op in core.copies.ops.values():  # (an orphaned load's pages left their nodes)
+        in_nodes[np.asarray(_pages(op.device, ps), dtype=np.int64)] = True
     lost = np.flatnonzero(allocated & ~present & ~in_nodes)
     if len(lost):
         _fail(f"swa: full pages {lost[:8].tolist()} held outside the tree lack sliding KV")
+    for node, k in sliding.host_missing.items():
+        if node.host is None or node not in nodes or not 0 < k <= len(node.host) // ps:
+            _fail(f"swa: node {node.id} records {k} host pages without sliding KV but holds "
+                  f"{None if node.host is None else len(node.host) // ps} host pages")
+    backups = {op.op_id for op in core.copies.ops.values() if op.direction is Direction.BACKUP}
+    if set(sliding.backups) != backups:
+        _fail(f"swa: backups recorded {sorted(sliding.backups)} != in flight {sorted(backups)}")
     for rec in core.requests.values():
         lo = max(0, rec.cached_len - window + 1) // ps * ps
         pages = np.asarray(_pages(rec.slot_range(lo, rec.num_slots), ps), dtype=np.int64)

@@ -46,6 +46,7 @@ from runtime.events.hub import EventHub, EventSubscription
 from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.memory.state_pool import StatePool
+from runtime.memory.swa import SWA_POOL
 from runtime.messages import (
     Abort,
     Admit,
@@ -119,12 +120,15 @@ class _NoHostTier:
 
 def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostPool | None,
                 factory: EngineFactory | None = None,
-                states: tuple[StatePool, StatePool] | None = None) -> CopyEngine:
+                states: tuple[StatePool, StatePool] | None = None,
+                swa: tuple[DevicePool, HostPool] | None = None) -> CopyEngine:
     """The copy engine over the KV pools and, for a hybrid model, the state pools' components
-    (plan pools ``state.<component>``)."""
+    (plan pools ``state.<component>``); with sliding layers, their pools (plan pool ``swa``)."""
     if host_pool is None:
         return _NoHostTier()
     pools: dict[str, Any] = {"kv": (device_pool, host_pool)}
+    if swa is not None:
+        pools[SWA_POOL] = swa
     if states is not None:
         device_states, host_states = states
         for (name, dev), (_, host) in zip(device_states.component_pools(), host_states.component_pools(), strict=True):
@@ -154,6 +158,8 @@ def check_backend(config: RuntimeConfig, storage: Any) -> None:
     otherwise."""
     if config.state_shape is not None:
         raise ConfigError("recurrent state (state_layers > 0) has no storage tier yet")
+    if config.sliding_layer_set:
+        raise ConfigError("sliding_layers has no storage tier yet")
     missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")
                if not callable(getattr(storage, name, None))]
     if missing:
@@ -224,8 +230,12 @@ class CacheRuntime:
         self.swa_pool = (DevicePool(dataclasses.replace(shape, num_layers=sliding), config.swa_slots, config.page_size,
                                     torch.device(config.device)) if sliding else None)
         self.swa_map: torch.Tensor | None = None
-        self.host_pool = (HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
+        self.host_pool = (HostPool(full, config.host_slots, config.page_size, layout=config.host_layout)
                           if config.host_slots > 0 else None)
+        # host copies keep every layer: the sliding ones at the same host slots as the full ones
+        self.host_swa_pool = (HostPool(self.swa_pool.shape, config.host_slots, config.page_size,
+                                       layout=config.host_layout)
+                              if self.swa_pool is not None and self.host_pool is not None else None)
         # a hybrid model's recurrent states: running requests' and the tree's snapshots
         self.state_pool = (StatePool(config.state_shape, config.state_slots, torch.device(config.device))
                            if config.state_shape is not None else None)
@@ -239,15 +249,17 @@ class CacheRuntime:
             raise ConfigError("a storage tier needs the host tier")
         self._owned_storage = storage if own else None  # closed by the runtime (built from the config)
         self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory,
-                                  (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None)
+                                  (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None,
+                                  (self.swa_pool, self.host_swa_pool) if self.host_swa_pool is not None else None)
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
-            bytes_per_slot=config.bytes_per_token, storage=storage, host_pool=self.host_pool,
+            bytes_per_slot=full.bytes_per_token, storage=storage, host_pool=self.host_pool,
             storage_timeout_s=config.storage_timeout_s,
             pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
                               for name, pool in self.state_pool.component_pools()}
-                             if self.state_pool is not None else None))
+                             if self.state_pool is not None else
+                             {SWA_POOL: self.swa_pool.shape.bytes_per_token} if self.swa_pool is not None else None))
         self._core = CacheCore(config, self.tracer, readiness_factory=LayerReadiness.pending)
         if self._core.residency.sliding is not None:
             # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)

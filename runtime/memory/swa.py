@@ -24,7 +24,9 @@ from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.trace import SlotTracer
 
-__all__ = ["SwaSlots", "PairedLedger"]
+__all__ = ["SwaSlots", "PairedLedger", "SWA_POOL"]
+
+SWA_POOL = "swa"  # the plan pool of the sliding layers (device `rt.swa_pool`, host `rt.host_swa_pool`)
 
 
 class SwaSlots:

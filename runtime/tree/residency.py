@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.errors import CapacityError, ConfigError
+from runtime.errors import CapacityError
 from runtime.events.recorder import CPU, GPU, KVEventRecorder
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
@@ -50,8 +50,6 @@ class Residency:
         self.tree = RadixTree(page_size, policy_by_name(eviction_policy))
         self.sliding: SlidingWindow | None = None
         if sliding_window > 0:
-            if host_slots > 0:
-                raise ConfigError("sliding_layers: no host tier yet (host_slots must be 0)")
             swa = SwaSlots(device_slots, swa_slots, page_size)
             self.device: SlotLedger = PairedLedger(device_slots, page_size, Tier.DEVICE, tracer, swa)
             self.sliding = SlidingWindow(sliding_window, swa, self.device, self.tree)  # type: ignore[arg-type]
@@ -170,6 +168,8 @@ class Residency:
             if self.states is not None:
                 self.states.drop(node)
                 self.states.drop_host(node)
+            if self.sliding is not None:
+                self.sliding.forget_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
                 self.device.free(device, node_owner(node), node=node.id, reason="evict")
@@ -351,6 +351,8 @@ class Residency:
         """A split hands the upper part's slots (and page hashes) to the new node."""
         if self.events is not None:
             self.events.on_split(lower, upper)
+        if self.sliding is not None:
+            self.sliding.on_split(lower, upper)
         if upper.device is not None:
             self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
         if upper.host is not None and self.host is not None:
@@ -380,12 +382,14 @@ class Residency:
                 look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
                 host_len = look.host_len if self.host is not None else 0
         sliding = self.sliding
-        if sliding is not None:  # (no host tier with sliding layers)
-            usable = sliding.usable_end(look) if look.device_len else 0
+        if sliding is not None:
+            matched = look.device_len + host_len
+            usable = sliding.usable_end(look, host_len) if matched else 0
             if admitting:
-                sliding.note_cut(look.device_len - usable)
-            if usable < look.device_len:
+                sliding.note_cut(matched - usable)
+            if usable < matched:
                 look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
+                host_len = look.host_len if self.host is not None else 0
         return look, host_len
 
     def evictable_device_pages(self) -> int:

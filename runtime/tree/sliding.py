@@ -17,16 +17,22 @@ sliding KV of [e-W+1, e) only; full layers need all of [0, e). The rule, by cons
   eviction order (`drop`), then whole nodes (`Residency.evict_device`).
 - **split**: a split at q makes q a node end; if pages of q's window were dropped already,
   matches at q are cut (correct, just a shorter hit).
+- **host copies** keep every layer: a backup copies the sliding rows of the pages that have them
+  and records how many leading pages do not (`host_missing`, a prefix like the device's); the
+  cut reads it for a match's host-only part, and a load gives back the sliding pages of those.
 
-Owns no state of its own beyond counters (and the cut of the admission in progress): which pages are dropped is `SwaSlots.map` (-1), read
+Owns the host copies' missing prefixes and the backups' in flight, counters and the cut of the
+admission in progress; for device copies which pages are dropped is `SwaSlots.map` (-1), read
 through the node's full slots, so splits, adoption and eviction need nothing here.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from runtime.memory.swa import PairedLedger, SwaSlots
+from runtime.memory.swa import SWA_POOL, PairedLedger, SwaSlots
+from runtime.messages import PoolTransfer
 from runtime.tree.nodes import MatchResult, Node
 from runtime.tree.radix import RadixTree
 
@@ -45,19 +51,25 @@ class SlidingWindow:
         self.tree = tree
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._cut = 0  # tokens the current admission's look was cut by (note_cut, count_cut)
+        # host copies: leading pages of a node's host copy without sliding KV (absent: none), and
+        # those of each backup in flight (op id -> pages), given to its chain at the ack
+        self.host_missing: dict[Node, int] = {}
+        self.backups: dict[int, int] = {}
 
     # -- matching ----------------------------------------------------------------
-    def usable_end(self, look: MatchResult) -> int:
-        """The deepest page boundary e <= `look.device_len` whose window [e-W+1, e) has every
-        sliding page present (0: none)."""
+    def usable_end(self, look: MatchResult, host_len: int = 0) -> int:
+        """The deepest page boundary e <= `look.device_len + host_len` whose window [e-W+1, e)
+        has every sliding page present, on device for the device part and in the host copy for
+        the host-only part after it (0: none)."""
         ps = self.page_size
-        nodes = look.device_nodes
-        if not nodes:
+        flags = [self.swa.present(node.device[::ps] // ps) for node in look.device_nodes]
+        if host_len:
+            flags += [np.arange(node.num_tokens // ps) >= self.host_missing.get(node, 0) for node in look.host_nodes]
+        if not flags:
             return 0
-        parts = [node.device[::ps] // ps for node in nodes]
-        pages = np.concatenate(parts)[: look.device_len // ps]
-        gone = np.concatenate(([0], np.cumsum(~self.swa.present(pages))))
-        ends = np.arange(1, len(pages) + 1)
+        present = np.concatenate(flags)[: (look.device_len + host_len) // ps]
+        gone = np.concatenate(([0], np.cumsum(~present)))
+        ends = np.arange(1, len(present) + 1)
         lo = np.maximum(0, ends * ps - self.window + 1) // ps
         ok = np.flatnonzero(gone[ends] == gone[lo])
         return int(ok[-1] + 1) * ps if len(ok) else 0
@@ -108,6 +120,60 @@ class SlidingWindow:
                 break
         self.stats["swa_pages_dropped"] += dropped
         return dropped
+
+    # -- host copies (CopyTracker, Residency) -------------------------------------------
+    def start_backup(self, op_id: int, device: np.ndarray, host: np.ndarray) -> tuple[PoolTransfer, ...]:
+        """A backup of `device` pages into `host` pages (pinned by the copy, so none drops while
+        it runs) copies the sliding rows of the pages that have them; the leading pages that do
+        not are recorded for its host copy (`end_backup`)."""
+        ps = self.page_size
+        present = self.swa.present(device[::ps] // ps)
+        self.backups[op_id] = int(np.count_nonzero(~present))
+        return self._transfer(self.swa.map[device], host, np.repeat(present, ps))
+
+    def end_backup(self, op_id: int, chain: list[Node] | None) -> None:
+        """The backup's ack: its missing pages go to its chain's host copies, first nodes first
+        (None: it failed)."""
+        missing = self.backups.pop(op_id)
+        for node in chain or ():
+            if missing <= 0:
+                break
+            self.host_missing[node] = min(missing, node.num_tokens // self.page_size)
+            missing -= node.num_tokens // self.page_size
+
+    def start_load(self, host_nodes: list[Node]) -> tuple[PoolTransfer, ...]:
+        """A load into the host-only chain's fresh device copies: pages whose host copy lacks
+        sliding KV give back their new sliding page (a prefix of each node, as a drop leaves
+        it); the others' sliding rows are copied."""
+        ps = self.page_size
+        for node in host_nodes:
+            k = self.host_missing.get(node, 0)
+            if k:
+                assert node.device is not None
+                self.swa.give_back(node.device[: k * ps: ps] // ps)
+        device = np.concatenate([node.device for node in host_nodes])  # type: ignore[misc]
+        host = np.concatenate([node.host for node in host_nodes])  # type: ignore[misc]
+        dst = self.swa.map[device]
+        return self._transfer(host, dst, dst >= 0)
+
+    def on_split(self, lower: Node, upper: Node) -> None:
+        """A split hands the host copy's missing prefix to the upper half first."""
+        k = self.host_missing.pop(lower, 0)
+        if k:
+            up = upper.num_tokens // self.page_size
+            self.host_missing[upper] = min(k, up)
+            if k > up:
+                self.host_missing[lower] = k - up
+
+    def forget_host(self, node: Node) -> None:
+        self.host_missing.pop(node, None)
+
+    @staticmethod
+    def _transfer(src: np.ndarray, dst: np.ndarray, keep: np.ndarray) -> tuple[PoolTransfer, ...]:
+        """One `PoolTransfer` of the sliding pool copying `src[keep]` -> `dst[keep]` (none if empty)."""
+        if not keep.any():
+            return ()
+        return (PoolTransfer(SWA_POOL, torch.from_numpy(src[keep].copy()), torch.from_numpy(dst[keep].copy())),)
 
     # -- dry runs (room_for) ---------------------------------------------------------------
     def droppable_total(self, look: MatchResult | None) -> int:

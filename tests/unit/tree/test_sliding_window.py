@@ -58,7 +58,8 @@ def dropped(core: CacheCore, tokens: np.ndarray) -> list[bool]:
     (dict(sliding_layers="0,1,2"), "sliding_layers"),  # no full layer left
     (dict(sliding_window=0), "sliding_window"),
     (dict(swa_tokens=6), "swa_tokens"),
-    (dict(host_tokens=64), "host tier"),
+    (dict(host_tokens=64, storage_backend="file", storage_dir="/nonexistent"), "storage tier"),
+    (dict(host_tokens=64, decode_offload=True), "decode offload"),
     (dict(sliding_layers="", swa_tokens=None), "sliding_window"),
     (dict(sliding_layers=(0, "2")), "sliding_layers"),
 ])
@@ -219,4 +220,77 @@ def test_the_checker_flags_drops_that_are_not_a_prefix_and_a_broken_map():
     check_invariants(core)
     swa.holder[np.flatnonzero(swa.holder >= 0)[0]] += 1
     with pytest.raises(InvariantViolation, match="swa"):
+        check_invariants(core)
+
+
+def take_plans(core: CacheCore):
+    return [plan for plan, _ in core.take_effects().copies]
+
+
+def ack(core: CacheCore) -> None:
+    for op_id in sorted(core.copies.ops):
+        core.apply_ack(op_id, None)
+        check_invariants(core)
+
+
+def test_host_copies_keep_what_the_device_had_and_loads_bring_it_back():
+    """Write-back: a and b drop sliding pages under pressure, then go to host (their backups copy
+    the sliding rows of the pages that have them); a load of a brings back exactly those, its
+    other pages stay without, and a hit through host is cut like a device one."""
+    core = make_core(host_tokens=128, write_policy="write_back")
+    sliding = core.residency.sliding
+    a, b = toks(32, 1), toks(28, 2)
+    run(core, "a", a)
+    run(core, "b", b)  # drops a's pages 0..2
+    with pytest.raises(CapacityError):  # 10 pages: every droppable page, then a and b must go to host first
+        core.admit("c", toks(40, 3))
+    check_invariants(core)
+    plans = take_plans(core)
+    assert len(plans) == 2 and sliding.stats["swa_pages_dropped"] == 3 + 3 + 5
+    for plan in plans:  # kv: every page; swa: the last two pages only (a 32: 6 dropped; b 28: 5 dropped)
+        kv, swa = plan.transfers
+        assert (kv.pool, swa.pool) == ("kv", "swa") and len(kv.src) - len(swa.src) in (6 * PS, 5 * PS)
+        assert len(swa.src) == 2 * PS and (swa.dst.numpy() == kv.dst.numpy()[-2 * PS:]).all()
+    ack(core)
+    assert sorted(sliding.host_missing.values()) == [5, 6]
+    core.admit("c", toks(40, 3))
+    core.abort("c")
+    check_invariants(core)
+    assert core.match_prefix(a) == {"device": 0, "host": 32}
+    assert core.match_prefix(a[:25]) == {"device": 0, "host": 0}  # [19, 24): pages 4, 5 have none
+    res = core.admit("a2", np.concatenate([a, toks(4, 4)]))
+    assert (res.cached_device, res.loaded_host) == (0, 32)
+    (plan,) = take_plans(core)
+    kv, swa = plan.transfers
+    assert len(swa.src) == 2 * PS and (swa.src.numpy() == kv.src.numpy()[-2 * PS:]).all()
+    assert (swa.dst.numpy() == sliding.swa.map[kv.dst.numpy()[-2 * PS:]]).all()
+    assert dropped(core, a) == [True] * 6 + [False] * 2
+    check_invariants(core)
+    ack(core)
+    core.abort("a2")
+    check_invariants(core, quiescent=True)
+
+
+def test_a_split_host_copy_hands_its_missing_prefix_to_the_upper_half():
+    core = make_core(host_tokens=128, write_policy="write_back")
+    a = toks(32, 1)
+    run(core, "a", a)
+    run(core, "b", toks(28, 2))
+    with pytest.raises(CapacityError):
+        core.admit("c", toks(40, 3))
+    ack(core)
+    core.admit("c", toks(40, 3))
+    core.abort("c")
+    run(core, "d", np.concatenate([a[:12], toks(8, 5)]))  # splits a's host copy at 12: 3 pages up, 5 below
+    missing = {node.num_tokens: k for node, k in core.residency.sliding.host_missing.items()}
+    assert missing[12] == 3 and missing[20] == 3
+
+
+def test_the_checker_flags_a_missing_prefix_without_a_host_copy():
+    core = make_core(host_tokens=128, write_policy="write_back")
+    a = toks(32, 1)
+    run(core, "a", a)
+    node = core.residency.tree.match(a, None, split=False, touch=False).nodes[-1]
+    core.residency.sliding.host_missing[node] = 2
+    with pytest.raises(InvariantViolation, match="host pages without sliding KV"):
         check_invariants(core)
