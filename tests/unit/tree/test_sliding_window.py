@@ -147,19 +147,21 @@ def test_whole_nodes_go_once_nothing_more_can_drop():
 
 
 def test_can_admit_and_admit_agree_under_sliding_pressure():
-    core = make_core(swa_tokens=32)
-    run(core, "a", toks(24, 1))
-    b = core.admit("b", toks(24, 2))  # b holds 6 pages and a node of a locked? no: a is unlocked
+    core = make_core(swa_tokens=32)  # 8 sliding pages
+    a = toks(24, 1)
+    run(core, "a", a)  # 6 pages, first 4 droppable
+    core.admit("b", toks(24, 2))  # 6 pages: 2 free + a's 4 dropped
     check_invariants(core)
-    big = toks(16, 3)
-    want = core.can_admit(big)
-    if want:
-        core.admit("c", big)
-    else:
-        with pytest.raises(CapacityError):
-            core.admit("c", big)
+    # nothing free or droppable; evicting a (unlocked) gives back its 2 kept pages
+    assert not core.can_admit(toks(16, 3))
+    with pytest.raises(CapacityError):
+        core.admit("c", toks(16, 3))
     check_invariants(core)
-    assert b.cached == 0
+    assert core.match_prefix(a)["device"] == 24  # nothing changed
+    assert core.can_admit(toks(8, 4))
+    core.admit("d", toks(8, 4))
+    check_invariants(core)
+    assert core.match_prefix(a)["device"] == 0 and core.stats["device_evicted_tokens"] == 24
 
 
 def test_a_running_requests_window_is_never_dropped():
