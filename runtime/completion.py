@@ -311,6 +311,12 @@ class LayerReadiness:
             layers[len(self._futs) - 1] = layers[-1]
             if events is not None:
                 events[len(self._futs) - 1] = events[-1]
+        elif len(layers) < len(self._futs):
+            # fewer copy layers than readiness layers (a model's sliding layers in a pool of their
+            # own: each pool has fewer layers than the model): the rest wait for the copy's last
+            layers += [layers[-1]] * (len(self._futs) - len(layers))
+            if events is not None:
+                events += [events[-1]] * (len(self._futs) - len(events))
         if events is not None:
             self._events = tuple(events[: len(self._futs)])
         for target, c in zip(self._futs, layers):

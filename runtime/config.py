@@ -80,6 +80,13 @@ class RuntimeConfig:
     state_components: str = ""
     state_slots: int = 0
     host_state_slots: int | None = None  # host copies of snapshots (None: 2 x state_slots with a host tier)
+    # Sliding-window attention (docs/ARCHITECTURE.md, "Pool groups"): the layers in `sliding_layers`
+    # ("0,1,3" or (0, 1, 3): indices into num_layers; "" none) read only the last `sliding_window` tokens and keep
+    # their K/V in a pool of their own of `swa_tokens` slots (None: as many as device_slots), whose
+    # pages the tree drops where no match can need them
+    sliding_layers: str = ""
+    sliding_window: int = 0
+    swa_tokens: int | None = None
     # Device pool
     device: str = "cpu"
     page_size: int = 16
@@ -156,6 +163,7 @@ class RuntimeConfig:
             need(self.num_kv_heads == 1, f"kv_layout 'mla' keeps one latent per token: num_kv_heads must be 1 "
                                          f"(head_dim = kv_lora_rank + qk_rope_head_dim), got {self.num_kv_heads}")
         self._check_state(need)
+        self._check_sliding(need)
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -234,6 +242,7 @@ class RuntimeConfig:
              f"tp_ranks {self.tp_ranks}: one control plane drives every rank of the instance, so tp_size must "
              f"equal it and tp_rank be 0 (got tp_size {self.tp_size}, tp_rank {self.tp_rank})")
         need(self.state_layers == 0, "tp_ranks > 1: recurrent state (state_layers > 0) has no per-rank pools yet")
+        need(not self.sliding_layers, "tp_ranks > 1: sliding layers (sliding_layers) have no per-rank pools yet")
 
     def _check_state(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
         for name in ("state_layers", "state_slots"):
@@ -253,7 +262,52 @@ class RuntimeConfig:
         need(self.storage_backend == "none", "recurrent state (state_layers > 0) has no storage tier yet")
         need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
 
+    def _check_sliding(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
+        spec = self.sliding_layers
+        if isinstance(spec, (tuple, list)) and all(type(x) is int for x in spec):
+            object.__setattr__(self, "sliding_layers", ",".join(map(str, spec)))  # one form: the string
+        layers = self.sliding_layer_set  # parses sliding_layers (ConfigError naming the field)
+        if not layers:
+            need(self.sliding_window == 0 and self.swa_tokens is None,
+                 "sliding_window and swa_tokens need sliding_layers (e.g. \"0,1,3\")")
+            return
+        need(type(self.sliding_window) is int and self.sliding_window > 0,
+             f"sliding_window must be a positive int (tokens) with sliding_layers, got {self.sliding_window!r}")
+        if self.swa_tokens is not None:
+            need(type(self.swa_tokens) is int and self.swa_tokens > 0 and self.swa_tokens % self.page_size == 0,
+                 f"swa_tokens must be a positive multiple of page_size ({self.page_size}), got {self.swa_tokens!r}")
+        need(len(layers) < self.num_layers,
+             "sliding_layers: every layer slides; at least one full-attention layer is needed (not yet otherwise)")
+        need(self.kv_layout == "mha", "sliding_layers needs kv_layout 'mha'")
+        need(self.state_layers == 0, "sliding_layers with recurrent state (state_layers > 0): not yet")
+        # the rule covers the device and host tiers; storage pages and decode offload: not yet
+        need(self.storage_backend == "none", "sliding_layers has no storage tier yet")
+        need(not self.decode_offload, "sliding_layers has no decode offload yet")
+
     # -- derived -------------------------------------------------------------------
+    @property
+    def sliding_layer_set(self) -> tuple[int, ...]:
+        """The sliding-window layers, ascending (empty: none)."""
+        spec = self.sliding_layers
+        if not isinstance(spec, str):
+            raise ConfigError(f"sliding_layers must be a str of layer indices (\"0,1,3\"), got {spec!r}")
+        if not spec.strip():
+            return ()
+        try:
+            layers = [int(x) for x in spec.split(",")]
+        except ValueError:
+            raise ConfigError(f"sliding_layers: {spec!r} is not comma-separated layer indices") from None
+        if len(set(layers)) != len(layers) or not all(0 <= x < self.num_layers for x in layers):
+            raise ConfigError(f"sliding_layers: {spec!r} must name distinct layers in [0, num_layers={self.num_layers})")
+        return tuple(sorted(layers))
+
+    @property
+    def swa_slots(self) -> int:
+        """Device slots of the sliding layers' pool (0: no sliding layers)."""
+        if not self.sliding_layer_set:
+            return 0
+        return self.swa_tokens if self.swa_tokens is not None else self.device_slots
+
     @property
     def state_shape(self) -> StateShape | None:
         """The recurrent state of one slot (None: no recurrent layers)."""

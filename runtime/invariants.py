@@ -188,6 +188,8 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
 
     if core.residency.states is not None:
         _check_states(core, nodes)
+    if core.residency.sliding is not None:
+        _check_sliding(core, nodes)
 
     # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
     holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in copy_ops.values()]
@@ -298,6 +300,51 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
     _check_ledger("state", states.ledger, table, pins)
     if states.host_ledger is not None:
         _check_ledger("host state", states.host_ledger, host_table, host_pins)
+
+
+def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
+    """Sliding-window layers (docs/ARCHITECTURE.md, "Pool groups"): the sliding ledger and the
+    full -> sliding map agree (each sliding page held by exactly one allocated full page); only
+    tree nodes' pages lack sliding KV, and in each node they are a prefix of its pages (what the
+    drop rule drops and a split hands on); no live request's window reads a dropped page: from
+    `cached_len - W + 1` on, everything it maps has sliding KV; host copies' missing prefixes
+    belong to live host copies, and every backup in flight has its record."""
+    sliding = core.residency.sliding
+    assert sliding is not None
+    swa, ps, window = sliding.swa, core.page_size, sliding.window
+    allocated = core.residency.device.allocated()  # type: ignore[attr-defined]
+    swa.check(allocated)
+    present = swa.map[::ps] >= 0
+    in_nodes = np.zeros(len(present), dtype=bool)
+    for node in nodes:
+        if node.device is None:
+            continue
+        pages = np.asarray(_pages(node.device, ps), dtype=np.int64)
+        in_nodes[pages] = True
+        flags = present[pages]
+        dropped = int(np.count_nonzero(~flags))
+        if dropped and flags[:dropped].any():
+            _fail(f"node {node.id}: its pages without sliding KV are not a prefix of its pages "
+                  f"({(~flags).astype(int).tolist()})")
+    for op in core.copies.ops.values():  # (an orphaned load's pages left their nodes)
+        in_nodes[np.asarray(_pages(op.device, ps), dtype=np.int64)] = True
+    lost = np.flatnonzero(allocated & ~present & ~in_nodes)
+    if len(lost):
+        _fail(f"swa: full pages {lost[:8].tolist()} held outside the tree lack sliding KV")
+    for node, k in sliding.host_missing.items():
+        if node.host is None or node not in nodes or not 0 < k <= len(node.host) // ps:
+            _fail(f"swa: node {node.id} records {k} host pages without sliding KV but holds "
+                  f"{None if node.host is None else len(node.host) // ps} host pages")
+    backups = {op.op_id for op in core.copies.ops.values() if op.direction is Direction.BACKUP}
+    if set(sliding.backups) != backups:
+        _fail(f"swa: backups recorded {sorted(sliding.backups)} != in flight {sorted(backups)}")
+    for rec in core.requests.values():
+        lo = max(0, rec.cached_len - window + 1) // ps * ps
+        pages = np.asarray(_pages(rec.slot_range(lo, rec.num_slots), ps), dtype=np.int64)
+        if len(pages) and not present[pages].all():
+            at = lo + int(np.flatnonzero(~present[pages])[0]) * ps
+            _fail(f"request {rec.rid!r} (cached {rec.cached_len}) reads positions {at}..{at + ps - 1} in its "
+                  f"sliding window, whose sliding KV was dropped")
 
 
 def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -46,6 +47,7 @@ from runtime.events.hub import EventHub, EventSubscription
 from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.memory.state_pool import StatePool
+from runtime.memory.swa import SWA_POOL
 from runtime.messages import (
     Abort,
     Admit,
@@ -120,12 +122,15 @@ class _NoHostTier:
 
 def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostPool | None,
                 factory: EngineFactory | None = None,
-                states: tuple[StatePool, StatePool] | None = None) -> CopyEngine:
+                states: tuple[StatePool, StatePool] | None = None,
+                swa: tuple[DevicePool, HostPool] | None = None) -> CopyEngine:
     """The copy engine over the KV pools and, for a hybrid model, the state pools' components
-    (plan pools ``state.<component>``)."""
+    (plan pools ``state.<component>``); with sliding layers, their pools (plan pool ``swa``)."""
     if host_pool is None:
         return _NoHostTier()
     pools: dict[str, Any] = {"kv": (device_pool, host_pool)}
+    if swa is not None:
+        pools[SWA_POOL] = swa
     if states is not None:
         device_states, host_states = states
         for (name, dev), (_, host) in zip(device_states.component_pools(), host_states.component_pools(), strict=True):
@@ -166,6 +171,8 @@ def check_backend(config: RuntimeConfig, storage: Any) -> None:
     otherwise."""
     if config.state_shape is not None:
         raise ConfigError("recurrent state (state_layers > 0) has no storage tier yet")
+    if config.sliding_layer_set:
+        raise ConfigError("sliding_layers has no storage tier yet")
     missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")
                if not callable(getattr(storage, name, None))]
     if missing:
@@ -228,16 +235,27 @@ class CacheRuntime:
         self.config = config
         shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype,
                         parts=config.kv_parts)
-        self.device_pool = DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
-        self.host_pool = (HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
+        sliding = len(config.sliding_layer_set)
+        # sliding layers: the full pool holds the other layers, in order; the sliding ones are in
+        # `swa_pool`, addressed through `swa_map` (set below, from the tree's ledger)
+        full = dataclasses.replace(shape, num_layers=config.num_layers - sliding) if sliding else shape
+        self.device_pool = DevicePool(full, config.device_slots, config.page_size, torch.device(config.device))
+        self.swa_pool = (DevicePool(dataclasses.replace(shape, num_layers=sliding), config.swa_slots, config.page_size,
+                                    torch.device(config.device)) if sliding else None)
+        self.swa_map: torch.Tensor | None = None
+        self.host_pool = (HostPool(full, config.host_slots, config.page_size, layout=config.host_layout)
                           if config.host_slots > 0 else None)
+        # host copies keep every layer: the sliding ones at the same host slots as the full ones
+        self.host_swa_pool = (HostPool(self.swa_pool.shape, config.host_slots, config.page_size,
+                                       layout=config.host_layout)
+                              if self.swa_pool is not None and self.host_pool is not None else None)
         # one control plane over `tp_ranks` tensor-parallel ranks: every rank's pools, one geometry
         # (rank 0's the ones above); one rank: just those
         self.device_pools: tuple[DevicePool, ...] = (self.device_pool,) + tuple(
-            DevicePool(shape, config.device_slots, config.page_size, torch.device(config.device))
+            DevicePool(full, config.device_slots, config.page_size, torch.device(config.device))
             for _ in range(config.tp_ranks - 1))
         self.host_pools: tuple[HostPool, ...] = () if self.host_pool is None else (self.host_pool,) + tuple(
-            HostPool(shape, config.host_slots, config.page_size, layout=config.host_layout)
+            HostPool(full, config.host_slots, config.page_size, layout=config.host_layout)
             for _ in range(config.tp_ranks - 1))
         # a hybrid model's recurrent states: running requests' and the tree's snapshots
         self.state_pool = (StatePool(config.state_shape, config.state_slots, torch.device(config.device))
@@ -252,22 +270,28 @@ class CacheRuntime:
             raise ConfigError("a storage tier needs the host tier")
         self._owned_storage = storage if own else None  # closed by the runtime (built from the config)
         if config.tp_ranks == 1:
-            self.engine = make_engine(config, self.device_pool, self.host_pool, engine_factory,
-                                      (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None)
+            self.engine = make_engine(
+                config, self.device_pool, self.host_pool, engine_factory,
+                (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None,
+                (self.swa_pool, self.host_swa_pool) if self.host_swa_pool is not None else None)
         else:
             self.engine = make_rank_engines(config, self.device_pools, self.host_pools, engine_factory)
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
-            bytes_per_slot=config.bytes_per_token, storage=storage, host_pool=self.host_pool,
+            bytes_per_slot=full.bytes_per_token, storage=storage, host_pool=self.host_pool,
             storage_timeout_s=config.storage_timeout_s,
             pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
                               for name, pool in self.state_pool.component_pools()}
-                             if self.state_pool is not None else None),
+                             if self.state_pool is not None else
+                             {SWA_POOL: self.swa_pool.shape.bytes_per_token} if self.swa_pool is not None else None),
             rank_host_pools=self.host_pools if config.tp_ranks > 1 else ())
         readiness = (LayerReadiness.pending if config.tp_ranks == 1
                      else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
         self._core = CacheCore(config, self.tracer, readiness_factory=readiness)
+        if self._core.residency.sliding is not None:
+            # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
+            self.swa_map = torch.from_numpy(self._core.residency.sliding.swa.map)
         if storage is not None:
             self._core.enable_storage()
         # decode offload: the offload actor and the tree actor know each other's mailbox

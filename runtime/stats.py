@@ -127,6 +127,16 @@ STATS: tuple[Stat, ...] = (
        "snapshots dropped for a state slot (their nodes kept their KV)", "hicache_state_snapshots_evicted"),
     _s("state", "hits", T, "state_hits", C, "admissions that resumed from a snapshot", "hicache_state_hits"),
     _s("state", "free_slots", T, "state_free_slots", G, "free device state slots", "hicache_state_free_slots"),
+    # sliding-window layers: their own device pool, whose pages outside every window drop
+    _s("swa", "pages_dropped", T, "swa_pages_dropped", C,
+       "sliding-layer pages given back outside every node end's window (their full KV kept)",
+       "hicache_swa_pages_dropped"),
+    _s("swa", "cut_backs", T, "swa_cut_backs", C, "admissions whose hit was cut back to a present window",
+       "hicache_swa_cut_backs"),
+    _s("swa", "cut_tokens", T, "swa_cut_tokens", C, "matched tokens admissions did not use for a dropped window",
+       "hicache_swa_cut_tokens"),
+    _s("swa", "free_slots", T, "swa_free_slots", G, "free slots of the sliding layers' device pool",
+       "hicache_swa_free_slots"),
     # the tree actor's device <-> host copies
     _s("copies", "backups_issued", T, "backups_issued", C, "device -> host backups issued",
        "hicache_copies_issued", direction="device_to_host"),

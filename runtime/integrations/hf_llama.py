@@ -93,11 +93,13 @@ _SOURCE_STAMP = "hicache_source.json"
 class LayerRead:
     """The pool slots one layer's attention reads instead of positions ``0 .. total-1`` (a
     sliding-window layer reads only its window): ``gather_idx [B*kv_len]`` slots, row-major over
-    (seq, key column); ``mask [B, 1, Q, kv_len]`` bool, key column visible to query row."""
+    (seq, key column); ``mask [B, 1, Q, kv_len]`` bool, key column visible to query row; and,
+    for a layer whose pool has slots of its own (a sliding pool), ``write_idx``."""
 
     gather_idx: torch.Tensor
     mask: torch.Tensor
     kv_len: int
+    write_idx: torch.Tensor | None = None  # slots the layer writes the new tokens at (None: the forward's)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,8 @@ def paged_attention(
     k_pool = ctx.pool.k[layer]
     v_pool = ctx.pool.v[layer]
     bsz, n_kv, q_len, head_dim = key.shape
+    read = ctx.layer_reads.get(layer) if ctx.layer_reads else None
+    write_idx = ctx.write_idx if read is None or read.write_idx is None else read.write_idx
     # write the new tokens' K/V (padded query rows write nothing)
     k_new = key.transpose(1, 2).reshape(bsz * q_len, n_kv, head_dim)
     v_new = value.transpose(1, 2).reshape(bsz * q_len, n_kv, head_dim)
@@ -209,11 +213,10 @@ def paged_attention(
         v_new = v_new.index_select(0, ctx.valid_rows)
     scales = ctx.kv_scales
     k_scale, v_scale = (scales.k[layer], scales.v[layer]) if scales is not None else (None, None)
-    _write_pool(k_pool, ctx.write_idx, k_new, k_scale)
-    _write_pool(v_pool, ctx.write_idx, v_new, v_scale)
+    _write_pool(k_pool, write_idx, k_new, k_scale)
+    _write_pool(v_pool, write_idx, v_new, v_scale)
     # read positions 0..total-1 of every sequence, or the layer's own read (its window)
     gather_idx, mask, is_causal, kv_len = ctx.gather_idx, ctx.mask, ctx.is_causal, ctx.kv_len
-    read = ctx.layer_reads.get(layer) if ctx.layer_reads else None
     if read is not None:
         gather_idx, mask, is_causal, kv_len = read.gather_idx, read.mask, False, read.kv_len
     k_all = _read_pool(k_pool, gather_idx, k_scale, query.dtype).view(bsz, kv_len, n_kv, head_dim).transpose(1, 2)

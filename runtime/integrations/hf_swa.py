@@ -18,6 +18,13 @@ of earlier positions are never read there. Full-attention layers read ``0 .. tot
 :class:`~runtime.integrations.hf_llama.PagedKVModel`, whose attention function, batching,
 slot checks and ``before_layer`` hook this adapter uses unchanged.
 
+With the runtime's sliding pool (``sliding_layers`` in the config: ``swa_config(model)``) the
+sliding layers' K/V live in ``rt.swa_pool`` (their layers, in order) and the full layers' in
+``rt.device_pool`` (the others, in order): the adapter, given ``swa_pool`` and ``swa_map``
+(``rt.swa_map``: full slot -> sliding slot, -1 where the tree dropped it), writes and reads a
+sliding layer at ``swa_pool[swa_map[slots]]``. A window that would read a dropped slot raises
+``LookupError`` (the runtime's rule never lets it: docs/ARCHITECTURE.md, "Pool groups").
+
 Not supported (rejected when the adapter is built): ``attn_logit_softcapping`` (SDPA has no
 score softcapping), ``final_logit_softcapping`` (the adapter's logits are ``lm_head`` of the
 last hidden state) and bidirectional attention. Gemma 3's released text configs set neither
@@ -33,7 +40,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from runtime.integrations.hf_llama import ATTN_NAME, TINY_CONFIG, LayerRead, PagedKVModel, kv_shape, random_model
 
-__all__ = ["PagedSWAModel", "sliding_layers", "kv_shape", "tiny_gemma3", "window_start"]
+__all__ = ["PagedSWAModel", "sliding_layers", "swa_config", "kv_shape", "tiny_gemma3", "window_start"]
 
 
 def sliding_layers(model: Any) -> dict[int, int]:
@@ -51,6 +58,27 @@ def sliding_layers(model: Any) -> dict[int, int]:
     return {layer: int(window) for layer in sliding}
 
 
+def swa_config(model: Any) -> dict[str, Any]:
+    """The `RuntimeConfig` fields that give the model's sliding layers a pool of their own
+    (``sliding_layers``, ``sliding_window``); ValueError when its sliding layers' windows differ."""
+    windows = sliding_layers(model)
+    if len(set(windows.values())) > 1:
+        raise ValueError(f"sliding layers with different windows {sorted(set(windows.values()))}: one pool needs one")
+    return dict(sliding_layers=",".join(map(str, sorted(windows))), sliding_window=next(iter(windows.values()), 0))
+
+
+class _SplitPool:
+    """``k[layer]`` / ``v[layer]`` by model layer over two pools: the full pool's layers for the
+    full-attention layers, the sliding pool's for the sliding ones (each in layer order)."""
+
+    def __init__(self, full: Any, swa: Any, sliding: list[int], num_layers: int) -> None:
+        sources = {layer: (swa, i) for i, layer in enumerate(sliding)}
+        rest = [layer for layer in range(num_layers) if layer not in sources]
+        sources.update({layer: (full, i) for i, layer in enumerate(rest)})
+        self.k = [sources[layer][0].k[sources[layer][1]] for layer in range(num_layers)]
+        self.v = [sources[layer][0].v[sources[layer][1]] for layer in range(num_layers)]
+
+
 def window_start(start: int, window: int) -> int:
     """First position a sliding layer with ``window`` reads when a forward computes positions
     from ``start`` on: the window of the query at ``start`` begins at ``start - window + 1``."""
@@ -62,26 +90,42 @@ class PagedSWAModel(PagedKVModel):
     layers: the sliding layers read only the slots of their window (``sliding_layers``), the
     full ones every position. Same interface, so ``ServingLoop`` drives it unchanged."""
 
-    def __init__(self, model: Any, pool: Any, *, check_slots: bool = True) -> None:
+    def __init__(self, model: Any, pool: Any, *, check_slots: bool = True, swa_pool: Any = None,
+                 swa_map: torch.Tensor | None = None) -> None:
         config = model.config
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(config, name, None) is not None:
                 raise ValueError(f"{name}={getattr(config, name)!r} is not supported by the paged adapter")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention is not supported by the paged adapter")
+        if (swa_pool is None) != (swa_map is None):
+            raise ValueError("swa_pool and swa_map go together (rt.swa_pool, rt.swa_map)")
         self.windows = sliding_layers(model)
+        self.swa_map = swa_map
+        full = pool
+        if swa_pool is not None:
+            if len(swa_pool.k) != len(self.windows):
+                raise ValueError(f"swa_pool has {len(swa_pool.k)} layers, the model {len(self.windows)} sliding ones")
+            pool = _SplitPool(full, swa_pool, sorted(self.windows), config.num_hidden_layers)
         super().__init__(model, pool, check_slots=check_slots)
+        self.num_slots = int(full.k[0].shape[0])  # the full slots a sequence maps
 
     def _layer_reads(
         self, slots: list[torch.Tensor], starts: list[int], totals: list[int], position_ids: torch.Tensor
     ) -> dict[int, LayerRead] | None:
         if not self.windows:
             return None
-        by_window = {w: self._window_read(w, slots, starts, totals, position_ids) for w in set(self.windows.values())}
+        write_idx = None
+        if self.swa_map is not None:  # the sliding pool's slots of each sequence's positions
+            slots = [self.swa_map[s.cpu()].to(self.device) for s in slots]
+            write_idx = torch.cat([s[st:] for s, st in zip(slots, starts, strict=True)])
+        by_window = {w: self._window_read(w, slots, starts, totals, position_ids, write_idx)
+                     for w in set(self.windows.values())}
         return {layer: by_window[w] for layer, w in self.windows.items()}
 
     def _window_read(
-        self, window: int, slots: list[torch.Tensor], starts: list[int], totals: list[int], position_ids: torch.Tensor
+        self, window: int, slots: list[torch.Tensor], starts: list[int], totals: list[int], position_ids: torch.Tensor,
+        write_idx: torch.Tensor | None = None,
     ) -> LayerRead:
         """Key column ``c`` of sequence ``b`` is position ``lo_b + c`` (``lo_b = window_start``);
         a query at ``p`` sees it iff ``p - W < lo_b + c <= p``. Columns past a sequence's end
@@ -93,13 +137,16 @@ class PagedSWAModel(PagedKVModel):
         kv_len = max(lens)
         gather = torch.empty((len(slots), kv_len), dtype=torch.long, device=dev)
         for b, (s, lo, n) in enumerate(zip(slots, los, lens, strict=True)):
+            if self.swa_map is not None and bool((s[lo:] < 0).any()):
+                at = lo + int(torch.nonzero(s[lo:] < 0)[0])
+                raise LookupError(f"seq {b}: a sliding layer's window reads position {at}, whose sliding KV was dropped")
             gather[b, :n] = s[lo:]
             if n < kv_len:
                 gather[b, n:] = s[-1]
         k_pos = torch.tensor(los, dtype=torch.long, device=dev)[:, None] + torch.arange(kv_len, device=dev)[None, :]
         k_pos, q_pos = k_pos[:, None, None, :], position_ids[:, None, :, None]
         mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
-        return LayerRead(gather_idx=gather.reshape(-1), mask=mask, kv_len=kv_len)
+        return LayerRead(gather_idx=gather.reshape(-1), mask=mask, kv_len=kv_len, write_idx=write_idx)
 
 
 def tiny_gemma3(

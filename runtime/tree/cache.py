@@ -56,6 +56,7 @@ from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, S
 from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
 from runtime.tree.recurrent import COUNTERS as STATE_COUNTERS
+from runtime.tree.sliding import COUNTERS as SWA_COUNTERS
 from runtime.tree.storage_tier import COUNTERS as STORAGE_COUNTERS
 from runtime.tree.storage_tier import StorageRequest, StorageTier
 
@@ -139,7 +140,7 @@ class CacheCore:
         res = self.residency
         tree = res.tree
         ps = self.page_size
-        look, host_len, need_pages = res.admission(tokens, extra_key)
+        look, host_len, need_pages = res.admission(tokens, extra_key, admitting=True)
         cached = look.device_len + host_len
         if not res.room_for(need_pages, look):
             self._start_writeback(need_pages, look)
@@ -203,6 +204,8 @@ class CacheCore:
         stats["tokens_device_hit"] += m.device_len
         stats["tokens_host_hit"] += host_len
         stats["tokens_recomputed"] += len(tokens) - cached
+        if res.sliding is not None:
+            res.sliding.count_cut()
         if self._selective:
             for node in device_nodes:
                 if node.hit_count >= self.config.write_through_threshold:
@@ -503,6 +506,8 @@ class CacheCore:
         parts.append(self.storage.stats if self.storage is not None else dict.fromkeys(STORAGE_COUNTERS, 0))
         states = self.residency.states
         parts.append(states.stats if states is not None else dict.fromkeys(STATE_COUNTERS, 0))
+        sliding = self.residency.sliding
+        parts.append(sliding.stats if sliding is not None else dict.fromkeys(SWA_COUNTERS, 0))
         for part in parts:
             for name, value in part.items():
                 out[name] = out.get(name, 0) + value
@@ -519,6 +524,7 @@ class CacheCore:
             "device_free_slots": res.device.num_free_slots(),
             "host_free_slots": res.host.num_free_slots() if res.host is not None else 0,
             "state_free_slots": res.states.ledger.num_free_slots() if res.states is not None else 0,
+            "swa_free_slots": res.sliding.swa.num_free_pages() * self.page_size if res.sliding is not None else 0,
         }
         out.update(self.offload.counts() if self.offload is not None
                    else {"inflight_offloads": 0, "offload_retired_requests": 0})

@@ -76,6 +76,8 @@ class CopyTracker:
         self.backup_pending[node.id] = op_id
         res.emit("backup", Tier.HOST, host, node=node.id, op=op_id)
         more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
+        if res.sliding is not None:
+            more += res.sliding.start_backup(op_id, device, host)
         self._plans.append((make_plan(op_id, Direction.BACKUP, device, host, more), None))
         self.stats["backups_issued"] += 1
         return True
@@ -110,6 +112,8 @@ class CopyTracker:
         self.ops[op_id] = op
         res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
         more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
+        if res.sliding is not None:
+            more += res.sliding.start_load(host_nodes)
         self._plans.append((make_plan(op_id, Direction.LOAD, host, device, more), readiness))
         self.stats["loads_issued"] += 1
         return op
@@ -198,6 +202,8 @@ class CopyTracker:
         res = self.residency
         for node in chain:
             self.backup_pending.pop(node.id, None)
+        if res.sliding is not None:
+            res.sliding.end_backup(op.op_id, chain if error is None else None)
         if error is not None:
             res.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")  # type: ignore[union-attr]
             return

@@ -11,7 +11,7 @@ nodes, and the copy tracker starts their backups.
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable
+from collections.abc import Callable, Container, Hashable
 from typing import Any
 
 import numpy as np
@@ -22,28 +22,39 @@ from runtime.events.recorder import CPU, GPU, KVEventRecorder
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.memory.state_pool import STATE_POOL_PREFIX
+from runtime.memory.swa import PairedLedger, SwaSlots
 from runtime.trace import SlotTracer
 from runtime.tree.policies import policy_by_name
 from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, tests)
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
 from runtime.tree.records import EMPTY, aligned
 from runtime.tree.recurrent import RecurrentStates
+from runtime.tree.sliding import SlidingWindow
 
 
 class Residency:
     # -- state -------------------------------------------------------------------
     def __init__(self, page_size: int, device_slots: int, host_slots: int, *, eviction_policy: str = "lru",
                  write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0,
-                 host_state_slots: int = 0, state_pools: tuple[str, ...] = ()) -> None:
+                 host_state_slots: int = 0, state_pools: tuple[str, ...] = (), sliding_window: int = 0,
+                 swa_slots: int = 0) -> None:
         """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
         device memory): a tree of host copies over the host ledger. `state_slots` > 0: a hybrid
         model's recurrent states (`RecurrentStates`): node snapshots go with the node's device KV
-        and a match is cut back to the deepest snapshot."""
+        and a match is cut back to the deepest snapshot. `sliding_window` > 0: sliding layers in a
+        pool of `swa_slots` (`SlidingWindow`): pages outside every node end's window drop their
+        sliding KV and a match is cut back to the deepest end whose window is present."""
         self.page_size = page_size
         self.write_back = host_slots > 0 and write_back
         self.tracer = tracer
         self.tree = RadixTree(page_size, policy_by_name(eviction_policy))
-        self.device = SlotLedger(device_slots, page_size, Tier.DEVICE, tracer)
+        self.sliding: SlidingWindow | None = None
+        if sliding_window > 0:
+            swa = SwaSlots(device_slots, swa_slots, page_size)
+            self.device: SlotLedger = PairedLedger(device_slots, page_size, Tier.DEVICE, tracer, swa)
+            self.sliding = SlidingWindow(sliding_window, swa, self.device, self.tree)  # type: ignore[arg-type]
+        else:
+            self.device = SlotLedger(device_slots, page_size, Tier.DEVICE, tracer)
         self.host: SlotLedger | None = SlotLedger(host_slots, page_size, Tier.HOST, tracer) if host_slots > 0 else None
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
@@ -60,7 +71,8 @@ class Residency:
         pools = tuple(STATE_POOL_PREFIX + c.name for c in shape.components) if shape is not None else ()
         return cls(config.page_size, config.device_slots, config.host_slots, eviction_policy=config.eviction_policy,
                    write_back=config.write_policy == "write_back", tracer=tracer, state_slots=config.state_slots,
-                   host_state_slots=config.host_state_slot_count, state_pools=pools)
+                   host_state_slots=config.host_state_slot_count, state_pools=pools,
+                   sliding_window=config.sliding_window if config.swa_slots else 0, swa_slots=config.swa_slots)
 
     # -- allocation --------------------------------------------------------------
     def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
@@ -87,19 +99,43 @@ class Residency:
         copies backed up on host, delete childless nodes with no host copy. Returns the nodes
         passed over because their eviction needs a backup first (their device pages are freed at
         its ack): the caller starts those backups."""
+        if self.sliding is not None:
+            return self._evict_sliding(pages)
         freed = 0
         backup_first: list[Node] = []
         for node in self.tree.device_victims():
             if freed >= pages:
                 break
-            if node.host is not None:
-                freed += node.num_tokens // self.page_size
-                self.drop_device(node)
-            elif self.host is not None and (self.write_back or node.children):
-                backup_first.append(node)
+            n = node.num_tokens // self.page_size
+            if self._evict_node(node):
+                freed += n
             else:
-                freed += node.num_tokens // self.page_size
-                self.delete(node)
+                backup_first.append(node)
+        return backup_first
+
+    def _evict_node(self, node: Node) -> bool:
+        """Drop a victim's device copy (backed up) or delete it; False: it needs a backup first."""
+        if node.host is not None:
+            self.drop_device(node)
+        elif self.host is not None and (self.write_back or node.children):
+            return False
+        else:
+            self.delete(node)
+        return True
+
+    def _evict_sliding(self, pages: int) -> list[Node]:
+        """`evict_device` with a sliding pool: `pages` more free in both pools, sliding pages
+        dropped first (`SlidingWindow.drop`), then whole nodes in eviction order."""
+        assert self.sliding is not None
+        device = self.device
+        target = device.num_free_pages() + pages
+        self.sliding.drop(target - self.sliding.swa.num_free_pages())
+        backup_first: list[Node] = []
+        for node in self.tree.device_victims():
+            if device.num_free_pages() >= target:
+                break
+            if not self._evict_node(node):
+                backup_first.append(node)
         return backup_first
 
     def evict_host(self, pages: int) -> None:
@@ -132,6 +168,8 @@ class Residency:
             if self.states is not None:
                 self.states.drop(node)
                 self.states.drop_host(node)
+            if self.sliding is not None:
+                self.sliding.forget_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
                 self.device.free(device, node_owner(node), node=node.id, reason="evict")
@@ -313,28 +351,43 @@ class Residency:
         """A split hands the upper part's slots (and page hashes) to the new node."""
         if self.events is not None:
             self.events.on_split(lower, upper)
+        if self.sliding is not None:
+            self.sliding.on_split(lower, upper)
         if upper.device is not None:
             self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
         if upper.host is not None and self.host is not None:
             self.host.assign(upper.host, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
 
     # -- questions (change nothing) ---------------------------------------------------
-    def admission(self, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int, int]:
+    def admission(self, tokens: np.ndarray, extra_key: Hashable, *,
+                  admitting: bool = False) -> tuple[MatchResult, int, int]:
         """The read-only look an admission starts from: (look, host tokens to load, device pages
         needed for them and the uncached rest). The last token is always computed (the model
-        needs its logits), so at most len - 1 tokens match."""
+        needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (a sliding cut is
+        noted for `SlidingWindow.count_cut`)."""
         ps = self.page_size
-        look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key)
+        look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, admitting=admitting)
         return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
 
-    def usable_match(self, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int]:
+    def usable_match(self, tokens: np.ndarray, extra_key: Hashable, *,
+                     admitting: bool = False) -> tuple[MatchResult, int]:
         """The read-only match of `tokens` a hit may use, and its host tokens: with recurrent state,
-        cut back to the deepest snapshot (a hit restores KV and state of one prefix, or nothing)."""
+        cut back to the deepest snapshot (a hit restores KV and state of one prefix, or nothing);
+        with sliding layers, to the deepest end whose window's sliding KV is present."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len if self.host is not None else 0
         if self.states is not None and look.device_len + host_len:
             usable = self.states.usable_end(look, host_len)
             if usable < look.device_len + host_len:
+                look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
+                host_len = look.host_len if self.host is not None else 0
+        sliding = self.sliding
+        if sliding is not None:
+            matched = look.device_len + host_len
+            usable = sliding.usable_end(look, host_len) if matched else 0
+            if admitting:
+                sliding.note_cut(matched - usable)
+            if usable < matched:
                 look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
                 host_len = look.host_len if self.host is not None else 0
         return look, host_len
@@ -355,8 +408,16 @@ class Residency:
         free = self.device.num_free_pages()
         if pages <= free:
             return True
+        if self.sliding is not None:
+            return self._room_sliding(pages, look)
         if pages > free + self.evictable_device_pages():  # not even eventually
             return False
+        keep, tail = self._kept_by(look)
+        return free + self.freeable_now(pages - free, keep, tail) >= pages
+
+    @staticmethod
+    def _kept_by(look: MatchResult | None) -> tuple[set[Node], tuple[Node, int] | None]:
+        """The nodes an admission of `look` keeps from the eviction, and its tail (below)."""
         keep: set[Node] = set()
         tail: tuple[Node, int] | None = None
         if look is not None:
@@ -367,16 +428,30 @@ class Residency:
                 node = look.nodes[-1]
                 keep.discard(node)
                 tail = node, len(node.device) - look.partial
-        return free + self.freeable_now(pages - free, keep, tail) >= pages
+        return keep, tail
 
-    def freeable_now(self, need: int, keep: set[Node], tail: tuple[Node, int] | None = None) -> int:
+    def _room_sliding(self, pages: int, look: MatchResult | None) -> bool:
+        """`room_for` with a sliding pool: both pools must reach `pages` free, the sliding one by
+        drops first, then each by the same node evictions (`_evict_sliding`)."""
+        sliding = self.sliding
+        assert isinstance(self.device, PairedLedger) and sliding is not None
+        keep, tail = self._kept_by(look)
+        full_need = pages - self.device.full_free_pages()
+        if full_need > 0 and self.freeable_now(full_need, keep, tail) < full_need:
+            return False
+        swa_need = pages - sliding.swa.num_free_pages() - sliding.droppable_total(look)
+        return swa_need <= 0 or self.freeable_now(swa_need, keep, tail, sliding.kept_pages) >= swa_need
+
+    def freeable_now(self, need: int, keep: set[Node], tail: tuple[Node, int] | None = None,
+                     weigh: Callable[[Node, int], int] | None = None) -> int:
         """Device pages that `evict_device` would free at once (at least `need` of them, if there
         are), without changing anything: a dry run over the evictable device leaves, parents
         becoming leaves as their device children go. A leaf whose eviction needs a backup
         (write-back, or a node whose host-only children need it to keep a copy) frees nothing
         now, and its ancestors stay. Nodes in `keep` stay; `tail` = (node, tokens) counts only the
         node's last `tokens`, as if split off (its first part is kept). Stops as soon as `need`
-        pages are found."""
+        pages are found. `weigh(node, tail tokens or 0)`: the pages a node counts for (default:
+        its device pages; the sliding pool's dry run counts its sliding pages)."""
         ps = self.page_size
         left: dict[Node, int] = {}  # device children a parent still has in the dry run
         deleted: dict[Node, int] = {}  # children the dry run deleted (no host copy): gone for good
@@ -396,9 +471,9 @@ class Residency:
                     self.write_back or len(node.children) > deleted.get(node, 0)):
                 continue
             if tail is not None and node is tail[0]:
-                got += tail[1] // ps
+                got += tail[1] // ps if weigh is None else weigh(node, tail[1])
                 continue
-            got += len(node.device) // ps
+            got += len(node.device) // ps if weigh is None else weigh(node, 0)
             parent = node.parent
             if node.host is None:
                 deleted[parent] = deleted.get(parent, 0) + 1

@@ -6,7 +6,9 @@ longer than the window; also a Mistral config (every layer sliding). The window 
 computing positions ``start ..`` of a sequence reads, in the sliding layers, only positions
 ``start - W + 1 ..``: NaN in every slot before that (sliding layers only) leaves the outputs
 bit-identical, while one slot at the first position inside the window, zeroed as if its KV had
-been dropped, fails the same logit comparison the differential tests use.
+been dropped, fails the same logit comparison the differential tests use. With the runtime's
+sliding pool (``swa_pool``, ``swa_map``) the sliding layers are read and written through the map,
+and a window that would read an unmapped (dropped) slot raises.
 """
 
 from __future__ import annotations
@@ -205,3 +207,29 @@ def test_mistral_all_layers_sliding_matches_generate():
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("sdpa")
     prefix_extend_decode(model, ref)
+
+
+def test_sliding_layers_through_a_pool_of_their_own(model, ref_model):
+    """With ``swa_pool`` / ``swa_map`` (the runtime's sliding pool, `sliding_layers`): the full
+    layer in a one-layer pool, the sliding ones in a three-layer pool of fewer slots, read and
+    written at ``swa_map[slots]``. A continuation equals the forward with every slot before its
+    window unmapped (-1, as the tree drops them); a window reading an unmapped slot raises."""
+    from runtime.memory.pools import DevicePool, KVShape
+
+    full = DevicePool(KVShape(1, 2, 32, torch.float32), 128, 16)
+    swa = DevicePool(KVShape(3, 2, 32, torch.float32), 96, 16)
+    for t in (*full.k, *full.v, *swa.k, *swa.v):
+        t.fill_(float("nan"))
+    swa_map = torch.full((128,), -1, dtype=torch.long)
+    ids, slots = rand_ids(70, 2), rand_slots(70, 2, num_slots=128)
+    swa_map[slots] = torch.randperm(96, generator=torch.Generator().manual_seed(3))[:70]  # any injective map
+    pm = PagedSWAModel(model, full, swa_pool=swa, swa_map=swa_map)
+    first = pm([PagedSeq(slots[:50], 0, ids[:50])], return_all_logits=True).all_logits[0]
+    swa_map[slots[: window_start(50, WINDOW)]] = -1  # outside the continuation's window
+    rest = pm([PagedSeq(slots, 50, ids[50:])], return_all_logits=True).all_logits[0]
+    assert off_by(torch.cat([first, rest]), ref_logits(ref_model, ids)) < TOL
+    swa_map[slots[window_start(60, WINDOW)]] = -1  # the first position of the next forward's window
+    with pytest.raises(LookupError, match=f"reads position {window_start(60, WINDOW)}"):
+        pm([PagedSeq(slots[:61], 60, ids[60:61])])
+    with pytest.raises(ValueError, match="go together"):
+        PagedSWAModel(model, full, swa_pool=swa)

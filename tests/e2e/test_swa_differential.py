@@ -20,6 +20,18 @@ dropping, for good, everything before a request's own window breaks the next tur
 ends at a page boundary (e.g. at 32 after a turn that computed up to 45) and so needs positions
 13..31 that the previous turn's last forward no longer did. What a cached prefix of length n
 needs is the last W - 1 positions before n, for every n a match can end at.
+
+The runtime's sliding pool (``sliding_layers``: the rule of docs/ARCHITECTURE.md, "Pool groups"):
+the same conversations through a runtime whose sliding layers have a pool of their own, too small
+for every cached page (``SWA_TOKENS``), so the tree drops sliding KV outside every node end's
+window and cuts hits back to present windows; every turn still equals ``generate``, with drops and
+device hits both > 0, device-only and with a host tier (write-through; write-back, whose backups
+come after drops, so host copies lack some sliding KV and loads bring back only what they have),
+host loads > 0. The broken variant, a drop rule that keeps one page less than the last W - 1
+tokens before each node end (so it drops inside the window), makes the same run fail: the
+adapter's window then reads a dropped slot (``LookupError``), checked by
+``test_swa_drop_inside_the_window_is_caught`` (run without the invariant checker, which flags the
+same drop first).
 """
 
 from __future__ import annotations
@@ -32,15 +44,18 @@ import torch
 pytest.importorskip("transformers")
 
 from runtime.integrations.hf_llama import PagedOutput, PagedSeq  # noqa: E402
-from runtime.integrations.hf_swa import PagedSWAModel, sliding_layers, tiny_gemma3  # noqa: E402
+from runtime.integrations.hf_swa import PagedSWAModel, sliding_layers, swa_config, tiny_gemma3  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from tests.e2e.support import DEVICE, runtime_config  # noqa: E402
+from runtime.tree.sliding import SlidingWindow  # noqa: E402
+from tests.e2e.support import DEVICE, PAGE, ids, runtime_config  # noqa: E402
 from tests.e2e.test_differential_tiers import SYSTEM, evict_to_host, mismatches, serve_turns, settle  # noqa: E402
 
 WINDOW = 20  # the conversations' shared system prompt (40 tokens) is already longer
 TURNS = 4
 DEVICE_SLOTS = 640  # the last turn's three running conversations and little more
+SWA_TOKENS = 288  # the sliding pool: the running conversations' windows, not every cached page (at 352 the
+# run drops too, but the broken rule's extra drops then miss every window read: small enough to bite)
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +177,59 @@ async def test_swa_kv_dropped_inside_the_window_is_caught(model, ref_model, tmp_
     assert edit.edited > 0
     bad = {line.split()[0] for line in mismatches(ref_model, results)}
     assert bad == {rid for rid, _, _, _ in results}, sorted(bad)
+
+
+async def serve_sliding_pool(model, *, debug_invariants: bool = True, write_policy: str | None = None):
+    """``serve_turns`` over a runtime whose sliding layers have a pool of their own of
+    ``SWA_TOKENS`` slots: device-only (turns 1.. hit their history on device), or with a host tier
+    under `write_policy`, where after turn 1 fillers push the conversations off device (their
+    host copies keep the sliding KV their device copies had), so turn 2 loads from host.
+    Returns (results, metrics, stats), stats with ``host_missing``: host pages without sliding KV
+    (their device copies had dropped it) after the fillers."""
+    host = dict(host_tokens=0) if write_policy is None else dict(write_policy=write_policy)
+    cfg = runtime_config(model, device_slots=DEVICE_SLOTS, swa_tokens=SWA_TOKENS, debug_invariants=debug_invariants,
+                         **host, **swa_config(model))
+    async with CacheRuntime.open(cfg) as rt:
+        assert len(rt.device_pool.k) == 1 and len(rt.swa_pool.k) == 3  # the full layer; the sliding ones
+        paged = PagedSWAModel(model, rt.device_pool, swa_pool=rt.swa_pool, swa_map=rt.swa_map)
+
+        async def between_turns(t: int, srv: ServingLoop) -> None:
+            await settle(rt)
+            if t == 1 and write_policy is not None:  # a request holds sliding pages for all its own
+                for i in range(3):  # pages: fillers shorter than the sliding pool, one after another
+                    await srv.generate(ids(SWA_TOKENS - 2 * PAGE, 90 + i), max_new_tokens=1, rid=f"filler{i}")
+                    await settle(rt)
+                missing.append(await rt.inspect(lambda core: sum(core.residency.sliding.host_missing.values())))
+
+        missing: list[int] = []
+        results, metrics = await serve_turns(rt, model, between_turns, paged=paged, turns=TURNS)
+        stats = await rt.stats()
+    stats["host_missing"] = sum(missing)
+    return results, metrics, stats
+
+
+@pytest.mark.parametrize("write_policy", [None, "write_through", "write_back"])
+async def test_sliding_pool_drops_outside_windows_and_equals_generate(model, ref_model, write_policy):
+    results, metrics, stats = await serve_sliding_pool(model, write_policy=write_policy)
+    assert mismatches(ref_model, results) == []
+    assert stats["swa"]["pages_dropped"] > 0, stats["swa"]
+    assert sum(m.device_tokens for t, m in metrics if t > 0) > 0
+    if write_policy is not None:
+        assert sum(m.host_tokens for t, m in metrics if t == 2) > 0, [m.host_tokens for _, m in metrics]
+    if write_policy == "write_back":  # backed up after drops: host copies without some sliding KV
+        assert stats["host_missing"] > 0
+    for _, m in metrics:
+        assert m.device_tokens + m.host_tokens + m.recomputed_tokens == m.prompt_tokens
+
+
+async def test_swa_drop_inside_the_window_is_caught(model, ref_model, monkeypatch):
+    """The drop rule keeping one page less than the W - 1 tokens before each node end: a running
+    request's window (or a hit's, just admitted) then reads a dropped slot, and the run fails."""
+    monkeypatch.setattr(SlidingWindow, "limit",
+                        lambda self, n: max(0, (n - self.window + 1 + self.page_size) // self.page_size))
+    try:
+        results, _, stats = await serve_sliding_pool(model, debug_invariants=False)
+    except LookupError as exc:
+        assert "sliding KV was dropped" in str(exc)
+    else:
+        assert mismatches(ref_model, results) != [], stats["swa"]

@@ -413,3 +413,20 @@ async def test_readiness_with_fewer_layers_than_the_copy_gives_the_last_layer_th
         await settle(asyncio.ensure_future(readiness.wait_all()))
     assert readiness.event(0) == "e0"
     assert readiness.event(1) == "e2"  # the event after the state's last layer, not after KV layer 1
+
+
+async def test_readiness_with_more_layers_than_the_copy_waits_for_its_last_layer():
+    """The other way round: a model whose sliding layers have a pool of their own copies
+    max(full, sliding) layers, fewer than the model's (its readiness): readiness layers past the
+    copy's wait for, and carry the event of, the copy's last layer (none is left unbound)."""
+    async with CompletionBridge() as bridge:
+        evs = [Ev(), Ev()]
+        handle = CopyHandle(7, tuple(evs), evs[-1], ("e0", "e1"))
+        readiness = LayerReadiness.pending(4, 7)
+        readiness.bind(bridge, handle)
+        evs[0].set()
+        await asyncio.sleep(0.02)
+        assert readiness.ready(0) and not readiness.ready(1) and not readiness.ready(3)
+        evs[1].set()
+        await settle(asyncio.ensure_future(readiness.wait_all()))
+    assert readiness.all_ready() and [readiness.event(i) for i in range(4)] == ["e0", "e1", "e1", "e1"]
