@@ -329,6 +329,8 @@ class PagedKVModel:
     scales (:class:`KVScales`; without them an fp8 pool holds the K/V values cast as they are).
     """
 
+    kv_scales: KVScales | None = None  # (subclasses that build their own state inherit "none")
+
     def __init__(self, model: LlamaForCausalLM, pool: Any, *, check_slots: bool = True,
                  kv_scales: KVScales | None = None) -> None:
         if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
