@@ -300,6 +300,9 @@ class StorageAck:
     pages: int
     error: str | None = None
     ok: tuple[bool, ...] = ()  # a write: per page, stored or not
+    # per `SubmitStorage.states` entry: written whole, present whole (a lookup: the deepest one
+    # within the KV found, the rest False) or read whole into its slot
+    states_ok: tuple[bool, ...] = ()
     reply: None = None
 
 
@@ -444,7 +447,20 @@ class SubmitStorage:
     keys: tuple[bytes, ...]
     pages: tuple[int, ...]  # host page indices, one per key
     ack_to: "Mailbox[Any]"
+    states: "tuple[StateBlob, ...]" = ()  # a hybrid model's state snapshots written, looked up or read with it
     reply: None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StateBlob:
+    """A recurrent-state snapshot a storage op carries beside its KV pages (`StateBlobFormat`):
+    stored as page-sized chunks under `keys`, from or into host state slot `slot` (-1: a lookup,
+    which only asks whether every chunk is there). `after`: how many of the op's leading KV keys
+    the snapshot follows (a lookup or read: it counts only if those pages are there; a write: 0)."""
+
+    slot: int
+    keys: tuple[bytes, ...]
+    after: int = 0
 
 
 @message
