@@ -45,6 +45,8 @@ from runtime.events.hub import EventHub, EventSubscription
 from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.memory.state_pool import StatePool
+from runtime.storage.state_blobs import StateBlobFormat
+from runtime.transfer.state_io import StateBlobIO
 from runtime.messages import (
     Abort,
     Admit,
@@ -148,11 +150,11 @@ def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostP
 
 def check_backend(config: RuntimeConfig, storage: Any) -> None:
     """A storage backend given by the caller (`open(storage=)`, `attach_storage`): it has the
-    protocol's methods and pages of this config's size, and no recurrent state (not stored yet:
-    KV pages without their states would be read for hits that never use them); `ConfigError`
-    otherwise."""
-    if config.state_shape is not None:
-        raise ConfigError("recurrent state (state_layers > 0) has no storage tier yet")
+    protocol's methods and pages of this config's size (a hybrid model's state snapshots are
+    stored in the same pages: `runtime.storage.state_blobs`); `ConfigError` otherwise."""
+    if config.state_shape is not None and config.host_state_slot_count == 0:
+        raise ConfigError("host_state_slots: a storage tier with recurrent state needs host state slots "
+                          "(snapshots reach storage through their host copies)")
     missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")
                if not callable(getattr(storage, name, None))]
     if missing:
@@ -239,7 +241,10 @@ class CacheRuntime:
             storage_timeout_s=config.storage_timeout_s,
             pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
                               for name, pool in self.state_pool.component_pools()}
-                             if self.state_pool is not None else None))
+                             if self.state_pool is not None else None),
+            state_io=(StateBlobIO(self.host_state_pool, StateBlobFormat.of(config.state_shape,
+                                                                           config.page_size * config.bytes_per_token))
+                      if self.host_state_pool is not None and config.state_shape is not None else None))
         self._core = CacheCore(config, self.tracer, readiness_factory=LayerReadiness.pending)
         if storage is not None:
             self._core.enable_storage()

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from runtime.memory.owners import Owner
-from runtime.messages import Direction, PoolTransfer, TransferPlan
+from runtime.messages import Direction, PoolTransfer, StateBlob, TransferPlan
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness
 from runtime.tree.recurrent import StateCopy
@@ -211,6 +211,7 @@ class StoredPages:
 
     known: set[bytes]
     doubtful: set[bytes]
+    states: set[bytes] = field(default_factory=set)  # chunk keys of state snapshots known stored
 
 
 @dataclass(slots=True)
@@ -226,6 +227,8 @@ class StorageOp:
     # order) and the hash of the page before each key (None: it starts its sequence)
     tokens: np.ndarray | None = None
     parents: list[bytes | None] | None = None
+    # a hybrid model's state snapshots written, looked up or read with the pages (`StateBlob`)
+    states: tuple[StateBlob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
