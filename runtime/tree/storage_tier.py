@@ -143,9 +143,7 @@ class StorageTier:
             return 0
         every = self._hashes(tokens[:match_len], extra_key)
         keys = every[start // ps:]
-        # a hybrid model's hit ends at a stored snapshot: ask for one at every page boundary found
-        fmt = self.state_format
-        blobs = tuple(StateBlob(-1, fmt.keys(keys[j - 1]), j) for j in range(len(keys), 0, -1)) if fmt else ()
+        blobs = self._state_lookups(keys)
         # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
         # only for what storage holds (`_read`)
         op_id = next(self._op_ids)
@@ -364,6 +362,14 @@ class StorageTier:
             if keys[0] not in self.known_states:
                 out.append(StateBlob(slot, keys))
         return tuple(out)
+
+    def _state_lookups(self, keys: list[bytes]) -> tuple[StateBlob, ...]:
+        """A hybrid model's hit ends at a stored snapshot: one asked for after each of the pages
+        `keys` (a lookup's), deepest first, each keyed by the page it follows."""
+        fmt = self.state_format
+        if fmt is None:
+            return ()
+        return tuple(StateBlob(-1, fmt.keys(keys[j - 1]), j) for j in range(len(keys), 0, -1))
 
     def _states_written(self, sop: StorageOp, states_ok: tuple[bool, ...]) -> None:
         for blob, good in zip(sop.states, states_ok, strict=True):
