@@ -93,9 +93,11 @@ class StateBlobFormat:
         the last zero-padded (fresh arrays)."""
         if data.dtype != np.uint8 or data.ndim != 1 or data.size != self.state_bytes:
             raise LengthError(f"state blob must be {self.state_bytes} uint8 bytes, got {data.shape} {data.dtype}")
-        padded = np.zeros(self.chunks * self.page_bytes, dtype=np.uint8)
-        padded[:self.state_bytes] = data
-        return list(padded.reshape(self.chunks, self.page_bytes))
+        bufs = self.buffers()
+        flat = bufs.reshape(-1)
+        flat[:self.state_bytes] = data
+        flat[self.state_bytes:] = 0
+        return list(bufs)
 
     def buffers(self) -> np.ndarray:
         """`chunks` page-sized read buffers, one contiguous array (`join` takes it back)."""

@@ -31,13 +31,18 @@ class StateBlobIO:
         """Store every blob's slot under its keys (one batch call); per blob: every chunk stored."""
         if not blobs:
             return ()
+        fmt = self.format
         keys: list[bytes] = []
         srcs = []
         for blob in blobs:
             keys += blob.keys
-            srcs += self.format.split(self.pool.read_slot(blob.slot).numpy())
+            bufs = fmt.buffers()  # the slot's bytes copied once, straight into its zero-padded chunks
+            flat = bufs.reshape(-1)
+            self.pool.read_slot_into(blob.slot, torch.from_numpy(flat))
+            flat[fmt.state_bytes:] = 0
+            srcs += list(bufs)
         ok = checked_flags("set_batch", backend.set_batch(keys, srcs), len(keys))
-        n = self.format.chunks
+        n = fmt.chunks
         return tuple(all(ok[i * n:(i + 1) * n]) for i in range(len(blobs)))
 
     def lookup(self, backend: Any, blobs: Sequence[StateBlob], found: int) -> tuple[bool, ...]:

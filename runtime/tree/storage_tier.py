@@ -282,7 +282,7 @@ class StorageTier:
         if sop.states and pages and not states_ok[0]:
             # KV without its state is no usable end: adopt none of it (rewrite the state next time)
             self.stats["state_storage_misses"] += 1
-            self.known_states.difference_update(sop.states[0].keys)
+            self._doubt_states(sop.states[0].keys)
             pages = 0
         rest = pf.host[pages * ps:]
         if len(rest):
@@ -371,6 +371,13 @@ class StorageTier:
             return ()
         return tuple(StateBlob(-1, fmt.keys(keys[j - 1]), j) for j in range(len(keys), 0, -1))
 
+    def _doubt_states(self, keys: tuple[bytes, ...]) -> None:
+        """A snapshot found missing or unreadable: no longer known stored (written again next time),
+        its chunks held in doubt (a clear still removes those that are there)."""
+        if keys[0] in self.known_states:
+            self.known_states.difference_update(keys)
+            self.doubtful.update(keys)
+
     def _states_written(self, sop: StorageOp, states_ok: tuple[bool, ...]) -> None:
         for blob, good in zip(sop.states, states_ok, strict=True):
             if good:
@@ -440,6 +447,9 @@ class StorageTier:
             blob = max(cut, key=lambda b: b.after) if cut else None
             if found and blob is None:
                 self.stats["state_storage_misses"] += 1
+            for b in sop.states:  # asked for and not found whole (deeper than the one found): rewrite them
+                if b.after <= found and (blob is None or b.after > blob.after):
+                    self._doubt_states(b.keys)
             found = blob.after if blob is not None else 0
         if found and self._read(pf, sop.keys[:found], blob):
             return None  # its waiters wait for the read
