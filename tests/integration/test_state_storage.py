@@ -167,3 +167,24 @@ async def test_cancelled_prefetch_frees_its_state_slot(tmp_path):
         await settle(rt)
         assert await rt.inspect(states_free) == before
         assert (await rt.stats())["state"]["storage_hits"] == 0
+
+
+async def test_a_snapshot_found_missing_is_written_again(tmp_path):
+    """The runtime that wrote both snapshots learns at its next lookup that the one at 32 lost a
+    chunk (another process or a size cap removed it): no longer known stored, so the next write
+    of that node stores it again; a clear still removes every chunk it wrote."""
+    a = toks(33, 5)
+    cfg = config()
+    fb = file_backend(tmp_path, cfg)
+    async with CacheRuntime.open(cfg, storage=fb) as rt:
+        await serve(rt, "a", a)
+        other = file_backend(tmp_path, cfg)
+        assert other.remove([state_keys(cfg, a, 32)[-1]]) == 1
+        other.close()
+        await rt.flush()
+        res = await serve(rt, "a2", a)  # the hit ends at 16; the snapshot at 32 is taken again and written
+        assert res.loaded_storage == 16
+        assert (await rt.stats())["state"]["storage_writes"] == 3
+        assert fb.exists_prefix(list(state_keys(cfg, a, 32))) == 2
+        await rt.clear_storage()
+        assert fb.exists_prefix(list(state_keys(cfg, a, 16))) == 0 and fb.exists_prefix(list(state_keys(cfg, a, 32))) == 0
