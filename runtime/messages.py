@@ -456,11 +456,14 @@ class StateBlob:
     """A recurrent-state snapshot a storage op carries beside its KV pages (`StateBlobFormat`):
     stored as page-sized chunks under `keys`, from or into host state slot `slot` (-1: a lookup,
     which only asks whether every chunk is there). `after`: how many of the op's leading KV keys
-    the snapshot follows (a lookup or read: it counts only if those pages are there; a write: 0)."""
+    the snapshot follows (a lookup or read: it counts only if those pages are there; a write: 0).
+    A lookup's blobs give `page`, the hash of the page the snapshot follows, and no keys: the
+    worker derives the keys of those it checks (deepest first, usually one)."""
 
     slot: int
     keys: tuple[bytes, ...]
     after: int = 0
+    page: bytes = b""
 
 
 @message

@@ -152,7 +152,7 @@ def check_backend(config: RuntimeConfig, storage: Any) -> None:
     """A storage backend given by the caller (`open(storage=)`, `attach_storage`): it has the
     protocol's methods and pages of this config's size (a hybrid model's state snapshots are
     stored in the same pages: `runtime.storage.state_blobs`); `ConfigError` otherwise."""
-    if config.state_shape is not None and config.host_state_slot_count == 0:
+    if config.state_shape is not None and config.host_slots > 0 and config.host_state_slot_count == 0:
         raise ConfigError("host_state_slots: a storage tier with recurrent state needs host state slots "
                           "(snapshots reach storage through their host copies)")
     missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")

@@ -5,12 +5,20 @@ a read: `StateBlob` in `runtime.messages`). A blob is `StateBlobFormat.chunks` p
 (`runtime.storage.state_blobs`); it counts only whole: every chunk stored, present or read. Every
 backend result is checked against its contract (`ContractViolation` makes the whole op a miss).
 The host state slots a blob names are pinned by the op's requester until its ack.
+
+A blob moves through a staging buffer of its chunks (one copy from or into the slot, whose
+components are not contiguous); two are kept for reuse (the transfer actor's storage worker
+threads): a fresh one costs a first touch of every page (a Bamba-9B state is 118 MiB).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
+
+import numpy as np
 
 import torch
 
@@ -21,11 +29,15 @@ from runtime.storage.state_blobs import StateBlobFormat
 
 __all__ = ["StateBlobIO"]
 
+_SPARES = 2  # staging buffers kept for reuse
+
 
 class StateBlobIO:
     def __init__(self, pool: StatePool, fmt: StateBlobFormat) -> None:
         self.pool = pool
         self.format = fmt
+        self._spare: list[np.ndarray] = []  # staging buffers not in use (`_staging`)
+        self._lock = threading.Lock()
 
     def write(self, backend: Any, blobs: Sequence[StateBlob]) -> tuple[bool, ...]:
         """Store every blob's slot under its keys (one batch call); per blob: every chunk stored."""
@@ -34,14 +46,17 @@ class StateBlobIO:
         fmt = self.format
         keys: list[bytes] = []
         srcs = []
-        for blob in blobs:
-            keys += blob.keys
-            bufs = fmt.buffers()  # the slot's bytes copied once, straight into its zero-padded chunks
-            flat = bufs.reshape(-1)
-            self.pool.read_slot_into(blob.slot, torch.from_numpy(flat))
-            flat[fmt.state_bytes:] = 0
-            srcs += list(bufs)
-        ok = checked_flags("set_batch", backend.set_batch(keys, srcs), len(keys))
+        staged = [self._take() for _ in blobs]
+        try:
+            for blob, bufs in zip(blobs, staged, strict=True):
+                keys += blob.keys
+                flat = bufs.reshape(-1)  # the slot's bytes copied once, straight into its zero-padded chunks
+                self.pool.read_slot_into(blob.slot, torch.from_numpy(flat))
+                flat[fmt.state_bytes:] = 0
+                srcs += list(bufs)
+            ok = checked_flags("set_batch", backend.set_batch(keys, srcs), len(keys))
+        finally:
+            self._give(staged)
         n = fmt.chunks
         return tuple(all(ok[i * n:(i + 1) * n]) for i in range(len(blobs)))
 
@@ -53,7 +68,8 @@ class StateBlobIO:
             blob = blobs[i]
             if blob.after > found:
                 continue
-            if checked_count("exists_prefix", backend.exists_prefix(list(blob.keys)), len(blob.keys)) == len(blob.keys):
+            keys = list(blob.keys or self.format.keys(blob.page))
+            if checked_count("exists_prefix", backend.exists_prefix(keys), len(keys)) == len(keys):
                 out[i] = True
                 break
         return tuple(out)
@@ -67,9 +83,28 @@ class StateBlobIO:
             if blob.after > read:
                 out.append(False)
                 continue
-            bufs = self.format.buffers()
-            ok = checked_flags("get_batch", backend.get_batch(list(blob.keys), list(bufs)), len(blob.keys))
-            if all(ok):
-                self.pool.write_slot(blob.slot, torch.from_numpy(self.format.join(bufs)))
+            with self._staging() as bufs:
+                ok = checked_flags("get_batch", backend.get_batch(list(blob.keys), list(bufs)), len(blob.keys))
+                if all(ok):
+                    self.pool.write_slot(blob.slot, torch.from_numpy(self.format.join(bufs)))
             out.append(all(ok))
         return tuple(out)
+
+    # -- staging buffers ---------------------------------------------------------------
+    def _take(self) -> np.ndarray:
+        with self._lock:
+            if self._spare:
+                return self._spare.pop()
+        return self.format.buffers()
+
+    def _give(self, bufs: list[np.ndarray]) -> None:
+        with self._lock:  # (kept: as many as the transfer actor's storage worker threads)
+            self._spare.extend(bufs[:max(0, _SPARES - len(self._spare))])
+
+    @contextmanager
+    def _staging(self) -> Iterator[np.ndarray]:
+        bufs = self._take()
+        try:
+            yield bufs
+        finally:
+            self._give([bufs])

@@ -211,7 +211,8 @@ class StoredPages:
 
     known: set[bytes]
     doubtful: set[bytes]
-    states: set[bytes] = field(default_factory=set)  # chunk keys of state snapshots known stored
+    # state snapshots known stored: the hash of the page each follows -> its chunk keys
+    states: dict[bytes, tuple[bytes, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -78,12 +78,12 @@ class StorageTier:
         self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
         self.known: set[bytes] = set()  # page hashes this runtime wrote or found stored (skip rewriting them)
         self.doubtful: set[bytes] = set()  # known once, in doubt since (`StoredPages`): a clear removes them too
-        # a hybrid model's snapshots: their storage format, and the chunk keys of those known stored
-        # (no KV events: they are not pages of a prefix)
+        # a hybrid model's snapshots: their storage format, and those known stored, by the hash of
+        # the page each follows, with their chunk keys (no KV events: they are not pages of a prefix)
         self.states = residency.states if residency.states is not None and residency.states.host_ledger else None
         self.state_format = (StateBlobFormat.of(config.state_shape, config.page_size * config.bytes_per_token)
                              if self.states is not None and config.state_shape is not None else None)
-        self.known_states: set[bytes] = set()
+        self.known_states: dict[bytes, tuple[bytes, ...]] = {}
         self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
         self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
@@ -282,7 +282,7 @@ class StorageTier:
         if sop.states and pages and not states_ok[0]:
             # KV without its state is no usable end: adopt none of it (rewrite the state next time)
             self.stats["state_storage_misses"] += 1
-            self._doubt_states(sop.states[0].keys)
+            self._doubt_states(sop.states[0].page)
             pages = 0
         rest = pf.host[pages * ps:]
         if len(rest):
@@ -310,7 +310,7 @@ class StorageTier:
             raise InternalError(f"storage clear with {len(self.ops)} storage ops in flight")
         if self.residency.events is not None:  # (the doubtful ones were reported removed when doubted)
             self.residency.events.removed_pages(sorted(self.known), STORAGE)
-        out = sorted(self.known | self.doubtful | self.known_states)
+        out = sorted(self.known | self.doubtful | {k for keys in self.known_states.values() for k in keys})
         self.known.clear()
         self.doubtful.clear()
         self.known_states.clear()
@@ -358,30 +358,30 @@ class StorageTier:
             slot = states.host_state.get(n)
             if slot is None:
                 continue
-            keys = fmt.keys(every[states.host_position[slot] // self.residency.page_size - 1])
-            if keys[0] not in self.known_states:
-                out.append(StateBlob(slot, keys))
+            page = every[states.host_position[slot] // self.residency.page_size - 1]
+            if page not in self.known_states:
+                out.append(StateBlob(slot, fmt.keys(page), page=page))
         return tuple(out)
 
     def _state_lookups(self, keys: list[bytes]) -> tuple[StateBlob, ...]:
         """A hybrid model's hit ends at a stored snapshot: one asked for after each of the pages
-        `keys` (a lookup's), deepest first, each keyed by the page it follows."""
-        fmt = self.state_format
-        if fmt is None:
+        `keys` (a lookup's), deepest first, each named by the page it follows (the worker derives
+        the chunk keys of those it checks: hashing every boundary's here would cost O(pages x chunks))."""
+        if self.state_format is None:
             return ()
-        return tuple(StateBlob(-1, fmt.keys(keys[j - 1]), j) for j in range(len(keys), 0, -1))
+        return tuple(StateBlob(-1, (), j, page=keys[j - 1]) for j in range(len(keys), 0, -1))
 
-    def _doubt_states(self, keys: tuple[bytes, ...]) -> None:
-        """A snapshot found missing or unreadable: no longer known stored (written again next time),
-        its chunks held in doubt (a clear still removes those that are there)."""
-        if keys[0] in self.known_states:
-            self.known_states.difference_update(keys)
+    def _doubt_states(self, page: bytes) -> None:
+        """The snapshot after `page`, found missing or unreadable: no longer known stored (written
+        again next time), its chunks held in doubt (a clear still removes those that are there)."""
+        keys = self.known_states.pop(page, None)
+        if keys is not None:
             self.doubtful.update(keys)
 
     def _states_written(self, sop: StorageOp, states_ok: tuple[bool, ...]) -> None:
         for blob, good in zip(sop.states, states_ok, strict=True):
             if good:
-                self.known_states.update(blob.keys)
+                self.known_states[blob.page] = blob.keys
             else:
                 _log.warning("storage_state_not_written", op=sop.op_id, slot=blob.slot)
         written = sum(states_ok)
@@ -449,7 +449,7 @@ class StorageTier:
                 self.stats["state_storage_misses"] += 1
             for b in sop.states:  # asked for and not found whole (deeper than the one found): rewrite them
                 if b.after <= found and (blob is None or b.after > blob.after):
-                    self._doubt_states(b.keys)
+                    self._doubt_states(b.page)
             found = blob.after if blob is not None else 0
         if found and self._read(pf, sop.keys[:found], blob):
             return None  # its waiters wait for the read
@@ -501,7 +501,7 @@ class StorageTier:
         states: tuple[StateBlob, ...] = ()
         if blob is not None and slot is not None:
             self.states.pin_host(slot, op_id)  # type: ignore[union-attr]
-            states = (StateBlob(slot, blob.keys, blob.after),)
+            states = (StateBlob(slot, self.state_format.keys(blob.page), blob.after, page=blob.page),)  # type: ignore[union-attr]
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf, states=states)

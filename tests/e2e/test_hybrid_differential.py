@@ -40,7 +40,6 @@ from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_hybrid import PagedHybridModel, runtime_fields  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from runtime.storage.state_blobs import StateBlobFormat  # noqa: E402
 from runtime.tree.storage_tier import StorageTier  # noqa: E402
 from runtime.tree.recurrent import RecurrentStates  # noqa: E402
 from tests.e2e.support import DEVICE, PAGE  # noqa: E402
@@ -116,9 +115,8 @@ async def test_storage_prefetch_equals_generate(bamba, ref_bamba, tmp_path):
 
 
 async def test_storage_state_of_a_shallower_boundary_is_caught(bamba, ref_bamba, tmp_path, monkeypatch):
-    def shallower(self, keys):
-        fmt = StateBlobFormat.of(self.config.state_shape, self.config.page_size * self.config.bytes_per_token)
-        return tuple(StateBlob(-1, fmt.keys(keys[j - 2]), j) for j in range(len(keys), 1, -1))
+    def shallower(self, keys):  # the snapshot after page j - 1 asked for (and read) as the one after page j
+        return tuple(StateBlob(-1, (), j, page=keys[j - 2]) for j in range(len(keys), 1, -1))
 
     monkeypatch.setattr(StorageTier, "_state_lookups", shallower)
     results, metrics, _ = await serve(bamba, tmp_path / "kv")

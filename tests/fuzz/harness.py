@@ -1182,7 +1182,8 @@ class Driver:
             # (a hybrid model's state snapshots are chunk files too: known, in doubt or being written)
             writing = ({k for op in st.ops.values() if op.write for k in (*op.keys, *(k for b in op.states for k in b.keys))}
                        if st is not None else set())
-            known, doubtful = (set(rec.known) | set(rec.states), set(rec.doubtful)) if rec is not None else (set(), set())
+            known, doubtful = ((set(rec.known) | {k for keys in rec.states.values() for k in keys}, set(rec.doubtful))
+                               if rec is not None else (set(), set()))
             return _page_files(directory), known, doubtful, writing
 
         seen = await self.inspect(read)
