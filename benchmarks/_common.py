@@ -22,6 +22,12 @@ DEEPSEEK_V3_MLA: dict[str, Any] = {"model_id": "deepseek-ai/DeepSeek-V3", "num_l
 # 128 x 64 x 128 fp32 = 4 MiB (98% of a state slot; the conv window, 8448 x 4 bf16, is the rest)
 BAMBA_9B_SSM_STATE: dict[str, Any] = {"model_id": "ibm-ai-platform/Bamba-9B", "state_layers": 29,
                                       "ssm_state": (128, 64, 128), "dtype": "float32"}
+# Bamba-9B's whole cache (RuntimeConfig fields): the KV of its 3 attention layers (8 KV heads of 128,
+# bf16: 12,288 B a token) and its recurrent state, one slot of 29 Mamba2 layers (conv window
+# 8448 x 4 bf16 + SSM state 128 x 64 x 128 fp32: 123,594,752 B, 158 chunks of a 64-token KV page). bench_storage measures it.
+BAMBA_9B: dict[str, Any] = {"model_id": "ibm-ai-platform/Bamba-9B", "num_layers": 3, "num_kv_heads": 8, "head_dim": 128,
+                            "kv_dtype": "bfloat16", "state_layers": 29,
+                            "state_components": "conv:8448x4:bfloat16,ssm:128x64x128:float32"}
 
 
 def git_commit() -> str:

@@ -1,9 +1,13 @@
 """Storage-tier throughput through the runtime, against raw baselines on the same bytes.
 
-Shapes (``--shapes``, default both): ``smollm2``, SmolLM2-135M (30 layers, 3 KV heads, head dim 64,
-bf16, K and V: 1,474,560 bytes per 64-token page) and ``deepseek-v3``, DeepSeek-V3's MLA cache (61
-layers, one latent of 512 + 64 per token, bf16: 4,497,408 bytes per page); 64-token pages, host
-pool page_first, CPU copy engine. Every row names its shape.
+Shapes (``--shapes``, default all three): ``smollm2``, SmolLM2-135M (30 layers, 3 KV heads, head dim
+64, bf16, K and V: 1,474,560 bytes per 64-token page), ``deepseek-v3``, DeepSeek-V3's MLA cache (61
+layers, one latent of 512 + 64 per token, bf16: 4,497,408 bytes per page) and ``bamba-9b``, a hybrid
+model: the KV of Bamba-9B's 3 attention layers (786,432 bytes per page) and the snapshot of its
+recurrent state after the request's last page (29 Mamba2 layers, 123,594,752 bytes, written and read
+as 158 page-sized chunks beside the pages: docs/STORAGE.md, "State snapshots"); 64-token pages, host
+pool page_first, CPU copy engine. Every row names its shape; a hybrid row's bytes and its baseline's
+are the pages' and the state chunks'.
 
 Candidate (per backend), one `CacheRuntime.open(config, storage=backend)` per run:
 
@@ -53,12 +57,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import DEEPSEEK_V3_MLA, emit_json, git_commit, median  # noqa: E402
+from benchmarks._common import BAMBA_9B, DEEPSEEK_V3_MLA, emit_json, git_commit, median  # noqa: E402
 from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.fingerprint import write_fingerprints  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
 from runtime.storage.file_backend import FileBackend  # noqa: E402
 from runtime.storage.hashing import KVIdentity, page_hashes  # noqa: E402
+from runtime.storage.state_blobs import StateBlobFormat  # noqa: E402
 from runtime.trace import configure_logging  # noqa: E402
 
 PS = 64
@@ -67,15 +72,29 @@ SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": {"model_id": "HuggingFaceTB/SmolLM2-135M", "num_layers": 30, "num_kv_heads": 3, "head_dim": 64,
                 "kv_dtype": "bfloat16"},
     "deepseek-v3": DEEPSEEK_V3_MLA,
+    "bamba-9b": BAMBA_9B,
 }
 TARGETS = {"file": 0.8, "mooncake": 0.9}
 
 
 def make_config(pages: int, shape: str) -> RuntimeConfig:
     tokens = pages * PS
+    hybrid = {"state_slots": 2} if "state_layers" in SHAPES[shape] else {}  # a running slot and the snapshot
     return RuntimeConfig(**SHAPES[shape], page_size=PS,
                          device_slots=tokens + 2 * PS, host_tokens=2 * tokens + 4 * PS, host_layout="page_first",
-                         write_policy="write_through", copy_engine="cpu", prefetch_policy="wait_complete")
+                         write_policy="write_through", copy_engine="cpu", prefetch_policy="wait_complete", **hybrid)
+
+
+def state_format(config: RuntimeConfig) -> StateBlobFormat | None:
+    """A hybrid shape's state snapshot as storage holds it (None: no recurrent state)."""
+    shape = config.state_shape
+    return StateBlobFormat.of(shape, PS * config.bytes_per_token) if shape is not None else None
+
+
+def op_rows(pages: int, shape: str) -> int:
+    """Backend pages one op moves: the KV pages, and a hybrid shape's state chunks."""
+    fmt = state_format(make_config(1, shape))
+    return pages + (fmt.chunks if fmt is not None else 0)
 
 
 def page_bytes(shape: str) -> int:
@@ -85,7 +104,10 @@ def page_bytes(shape: str) -> int:
 def describe(shape: str) -> str:
     f = SHAPES[shape]
     kv = "one latent" if f.get("kv_layout") == "mla" else f"{f['num_kv_heads']} KV heads"
-    return f"{f['model_id']} ({f['num_layers']} layers, {kv}, head dim {f['head_dim']}, {f['kv_dtype']})"
+    fmt = state_format(make_config(1, shape))
+    state = (f"; a state snapshot of {f['state_layers']} recurrent layers, {fmt.state_bytes} B in {fmt.chunks} chunks"
+             if fmt is not None else "")
+    return f"{f['model_id']} ({f['num_layers']} layers, {kv}, head dim {f['head_dim']}, {f['kv_dtype']}{state})"
 
 
 class Probe:
@@ -167,17 +189,25 @@ class Candidate:
         self.rt, self.probe, self.pages = rt, probe, pages
         self.n = pages * PS
         self.page_bytes = PS * rt.config.bytes_per_token
+        self.state = state_format(rt.config)  # a hybrid shape's snapshot after the last page
         probe.loop, probe.idle = asyncio.get_running_loop(), asyncio.Event()
 
     async def prepare(self, tokens: np.ndarray, rid: str) -> torch.Tensor:
-        """Admit and write the KV; return the canonical page bytes ``[pages, page_bytes]`` (the baseline's source)."""
+        """Admit and write the KV (and a hybrid shape's snapshot at the last page: random bytes);
+        return the canonical page bytes ``[pages (+ state chunks), page_bytes]`` (the baseline's source)."""
         res = await self.rt.admit(rid, tokens)
         assert res.cached == 0, res.cached
         write_fingerprints(self.rt.device_pool, np.asarray(res.slots), tokens)
         kv = self.rt.device_pool.read_slots(np.asarray(res.slots[: self.n]))  # [L, C, n, H, D]
-        src = torch.empty((self.pages, self.page_bytes), dtype=torch.uint8)
+        chunks = self.state.chunks if self.state is not None else 0
+        src = torch.empty((self.pages + chunks, self.page_bytes), dtype=torch.uint8)
         for i in range(self.pages):
             src[i].copy_(kv[:, :, i * PS:(i + 1) * PS].contiguous().view(torch.uint8).reshape(-1))
+        if self.state is not None:
+            blob = torch.randint(0, 256, (self.state.state_bytes,), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(int(tokens[0])))
+            self.rt.state_pool.write_slot(await self.rt.snapshot(rid, self.n), blob)
+            src[self.pages:].copy_(torch.from_numpy(np.stack(self.state.split(blob.numpy()))))
         return src
 
     async def _no_storage_op(self) -> None:
@@ -195,7 +225,8 @@ class Candidate:
 
     async def write(self, tokens: np.ndarray, rid: str) -> tuple[float, float, float]:
         """(storage part, finish -> storage ack, backend calls alone) seconds."""
-        before = (await self.rt.stats())["storage"]["written_pages"]
+        st = await self.rt.stats()
+        before, states_before = st["storage"]["written_pages"], st["state"]["storage_writes"]
         self.probe.t_set = None
         t0 = time.perf_counter()
         await self.rt.finish(rid, tokens[: self.n])
@@ -205,6 +236,7 @@ class Candidate:
         t1 = time.perf_counter()
         st = await self.rt.stats()
         assert st["storage"]["written_pages"] - before == self.pages, (st["storage"]["written_pages"], before)
+        assert st["state"]["storage_writes"] - states_before == (self.state is not None), st["state"]
         return t1 - self.probe.t_set, t1 - t0, self.probe.t_set_end - self.probe.t_set
 
     async def read(self, tokens: np.ndarray, rid: str, src: torch.Tensor) -> tuple[float, float]:
@@ -225,12 +257,18 @@ class Candidate:
         for i in range(self.pages):  # compare with the bytes written instead
             page = kv[:, :, i * PS:(i + 1) * PS].contiguous().view(torch.uint8).reshape(-1)
             assert torch.equal(page, src[i]), f'page {i} read back wrong'
+        if self.state is not None:  # the hit resumes from the snapshot read with the pages
+            assert res.state_from is not None
+            want = src[self.pages:].reshape(-1)[:self.state.state_bytes]
+            assert torch.equal(self.rt.state_pool.read_slot(res.state_from), want), "state read back wrong"
         await self.rt.abort(rid)
         await self.rt.flush()
         return t1 - t0, self.probe.t_get_end - self.probe.t_exists
 
     def keys(self, tokens: np.ndarray) -> list[bytes]:
-        return page_hashes(tokens[: self.n], PS, None, KVIdentity.from_config(self.rt.config))
+        """The op's backend keys: its pages', then a hybrid shape's state chunks'."""
+        keys = page_hashes(tokens[: self.n], PS, None, KVIdentity.from_config(self.rt.config))
+        return keys + list(self.state.keys(keys[-1])) if self.state is not None else keys
 
 
 def ordered(run: int, a, b):
@@ -270,14 +308,14 @@ async def timed_round(res: dict[str, list[float]], cand: Candidate, run: int, to
 
 async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str, shape: str) -> dict[str, list[float]]:
     res = new_results()
-    pb = page_bytes(shape)
+    pb, rows = page_bytes(shape), op_rows(pages, shape)  # (rows: the pages and a hybrid shape's state chunks)
     root = tempfile.mkdtemp(prefix="bench-storage-", dir=base_dir)
     try:
         fb = FileBackend(os.path.join(root, "fb"), pb, fsync=fsync)
         bdir = os.path.join(root, "baseline")
         os.makedirs(bdir)
         probe = Probe(fb)
-        dst = torch.empty((pages, pb), dtype=torch.uint8)
+        dst = torch.empty((rows, pb), dtype=torch.uint8)
         dst.fill_(1)  # pre-touched, like a host pool
         async with CacheRuntime.open(make_config(pages, shape), storage=probe) as rt:
             cand = Candidate(rt, probe, pages)
@@ -289,7 +327,7 @@ async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str, shape: 
 
                 def base_w() -> float:
                     t = time.perf_counter()
-                    for i in range(pages):
+                    for i in range(rows):
                         final = os.path.join(bdir, keys[i].hex())
                         tmp = final + ".tmp"
                         with open(tmp, "wb", buffering=0) as f:
@@ -305,7 +343,7 @@ async def file_runs(pages: int, repeats: int, fsync: str, base_dir: str, shape: 
 
                 def base_r() -> float:
                     t = time.perf_counter()
-                    for i in range(pages):
+                    for i in range(rows):
                         with open(os.path.join(bdir, keys[i].hex()), "rb", buffering=0) as f:
                             f.readinto(memoryview(dv[i]))
                     return time.perf_counter() - t
@@ -328,15 +366,15 @@ async def mooncake_runs(pages: int, repeats: int, batch: int, shape: str) -> dic
     from runtime.storage.mooncake_backend import LocalMooncakeCluster, MooncakeBackend
 
     res = new_results()
-    pb = page_bytes(shape)
-    seg = max(1 << 30, 4 * pages * pb + (256 << 20))
+    pb, rows = page_bytes(shape), op_rows(pages, shape)  # (rows: the pages and a hybrid shape's state chunks)
+    seg = max(1 << 30, 4 * rows * pb + (256 << 20))
     with LocalMooncakeCluster() as cl:
         mb = MooncakeBackend(pb, cl.config(global_segment_size=seg, local_buffer_size=max(256 << 20, batch * pb * 2)),
                              staging_bytes=batch * pb)
         st = mb._store
         probe = Probe(mb)
-        src_reg = torch.empty((pages, pb), dtype=torch.uint8)
-        dst = torch.ones((pages, pb), dtype=torch.uint8)
+        src_reg = torch.empty((rows, pb), dtype=torch.uint8)
+        dst = torch.ones((rows, pb), dtype=torch.uint8)
         mb.register_buffer(src_reg)
         mb.register_buffer(dst)
         sp, dp = src_reg.data_ptr(), dst.data_ptr()
@@ -344,7 +382,7 @@ async def mooncake_runs(pages: int, repeats: int, batch: int, shape: str) -> dic
         wk = [f"warm/{i}" for i in range(seg // pb - 8)]
         for s0 in range(0, len(wk), batch):
             ks = wk[s0:s0 + batch]
-            st.batch_put_from(ks, [sp + (i % pages) * pb for i in range(len(ks))], [pb] * len(ks))
+            st.batch_put_from(ks, [sp + (i % rows) * pb for i in range(len(ks))], [pb] * len(ks))
         for k in wk:
             st.remove(k, True)
         async with CacheRuntime.open(make_config(pages, shape), storage=probe) as rt:
@@ -360,16 +398,16 @@ async def mooncake_runs(pages: int, repeats: int, batch: int, shape: str) -> dic
 
                 def base_w() -> float:
                     t = time.perf_counter()
-                    for s0 in range(0, pages, batch):
-                        n = min(batch, pages - s0)
+                    for s0 in range(0, rows, batch):
+                        n = min(batch, rows - s0)
                         r = st.batch_put_from(raw_keys[s0:s0 + n], [sp + (s0 + i) * pb for i in range(n)], [pb] * n)
                         assert all(x == 0 for x in r), r
                     return time.perf_counter() - t
 
                 def base_r() -> float:
                     t = time.perf_counter()
-                    for s0 in range(0, pages, batch):
-                        n = min(batch, pages - s0)
+                    for s0 in range(0, rows, batch):
+                        n = min(batch, rows - s0)
                         r = st.batch_get_into(raw_keys[s0:s0 + n], [dp + (s0 + i) * pb for i in range(n)], [pb] * n)
                         assert all(x == pb for x in r), r
                     return time.perf_counter() - t
@@ -408,7 +446,7 @@ def mooncake_in_netns(args: argparse.Namespace, shape: str) -> tuple[dict[str, l
 
 
 def summarize(res: dict[str, list[float]], pages: int, shape: str) -> dict[str, Any]:
-    gib = pages * page_bytes(shape) / 2**30
+    gib = op_rows(pages, shape) * page_bytes(shape) / 2**30
     out: dict[str, Any] = {}
     for op, c, b in (("write", "cand_w", "base_w"), ("read", "cand_r", "base_r")):
         mc, mb = median(res[c]), median(res[b])
@@ -484,7 +522,7 @@ def main() -> None:
           f"{args.repeats}, fsync={args.fsync}, commit {git_commit()}")
     for shape in shapes:
         print(f"{shape}: {describe(shape)}, {page_bytes(shape)} B a page, "
-              f"{args.pages * page_bytes(shape) / 2**20:.0f} MiB per op")
+              f"{op_rows(args.pages, shape) * page_bytes(shape) / 2**20:.0f} MiB per op")
     print(f"{'shape':<11} {'backend':<9} {'op':<6} {'runtime GiB/s':>14} {'baseline GiB/s':>15} {'ratio':>6} "
           f"{'target':>7} met")
     for shape in shapes:

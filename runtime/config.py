@@ -258,8 +258,10 @@ class RuntimeConfig:
             return
         self.state_shape  # parses state_components (ConfigError naming the field)
         need(self.state_slots > 0, "state_layers > 0 needs state_slots > 0 (running requests and snapshots)")
-        # the state rule covers the device and host tiers; storage and decode offload of states: not yet
-        need(self.storage_backend == "none", "recurrent state (state_layers > 0) has no storage tier yet")
+        # the state rule covers the device, host and storage tiers; decode offload of states: not yet
+        need(self.storage_backend == "none" or self.host_state_slot_count > 0,
+             "host_state_slots: a storage tier with recurrent state needs host state slots (snapshots reach "
+             "storage through their host copies)")
         need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
 
     def _check_sliding(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__

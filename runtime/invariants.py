@@ -286,6 +286,19 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
                     hold(host_table, "host state", host, Owner.node(node.id), f"backup {op.op_id}")
             if not op.orphaned:
                 _check_state_copy(states, op, backup)
+    for sop in (core.storage.ops.values() if core.storage is not None else ()):
+        # a storage write reads its chain's host snapshots (held by their nodes, pinned by it); a
+        # storage read fills a host slot its prefetch holds (pinned) until a node adopts it at the ack
+        for blob in sop.states:
+            if blob.slot < 0:
+                continue
+            host_pins[blob.slot] += 1
+            if sop.write:
+                if sop.node is None or blob.slot not in _chain_host_states(states, sop.node, sop.length):
+                    _fail(f"storage write {sop.op_id} reads host state slot {blob.slot}, not a snapshot of its chain")
+            else:
+                assert sop.prefetch is not None
+                hold(host_table, "host state", blob.slot, sop.prefetch.owner, f"storage read {sop.op_id}")
     for held, positions, tier, want, kv in ((states.node_state, states.position, "state", table, "device"),
                                             (states.host_state, states.host_position, "host state", host_table, "host")):
         for node, slot in held.items():
@@ -345,6 +358,17 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
             at = lo + int(np.flatnonzero(~present[pages])[0]) * ps
             _fail(f"request {rec.rid!r} (cached {rec.cached_len}) reads positions {at}..{at + ps - 1} in its "
                   f"sliding window, whose sliding KV was dropped")
+
+
+def _chain_host_states(states: "RecurrentStates", node: "Node", length: int) -> set[int]:
+    """The host snapshots of the nodes covering the last `length` tokens of `node`'s path."""
+    out, covered = set(), 0
+    while covered < length and node.parent is not None:
+        if node in states.host_state:
+            out.add(states.host_state[node])
+        covered += node.num_tokens
+        node = node.parent
+    return out
 
 
 def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> None:

@@ -300,6 +300,9 @@ class StorageAck:
     pages: int
     error: str | None = None
     ok: tuple[bool, ...] = ()  # a write: per page, stored or not
+    # per `SubmitStorage.states` entry: written whole, present whole (a lookup: the deepest one
+    # within the KV found, the rest False) or read whole into its slot
+    states_ok: tuple[bool, ...] = ()
     reply: None = None
 
 
@@ -444,12 +447,28 @@ class SubmitStorage:
     keys: tuple[bytes, ...]
     pages: tuple[int, ...]  # host page indices, one per key
     ack_to: "Mailbox[Any]"
+    states: "tuple[StateBlob, ...]" = ()  # a hybrid model's state snapshots written, looked up or read with it
     reply: None = None
     # one control plane over tensor-parallel ranks: rank r's keys (rank 0's are `keys`), each rank
     # writing or reading its own host pool's `pages`; the ack counts a page only when every rank's
     # shard of it is stored. (): `keys` serve every rank (one rank; a replicated shard: rank 0
     # writes the one copy, every rank reads it)
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class StateBlob:
+    """A recurrent-state snapshot a storage op carries beside its KV pages (`StateBlobFormat`):
+    stored as page-sized chunks under `keys`, from or into host state slot `slot` (-1: a lookup,
+    which only asks whether every chunk is there). `after`: how many of the op's leading KV keys
+    the snapshot follows (a lookup or read: it counts only if those pages are there; a write: 0).
+    A lookup's blobs give `page`, the hash of the page the snapshot follows, and no keys: the
+    worker derives the keys of those it checks (deepest first, usually one)."""
+
+    slot: int
+    keys: tuple[bytes, ...]
+    after: int = 0
+    page: bytes = b""
 
 
 @message

@@ -48,6 +48,8 @@ from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.memory.state_pool import StatePool
 from runtime.memory.swa import SWA_POOL
+from runtime.storage.state_blobs import StateBlobFormat
+from runtime.transfer.state_io import StateBlobIO
 from runtime.messages import (
     Abort,
     Admit,
@@ -166,13 +168,14 @@ def make_rank_engines(config: RuntimeConfig, device_pools: Sequence[DevicePool],
 
 def check_backend(config: RuntimeConfig, storage: Any) -> None:
     """A storage backend given by the caller (`open(storage=)`, `attach_storage`): it has the
-    protocol's methods and pages of this config's size, and no recurrent state (not stored yet:
-    KV pages without their states would be read for hits that never use them); `ConfigError`
-    otherwise."""
-    if config.state_shape is not None:
-        raise ConfigError("recurrent state (state_layers > 0) has no storage tier yet")
+    protocol's methods and pages of this config's size (a hybrid model's state snapshots are
+    stored in the same pages: `runtime.storage.state_blobs`), and no sliding layers (their dropped
+    pages have no storage rule yet); `ConfigError` otherwise."""
     if config.sliding_layer_set:
         raise ConfigError("sliding_layers has no storage tier yet")
+    if config.state_shape is not None and config.host_slots > 0 and config.host_state_slot_count == 0:
+        raise ConfigError("host_state_slots: a storage tier with recurrent state needs host state slots "
+                          "(snapshots reach storage through their host copies)")
     missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")
                if not callable(getattr(storage, name, None))]
     if missing:
@@ -285,7 +288,10 @@ class CacheRuntime:
                               for name, pool in self.state_pool.component_pools()}
                              if self.state_pool is not None else
                              {SWA_POOL: self.swa_pool.shape.bytes_per_token} if self.swa_pool is not None else None),
-            rank_host_pools=self.host_pools if config.tp_ranks > 1 else ())
+            rank_host_pools=self.host_pools if config.tp_ranks > 1 else (),
+            state_io=(StateBlobIO(self.host_state_pool, StateBlobFormat.of(config.state_shape,
+                                                                           config.page_size * config.bytes_per_token))
+                      if self.host_state_pool is not None and config.state_shape is not None else None))
         readiness = (LayerReadiness.pending if config.tp_ranks == 1
                      else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
         self._core = CacheCore(config, self.tracer, readiness_factory=readiness)

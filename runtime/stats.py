@@ -127,6 +127,15 @@ STATS: tuple[Stat, ...] = (
        "snapshots dropped for a state slot (their nodes kept their KV)", "hicache_state_snapshots_evicted"),
     _s("state", "hits", T, "state_hits", C, "admissions that resumed from a snapshot", "hicache_state_hits"),
     _s("state", "free_slots", T, "state_free_slots", G, "free device state slots", "hicache_state_free_slots"),
+    _s("state", "storage_writes", T, "state_storage_writes", C, "host snapshots written to storage with their "
+       "node's KV (every chunk stored)", "hicache_state_storage_writes"),
+    _s("state", "storage_write_failures", T, "state_storage_write_failures", C,
+       "host snapshots whose storage write failed (a chunk not stored)", "hicache_state_storage_write_failures"),
+    _s("state", "storage_hits", T, "state_storage_hits", C, "snapshots a prefetch read from storage and a node "
+       "adopted (its hit's usable end)", "hicache_state_storage_hits"),
+    _s("state", "storage_misses", T, "state_storage_misses", C, "prefetches whose KV was found in storage with no "
+       "whole snapshot at any of its boundaries, or whose snapshot read failed (no hit)",
+       "hicache_state_storage_misses"),
     # sliding-window layers: their own device pool, whose pages outside every window drop
     _s("swa", "pages_dropped", T, "swa_pages_dropped", C,
        "sliding-layer pages given back outside every node end's window (their full KV kept)",

@@ -54,6 +54,7 @@ from runtime.stats import LatencyHistogram
 from runtime.storage.backend import ContractViolation, StorageError, checked_count, checked_flags, read_prefix
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine, merged_plan
+from runtime.transfer.state_io import StateBlobIO
 
 log = get_logger("hicache.transfer")
 
@@ -74,6 +75,7 @@ class _StorageDone:
     ok: tuple[bool, ...]
     error: str | None
     violation: ContractViolation | None = None  # the backend returned a value outside its contract
+    states_ok: tuple[bool, ...] = ()  # per `SubmitStorage.states` entry (`StateBlobIO`)
 
 
 @dataclass(slots=True)
@@ -100,11 +102,13 @@ class TransferActor(Actor[TransferMessage]):
     def __init__(self, engine: CopyEngine, *, max_inflight_loads: int, max_queued_backups: int,
                  mailbox_capacity: int, bytes_per_slot: int = 0, storage: Any = None,
                  host_pool: Any = None, storage_timeout_s: float = 5.0,
-                 pool_slot_bytes: dict[str, int] | None = None, rank_host_pools: Sequence[Any] = ()) -> None:
+                 pool_slot_bytes: dict[str, int] | None = None, rank_host_pools: Sequence[Any] = (),
+                 state_io: StateBlobIO | None = None) -> None:
         """`bytes_per_slot`: a KV slot's bytes (a token's); `pool_slot_bytes`: a slot's bytes in the
         plan's other pools (a recurrent state's components), for the byte counters;
         `rank_host_pools`: under one control plane over tensor-parallel ranks, every rank's host
-        pool (rank 0's is `host_pool`), each rank's storage I/O its own (`SubmitStorage.rank_keys`)."""
+        pool (rank 0's is `host_pool`), each rank's storage I/O its own (`SubmitStorage.rank_keys`);
+        `state_io`: a hybrid model's host state pool as storage ops write and read its snapshots."""
         super().__init__(mailbox_capacity)
         self.engine = engine
         self.bridge: CompletionBridge | None = None
@@ -124,6 +128,7 @@ class TransferActor(Actor[TransferMessage]):
         # storage tier: backend calls run in worker threads, one batch per op
         self.storage = storage
         self.host_pool = host_pool
+        self.state_io = state_io
         self.storage_inflight: dict[int, SubmitStorage] = {}
         self.storage_timeout_s = storage_timeout_s
         self._storage_timers: dict[int, asyncio.TimerHandle] = {}
@@ -238,11 +243,29 @@ class TransferActor(Actor[TransferMessage]):
         except Exception:  # noqa: BLE001 - let the worker path meet (and count) the error
             return False
 
-    def _run_storage(self, msg: SubmitStorage) -> tuple[int, tuple[bool, ...]]:
-        """In a worker thread: the op on every rank, each with its own keys and host pool (one rank
-        without tensor parallelism). A write stores a page only when every rank's shard is stored
-        (the flags' AND; a replicated shard: rank 0 writes the one copy); a lookup or read counts
-        the leading pages every rank has (the minimum; a later rank looks only that far)."""
+    def _run_storage(self, msg: SubmitStorage) -> tuple[int, tuple[bool, ...], tuple[bool, ...]]:
+        """In a worker thread: the op's KV pages, then its state snapshots (`StateBlobIO`) if any
+        (recurrent state has one rank: `tp_ranks > 1` refuses it). Every result is checked against
+        the backend contract (`ContractViolation` otherwise)."""
+        pages, ok = self._run_storage_kv(msg)
+        if not msg.states:
+            return pages, ok, ()
+        io = self.state_io
+        if io is None:
+            raise InternalError(f"storage op {msg.op_id} carries state snapshots and there is no host state pool")
+        if msg.write:
+            return pages, ok, io.write(self.storage, msg.states)
+        if not msg.pages:
+            return pages, ok, io.lookup(self.storage, msg.states, pages)
+        return pages, ok, io.read(self.storage, msg.states, pages)
+
+    def _run_storage_kv(self, msg: SubmitStorage) -> tuple[int, tuple[bool, ...]]:
+        """The op's KV pages on every rank, each with its own keys and host pool (one rank without
+        tensor parallelism). A write stores a page only when every rank's shard is stored (the
+        flags' AND; a replicated shard: rank 0 writes the one copy); a lookup or read counts the
+        leading pages every rank has (the minimum; a later rank looks only that far)."""
+        if not msg.keys:  # (an op for state snapshots alone)
+            return 0, ()
         ranks = self._rank_pools
         keys_of = msg.rank_keys or (msg.keys,) * len(ranks)
         if len(keys_of) != len(ranks) or any(len(keys) != len(msg.keys) for keys in keys_of):
@@ -307,8 +330,8 @@ class TransferActor(Actor[TransferMessage]):
         elif fut.exception() is not None:
             done = _StorageDone(op_id, 0, (), repr(fut.exception()))
         else:
-            pages, ok = fut.result()
-            done = _StorageDone(op_id, pages, ok, None)
+            pages, ok, states_ok = fut.result()
+            done = _StorageDone(op_id, pages, ok, None, states_ok=states_ok)
         try:
             self._storage_done(done)
         except Exception as exc:  # noqa: BLE001 - a bug: fail whole, from inside the actor
@@ -359,7 +382,8 @@ class TransferActor(Actor[TransferMessage]):
                 key = "storage_bytes_written" if submit.write else "storage_bytes_read"
                 # every rank's shard (a replicated shard: one copy written, read by every rank)
                 movers = 1 if submit.write and not submit.rank_keys else len(self._rank_pools)
-                self.counters[key] += msg.pages * page_bytes * movers
+                chunks = self.state_io.format.chunks if self.state_io is not None else 0  # (a state's)
+                self.counters[key] += (msg.pages * movers + chunks * sum(msg.states_ok)) * page_bytes
         elif msg.violation is not None:
             self.counters["storage_ops_failed"] += 1
             self.counters["storage_backend_errors"] += 1
@@ -370,7 +394,7 @@ class TransferActor(Actor[TransferMessage]):
             self.counters["storage_errors"] += 1
             log.warning("storage_op_failed", op=msg.op_id, write=submit.write, error=msg.error)
         try:
-            submit.ack_to.put_internal(StorageAck(msg.op_id, msg.pages, msg.error, msg.ok))
+            submit.ack_to.put_internal(StorageAck(msg.op_id, msg.pages, msg.error, msg.ok, msg.states_ok))
         except RuntimeClosed:
             log.warning("ack_undeliverable", op=msg.op_id, direction="storage")
         self._maybe_drained()

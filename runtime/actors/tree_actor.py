@@ -201,7 +201,8 @@ class TreeActor(Actor[TreeMessage]):
         for plan, readiness in copies:
             self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
         for op_id, write, keys, pages, rank_keys in stores:
-            self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox,
+            states = self.core.storage.blobs(op_id) if self.core.storage is not None else ()
+            self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox, states,
                                                              rank_keys=rank_keys))
         if notes:
             mailbox = self.offload_mailbox
@@ -235,7 +236,7 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.prepare(msg.rid, msg.tokens, msg.extra_key)
 
     def on_storage_ack(self, msg: StorageAck) -> None:
-        pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok)
+        pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok, msg.states_ok)
         if pf is not None:
             self._release_waiters(pf)
         if self.controls:

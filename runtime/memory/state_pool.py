@@ -163,8 +163,22 @@ class StatePool:
     def read_slot(self, slot: int) -> torch.Tensor:
         """Slot ``slot`` in the canonical form: a flat uint8 tensor, per component (in the shape's
         order) its ``[L, *shape]`` bytes. A copy, on the CPU."""
+        out = torch.empty(self.shape.bytes_per_slot, dtype=torch.uint8)
+        self.read_slot_into(slot, out)
+        return out
+
+    def read_slot_into(self, slot: int, out: torch.Tensor) -> None:
+        """`read_slot` into the first `bytes_per_slot` bytes of `out` (a flat, contiguous uint8 CPU
+        tensor; storage writes a padded chunk buffer this way): one copy per component."""
         slot = self._check_slot(slot)
-        return torch.cat([b[:, slot].contiguous().view(torch.uint8).reshape(-1).cpu() for b in self.buffers.values()])
+        if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() < self.shape.bytes_per_slot:
+            raise LengthError(f"state slot output must be a flat contiguous uint8 tensor of at least "
+                              f"{self.shape.bytes_per_slot} bytes, got {tuple(out.shape)} {out.dtype}")
+        at = 0
+        for c in self.shape.components:
+            n = self.shape.num_layers * c.row_bytes
+            out[at:at + n].view(c.dtype).view(self.shape.num_layers, *c.shape).copy_(self.buffers[c.name][:, slot])
+            at += n
 
     def write_slot(self, slot: int, data: torch.Tensor) -> None:
         """Write slot ``slot`` from its canonical form (`read_slot`)."""

@@ -111,6 +111,7 @@ class CacheCore:
         self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config))
         if kept is not None:
             self.storage.known, self.storage.doubtful, self.storage.rank_keys = kept.known, kept.doubtful, kept.rank_keys
+            self.storage.known_states = kept.states
 
     def disable_storage(self) -> StoredPages:
         """`detach_storage`, once no storage op is in flight: the tier goes, and with it the records
@@ -118,7 +119,7 @@ class CacheCore:
         hashes it knew stored or in doubt (kept by the caller with that backend, for a re-attach)."""
         if self.storage is None or self.storage.ops:
             raise InternalError("storage detached with storage ops in flight")
-        kept = StoredPages(self.storage.known, self.storage.doubtful, self.storage.rank_keys)
+        kept = StoredPages(self.storage.known, self.storage.doubtful, self.storage.rank_keys, self.storage.known_states)
         self.storage = None
         return kept
 
@@ -605,11 +606,11 @@ class CacheCore:
         return self.storage.prepare(rid, tokens, extra_key)
 
     def apply_storage_ack(self, op_id: int, pages: int, error: str | None,
-                          ok: tuple[bool, ...] = ()) -> Prefetch | None:
+                          ok: tuple[bool, ...] = (), states_ok: tuple[bool, ...] = ()) -> Prefetch | None:
         """A storage op finished; returns the prefetch that ended here (admit its waiters)."""
         if self.storage is None or op_id not in self.storage.ops:
             raise InternalError(f"ack of storage op {op_id}, which is not in flight")
-        return self.storage.apply_ack(op_id, pages, error, ok, self.copies.backup_pending)
+        return self.storage.apply_ack(op_id, pages, error, ok, self.copies.backup_pending, states_ok)
 
     def storage_overdue(self, op_id: int) -> Prefetch | None:
         """A storage call ran past its deadline; returns the prefetch whose waiters go on now."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from runtime.memory.owners import Owner
-from runtime.messages import Direction, PoolTransfer, TransferPlan
+from runtime.messages import Direction, PoolTransfer, StateBlob, TransferPlan
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness
 from runtime.tree.recurrent import StateCopy
@@ -212,6 +212,8 @@ class StoredPages:
     known: set[bytes]
     doubtful: set[bytes]
     rank_keys: dict[bytes, tuple[bytes, ...]] = field(default_factory=dict)  # `StorageTier.rank_keys`
+    # state snapshots known stored: the hash of the page each follows -> its chunk keys
+    states: dict[bytes, tuple[bytes, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -230,6 +232,8 @@ class StorageOp:
     # under one control plane over tensor-parallel ranks: every rank's keys (rank 0's are `keys`),
     # one list per rank; () when `keys` serve every rank (one rank, a replicated shard)
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
+    # a hybrid model's state snapshots written, looked up or read with the pages (`StateBlob`)
+    states: tuple[StateBlob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

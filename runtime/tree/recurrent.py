@@ -188,18 +188,13 @@ class RecurrentStates:
         src = self.node_state.get(node)
         if src is None or self.host_ledger is None or node in self.host_state:
             return None
-        host = self.host_ledger
-        if host.num_free_pages() == 0:
-            victims = list(self._evictable(self.host_state, host))
-            if not victims:
-                return None
-            self.drop_host(min(victims, key=self.policy.key))
-            self.stats["state_snapshots_evicted"] += 1
-        dst = int(host.alloc(1, node_owner(node), node=node.id)[0])
+        dst = self.take_host(node_owner(node), node=node.id)
+        if dst is None:
+            return None
         self.host_position[dst] = self.position[src]
         copy = StateCopy(_slots([src]), _slots([dst]), (node,))
         self.ledger.pin(copy.src, op_id)
-        host.pin(copy.dst, op_id)
+        self.host_ledger.pin(copy.dst, op_id)
         return copy
 
     def end_backup(self, copy: StateCopy, op_id: int, ok: bool) -> None:
@@ -213,6 +208,48 @@ class RecurrentStates:
         else:
             self.host_ledger.free(copy.dst, node_owner(node), node=node.id, reason="copy_failed")
             del self.host_position[dst]
+
+    # -- storage (StorageTier): a host snapshot written with its node's KV, or read for a prefetch --
+    def take_host(self, owner: Owner, **ctx: object) -> int | None:
+        """A host state slot for `owner`, evicting the first unlocked, unpinned host snapshot in the
+        eviction order if none is free; None when none can be had."""
+        host = self.host_ledger
+        if host is None:
+            return None
+        if host.num_free_pages() == 0:
+            victims = list(self._evictable(self.host_state, host))
+            if not victims:
+                return None
+            self.drop_host(min(victims, key=self.policy.key))
+            self.stats["state_snapshots_evicted"] += 1
+        return int(host.alloc(1, owner, **ctx)[0])
+
+    def pin_host(self, slot: int, op_id: int) -> None:
+        """A storage op reads (a write) or fills (a read) host state `slot` until its ack."""
+        assert self.host_ledger is not None
+        self.host_ledger.pin(_slots([slot]), op_id)
+
+    def unpin_host(self, slot: int, op_id: int) -> None:
+        assert self.host_ledger is not None
+        self.host_ledger.unpin(_slots([slot]), op_id)
+
+    def free_host(self, slot: int, owner: Owner, **ctx: object) -> None:
+        """Free host state `slot`, held by `owner` and no node (a storage read's that did not land)."""
+        assert self.host_ledger is not None
+        self.host_ledger.free(_slots([slot]), owner, **ctx)
+
+    def adopt_host(self, node: Node | None, slot: int, owner: Owner, position: int) -> bool:
+        """A storage read's host state `slot` (owned by `owner`), the state after `position` tokens,
+        becomes the host snapshot of `node`, which ends there: True; False (freed) when `node` is
+        gone, holds no host KV (a hit would restore state alone) or has a host snapshot already."""
+        if node is None or node.host is None or node in self.host_state:
+            self.free_host(slot, owner, reason="unused" if node is None or node.host is None else "duplicate")
+            return False
+        assert self.host_ledger is not None
+        self.host_ledger.assign(_slots([slot]), owner, node_owner(node), node=node.id)
+        self.host_state[node] = slot
+        self.host_position[slot] = position
+        return True
 
     def reserve_load(self, node: Node) -> int:
         """A device state slot for the snapshot a load through host-only `node` brings back

@@ -13,6 +13,13 @@ It owns the storage ops, the prefetch records and their waiting policy (an admit
 request's prefetch under `wait`/`timeout`), the ops past their deadline, the KV identity the
 page hashes encode and the record of page hashes known stored (written, or found by a lookup or
 read): the pages `clear_storage` removes. While a storage control drains (`paused`) no op starts.
+
+A hybrid model's host snapshots go with their node's KV (docs/ARCHITECTURE.md, "Recurrent state";
+keys and chunking: `runtime.storage.state_blobs`): a write carries the host snapshots of its chain
+(their slots pinned by the op), a lookup asks for the snapshots at its page boundaries and the
+prefetch is cut to the deepest one stored (none: no hit), and the read brings that snapshot into a
+host state slot of its own, which the node ending there adopts when the read lands; KV whose state
+did not land is not adopted.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from runtime.config import RuntimeConfig
 from runtime.errors import ArgumentError, InternalError
 from runtime.memory.owners import Owner
 from runtime.events.wire import STORAGE
+from runtime.messages import StateBlob
 from runtime.storage.hashing import KVIdentity, page_hashes, rank_identities
+from runtime.storage.state_blobs import StateBlobFormat
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
 from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, aligned
@@ -41,7 +50,9 @@ _log = get_logger("hicache.storage")
 _PREPARED_CAP = 4096
 COUNTERS = ("storage_writes_issued", "storage_pages_written", "storage_write_failures", "storage_lookups_issued",
             "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
-            "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted")
+            "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted",
+            # a hybrid model's state snapshots (the `state` stats group)
+            "state_storage_writes", "state_storage_write_failures", "state_storage_hits", "state_storage_misses")
 
 
 class StorageRequest(NamedTuple):
@@ -82,6 +93,12 @@ class StorageTier:
         self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
         self.known: set[bytes] = set()  # page hashes this runtime wrote or found stored (skip rewriting them)
         self.doubtful: set[bytes] = set()  # known once, in doubt since (`StoredPages`): a clear removes them too
+        # a hybrid model's snapshots: their storage format, and those known stored, by the hash of
+        # the page each follows, with their chunk keys (no KV events: they are not pages of a prefix)
+        self.states = residency.states if residency.states is not None and residency.states.host_ledger else None
+        self.state_format = (StateBlobFormat.of(config.state_shape, config.page_size * config.bytes_per_token)
+                             if self.states is not None and config.state_shape is not None else None)
+        self.known_states: dict[bytes, tuple[bytes, ...]] = {}
         self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
         self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
@@ -100,7 +117,8 @@ class StorageTier:
         every = self._hashes(path, node.extra_key)
         hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
-        if not pick:
+        blobs = self._state_writes(node, length, every)
+        if not pick and not blobs:
             return
         keys = [hashes[i] for i in pick]
         rank_keys = self.keys_per_rank(path, node.extra_key, keys, [first + i for i in pick])
@@ -108,7 +126,9 @@ class StorageTier:
         op_id = next(self._op_ids)
         res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
         res.tree.protect_host(node, length)
-        sop = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys)
+        for blob in blobs:  # (read by the write: pinned until its ack, its node's host copy protected)
+            self.states.pin_host(blob.slot, op_id)  # type: ignore[union-attr]
+        sop = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys, states=blobs)
         if res.events is not None:  # what a STORAGE event of the written pages says
             sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
             sop.parents = [every[first + i - 1] if first + i else None for i in pick]
@@ -139,6 +159,7 @@ class StorageTier:
             return 0
         every = self._hashes(tokens[:match_len], extra_key)
         keys = every[start // ps:]
+        blobs = self._state_lookups(keys)
         # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
         # only for what storage holds (`_read`)
         op_id = next(self._op_ids)
@@ -149,7 +170,7 @@ class StorageTier:
             pf.link = every[start // ps - 1]
         rank_keys = self.keys_per_rank(tokens[:match_len], extra_key, keys, range(start // ps, match_len // ps))
         self.prefetches[rid] = pf
-        self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf, rank_keys=rank_keys)
+        self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf, rank_keys=rank_keys, states=blobs)
         self._requests.append(StorageRequest(op_id, False, tuple(keys), (), rank_keys))
         self.stats["storage_lookups_issued"] += 1
         return len(keys) * ps
@@ -235,10 +256,11 @@ class StorageTier:
 
     # -- acks ---------------------------------------------------------------------
     def apply_ack(self, op_id: int, pages: int, error: str | None, ok: tuple[bool, ...],
-                  busy: Container[int]) -> Prefetch | None:
+                  busy: Container[int], states_ok: tuple[bool, ...] = ()) -> Prefetch | None:
         """A storage op finished. A write marks its stored pages known; a lookup starts the read of
         what it found; a read's leading `pages` become host copies in the tree (the rest is freed;
-        `busy`: node ids with a backup in flight, which take none). Returns the prefetch when it
+        `busy`: node ids with a backup in flight, which take none). `states_ok`: per state snapshot
+        the op carried, whether it was written, found or read whole. Returns the prefetch when it
         ended here (its waiting admits can run), else None."""
         res = self.residency
         sop = self.ops.pop(op_id)
@@ -246,13 +268,18 @@ class StorageTier:
         assert res.host is not None
         if len(sop.host):  # a lookup pinned nothing
             res.host.unpin(sop.host, op_id, trusted=True)
+        states_ok = states_ok if error is None and len(states_ok) == len(sop.states) else (False,) * len(sop.states)
+        for blob in sop.states:
+            if blob.slot >= 0:
+                self.states.unpin_host(blob.slot, op_id)  # type: ignore[union-attr]
         if sop.write:
             self._write_landed(sop, error, ok)
+            self._states_written(sop, states_ok)
             return None
         pf = sop.prefetch
         assert pf is not None
         if not len(sop.host):
-            return self._lookup_landed(sop, pf, pages, error)
+            return self._lookup_landed(sop, pf, pages, error, states_ok)
         if self.prefetches.get(pf.rid) is pf:
             del self.prefetches[pf.rid]
         ps = res.page_size
@@ -269,16 +296,27 @@ class StorageTier:
             self._found(pf, sop, pages)
             self.stats["storage_read_misses"] += len(sop.keys) - pages
             self.stats["storage_pages_read"] += pages
+        if sop.states and pages and not states_ok[0]:
+            # KV without its state is no usable end: adopt none of it (rewrite the state next time)
+            self.stats["state_storage_misses"] += 1
+            self._doubt_states(sop.states[0].page)
+            pages = 0
         rest = pf.host[pages * ps:]
         if len(rest):
             res.host.free(rest, pf.owner, trusted=True, rid=pf.rid, reason="prefetch_unused")
         if pages:
             # the read pages become host copies in the tree (the same hand-over as decode offload's)
-            taken, _ = res.adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
-                                          pf.host[:pages * ps], pf.owner, pf.rid, busy)
+            taken, end = res.adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
+                                            pf.host[:pages * ps], pf.owner, pf.rid, busy)
             self.stats["tokens_storage_hit"] += taken
             if not pf.detached and not pf.cancelled and len(self.prefetch_landed) < _PREPARED_CAP:
                 self.prefetch_landed[pf.rid] = taken
+            if sop.states:  # the node ending where the KV ends takes the state read with it
+                assert self.states is not None
+                if self.states.adopt_host(end, sop.states[0].slot, pf.owner, pf.start + pages * ps):
+                    self.stats["state_storage_hits"] += 1
+        elif sop.states:
+            self.states.free_host(sop.states[0].slot, pf.owner, rid=pf.rid, reason="prefetch_unused")  # type: ignore[union-attr]
         self._release_anchor(pf)  # from here the landed pages keep their anchor in the tree
         return pf
 
@@ -290,11 +328,18 @@ class StorageTier:
         if self.residency.events is not None:  # (the doubtful ones were reported removed when doubted)
             self.residency.events.removed_pages(sorted(self.known), STORAGE)
         pages = self.known | self.doubtful
-        out = sorted(pages | {k for page in pages for k in self.rank_keys.get(page, ())})
+        out = sorted(pages | {k for page in pages for k in self.rank_keys.get(page, ())}
+                     | {k for keys in self.known_states.values() for k in keys})
         self.known.clear()
         self.doubtful.clear()
         self.rank_keys.clear()
+        self.known_states.clear()
         return out
+
+    def blobs(self, op_id: int) -> tuple[StateBlob, ...]:
+        """The state snapshots storage op `op_id` (in flight) carries beside its KV pages."""
+        sop = self.ops.get(op_id)
+        return sop.states if sop is not None else ()
 
     def take_requests(self) -> list[StorageRequest]:
         """The storage calls issued since the last call, for the transfer actor."""
@@ -321,6 +366,48 @@ class StorageTier:
             self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
+
+    def _state_writes(self, node: Node, length: int, every: list[bytes]) -> tuple[StateBlob, ...]:
+        """The host snapshots at the ends of the chain of the last `length` tokens of `node`'s path
+        (page hashes `every`) that are not known stored: one blob each, keyed by the page ending
+        at the snapshot's position (snapshots are only ever taken at page-aligned node ends)."""
+        states, fmt = self.states, self.state_format
+        if states is None or fmt is None:
+            return ()
+        out = []
+        for n in self.residency.tree.split_chain(node, length):
+            slot = states.host_state.get(n)
+            if slot is None:
+                continue
+            page = every[states.host_position[slot] // self.residency.page_size - 1]
+            if page not in self.known_states:
+                out.append(StateBlob(slot, fmt.keys(page), page=page))
+        return tuple(out)
+
+    def _state_lookups(self, keys: list[bytes]) -> tuple[StateBlob, ...]:
+        """A hybrid model's hit ends at a stored snapshot: one asked for after each of the pages
+        `keys` (a lookup's), deepest first, each named by the page it follows (the worker derives
+        the chunk keys of those it checks: hashing every boundary's here would cost O(pages x chunks))."""
+        if self.state_format is None:
+            return ()
+        return tuple(StateBlob(-1, (), j, page=keys[j - 1]) for j in range(len(keys), 0, -1))
+
+    def _doubt_states(self, page: bytes) -> None:
+        """The snapshot after `page`, found missing or unreadable: no longer known stored (written
+        again next time), its chunks held in doubt (a clear still removes those that are there)."""
+        keys = self.known_states.pop(page, None)
+        if keys is not None:
+            self.doubtful.update(keys)
+
+    def _states_written(self, sop: StorageOp, states_ok: tuple[bool, ...]) -> None:
+        for blob, good in zip(sop.states, states_ok, strict=True):
+            if good:
+                self.known_states[blob.page] = blob.keys
+            else:
+                _log.warning("storage_state_not_written", op=sop.op_id, slot=blob.slot)
+        written = sum(states_ok)
+        self.stats["state_storage_writes"] += written
+        self.stats["state_storage_write_failures"] += len(sop.states) - written
 
     def _announce(self, sop: StorageOp, ok: tuple[bool, ...]) -> None:
         """STORAGE events of a write's stored pages: one per run of consecutive written pages."""
@@ -366,8 +453,10 @@ class StorageTier:
             known.difference_update(was)
             self.doubtful.update(was)
 
-    def _lookup_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None) -> Prefetch | None:
-        """A lookup found the leading `pages` of its keys: read them, or end the prefetch here."""
+    def _lookup_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None,
+                       states_ok: tuple[bool, ...]) -> Prefetch | None:
+        """A lookup found the leading `pages` of its keys: read them, or end the prefetch here. A
+        hybrid model's read ends at the deepest of them whose state snapshot is stored (none: none)."""
         found = pages if error is None and not pf.cancelled else 0
         if error is not None:
             self.stats["storage_read_failures"] += 1
@@ -376,7 +465,17 @@ class StorageTier:
             self.stats["storage_read_misses"] += len(sop.keys) - found
             self._gone(sop.keys[found:])
             self._found(pf, sop, found)
-        if found and self._read(pf, sop.keys[:found]):
+        blob = None
+        if sop.states:
+            cut = [b for b, good in zip(sop.states, states_ok, strict=True) if good and b.after <= found]
+            blob = max(cut, key=lambda b: b.after) if cut else None
+            if found and blob is None:
+                self.stats["state_storage_misses"] += 1
+            for b in sop.states:  # asked for and not found whole (deeper than the one found): rewrite them
+                if b.after <= found and (blob is None or b.after > blob.after):
+                    self._doubt_states(b.page)
+            found = blob.after if blob is not None else 0
+        if found and self._read(pf, sop.keys[:found], blob):
             return None  # its waiters wait for the read
         self._release_anchor(pf)
         if pf.by_prepare and not pf.cancelled and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
@@ -385,36 +484,53 @@ class StorageTier:
             del self.prefetches[pf.rid]
         return pf
 
-    def _read(self, pf: Prefetch, keys: list[bytes]) -> bool:
+    def _read(self, pf: Prefetch, keys: list[bytes], blob: StateBlob | None = None) -> bool:
         """After a lookup found `keys` (the leading ones it looked up): take host pages for them and
-        read them. False when nothing was started (the prefetch ends)."""
+        read them, with the state snapshot `blob` after the last one (a hybrid model's). False when
+        nothing was started (the prefetch ends)."""
         res = self.residency
         assert res.host is not None
         ps = res.page_size
         # a cap on host memory held by prefetches: half the host pool
         held = sum(len(p.host) for p in self.prefetches.values()) // ps
-        request = self._issue_read(pf, keys[:max(0, res.host.num_pages // 2 - held)])
+        room = max(0, res.host.num_pages // 2 - held)
+        if blob is not None and room < len(keys):  # (cut short, the read would end at no stored state)
+            self.stats["prefetch_skipped"] += 1
+            return False
+        request = self._issue_read(pf, keys[:room], blob)
         if request is None:
             return False
         self._requests.append(request)
         return True
 
-    def _issue_read(self, pf: Prefetch, keys: list[bytes]) -> StorageRequest | None:
-        """Read `keys` (pages of tokens from `pf.start` on) into host pages taken for `pf`;
-        returns the read's storage request (None: no host room)."""
+    def _issue_read(self, pf: Prefetch, keys: list[bytes], blob: StateBlob | None = None) -> StorageRequest | None:
+        """Read `keys` (pages of tokens from `pf.start` on) into host pages taken for `pf`, and the
+        state snapshot `blob` into a host state slot taken for `pf`; returns the read's storage
+        request (None: no host room)."""
         res = self.residency
         assert res.host is not None
-        host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys else None
+        slot = None
+        if blob is not None:
+            assert self.states is not None
+            slot = self.states.take_host(pf.owner, rid=pf.rid)
+        host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys and \
+            (blob is None or slot is not None) else None
         if host is None:
+            if slot is not None:
+                self.states.free_host(slot, pf.owner, rid=pf.rid, reason="prefetch_skipped")  # type: ignore[union-attr]
             self.stats["prefetch_skipped"] += 1
             return None
         op_id = next(self._op_ids)
         res.host.pin(host, op_id, trusted=True)  # (the ledger's own alloc)
+        states: tuple[StateBlob, ...] = ()
+        if blob is not None and slot is not None:
+            self.states.pin_host(slot, op_id)  # type: ignore[union-attr]
+            states = (StateBlob(slot, self.state_format.keys(blob.page), blob.after, page=blob.page),)  # type: ignore[union-attr]
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         first = pf.start // res.page_size
         rank_keys = self.keys_per_rank(pf.tokens, pf.extra_key, keys, range(first, first + len(keys)))
-        self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf, rank_keys=rank_keys)
+        self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf, rank_keys=rank_keys, states=states)
         self.stats["storage_reads_issued"] += 1
         return StorageRequest(op_id, False, tuple(keys), self._host_pages(host), rank_keys)
 

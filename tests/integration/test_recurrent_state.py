@@ -99,21 +99,27 @@ async def test_snapshot_refused_without_recurrent_state():
         await rt.abort("a")
 
 
-async def test_no_storage_given_or_attached_with_recurrent_state(tmp_path):
-    """The config refuses a storage backend with recurrent state; one given to `open` or attached
-    later is refused the same (the façade's one backend check)."""
+async def test_storage_with_recurrent_state_needs_host_state_slots(tmp_path):
+    """Snapshots reach storage through their host copies: with no host state slots, the config
+    refuses a storage backend, and one given to `open` or attached later is refused the same (the
+    façade's one backend check); with them, both are taken."""
     from runtime.errors import ConfigError
     from runtime.storage.file_backend import FileBackend
 
-    config = small_config(copy_engine="cpu", **STATE)
+    with pytest.raises(ConfigError, match="host_state_slots"):
+        small_config(copy_engine="cpu", host_state_slots=0, storage_backend="file", storage_dir=str(tmp_path), **STATE)
+    config = small_config(copy_engine="cpu", host_state_slots=0, **STATE)
     backend = FileBackend(str(tmp_path), config.page_size * config.bytes_per_token)
     try:
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match="host_state_slots"):
             CacheRuntime(config, storage=backend)
         async with CacheRuntime.open(config) as rt:
-            with pytest.raises(ConfigError):
+            with pytest.raises(ConfigError, match="host_state_slots"):
                 await rt.attach_storage(backend)
             assert (await rt.stats())["storage"]["writes_issued"] == 0
+        async with CacheRuntime.open(small_config(copy_engine="cpu", **STATE)) as rt:
+            await rt.attach_storage(backend)
+            await rt.detach_storage()
     finally:
         backend.close()
 

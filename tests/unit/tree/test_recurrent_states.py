@@ -215,8 +215,8 @@ def test_bad_snapshot_calls_change_nothing():
 
 
 def test_config_refuses_what_states_do_not_cover_yet():
-    with pytest.raises(ConfigError):
-        make_core(storage_backend="file", storage_dir="x", host_tokens=64)
+    with pytest.raises(ConfigError, match="host_state_slots"):  # (a storage tier needs host snapshots)
+        make_core(storage_backend="file", storage_dir="x", host_tokens=64, host_state_slots=0)
     with pytest.raises(ConfigError):
         make_core(decode_offload=True, host_tokens=64)
     with pytest.raises(ConfigError):
