@@ -119,7 +119,8 @@ class CacheCore:
         hashes it knew stored or in doubt (kept by the caller with that backend, for a re-attach)."""
         if self.storage is None or self.storage.ops:
             raise InternalError("storage detached with storage ops in flight")
-        kept = StoredPages(self.storage.known, self.storage.doubtful, self.storage.rank_keys, self.storage.known_states)
+        kept = StoredPages(self.storage.known, self.storage.doubtful, rank_keys=self.storage.rank_keys,
+                           states=self.storage.known_states)
         self.storage = None
         return kept
 
