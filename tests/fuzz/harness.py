@@ -62,6 +62,9 @@ call:
   (the cut); every tree node's device pages with sliding KV hold their path's, those without are a
   leading run of the node, and its host copy's sliding part holds it on the pages its host record
   says have it (`tree-kv-content`, every `TREE_EVERY` calls).
+- KV formats (about 1 in 4 of the mixed episodes without sliding layers, `_with_kv_format`): 16-
+  and 8-bit pools (float16, bfloat16, float8_e4m3fn, float8_e5m2) and MLA's one latent per token;
+  the fingerprints are exact in each (`runtime.fingerprint`), so every oracle holds as it is.
 
 Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
 debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
@@ -130,6 +133,8 @@ HYBRID_SHARE = 0.2  # of episodes (`generate_episode`)
 SWA_LAYERS = 3
 SWA_LAYER_SETS = ("0", "1", "2", "0,2", "1,2")
 SWA_SHARE = 0.4  # of the mixed episodes without storage or decode offload (about 1 in 6 non-hybrid ones)
+KV_FORMAT_SHARE = 0.25  # of the mixed episodes without sliding layers: another KV dtype or MLA (`_with_kv_format`)
+KV_FORMAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")  # float32 with "mla" only
 
 
 class Violation(AssertionError):
@@ -191,6 +196,9 @@ class FuzzConfig:
     sliding_layers: str = ""
     sliding_window: int = 0
     swa_pages: int = 0
+    # the KV pools' dtype and layout (`_with_kv_format`): "mla" keeps one latent per token
+    kv_dtype: str = "float32"
+    kv_layout: str = "mha"
 
     @property
     def hybrid(self) -> bool:
@@ -215,7 +223,8 @@ class FuzzConfig:
     def runtime_config(self) -> RuntimeConfig:
         ps = self.page_size
         return RuntimeConfig(
-            num_layers=self.num_layers, num_kv_heads=NUM_HEADS, head_dim=HEAD_DIM, kv_dtype="float32",
+            num_layers=self.num_layers, num_kv_heads=NUM_HEADS, head_dim=HEAD_DIM, kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout,
             page_size=ps, device_slots=self.device_slots, host_tokens=self.host_pages * ps,
             host_layout=self.host_layout, write_policy=self.write_policy, write_through_threshold=2,
             eviction_policy=self.eviction_policy, copy_engine="cpu", copy_workers=1,
@@ -255,7 +264,7 @@ def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
             write_policy=rng.choice(("write_through", "write_back")), eviction_policy=rng.choice(("lru", "lfu")),
             host_layout=rng.choice(("layer_first", "page_first")), copy_faults=True,
             impatient=rng.random() < 0.2, calls=rng.randint(150, 350), focus="loads")
-    return _with_sliding(FuzzConfig(
+    return _with_kv_format(_with_sliding(FuzzConfig(
         page_size=ps, device_pages=device_pages, host_pages=host_pages,
         write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
         eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")),
@@ -272,7 +281,7 @@ def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
         fault_seed=rng.randrange(1 << 30),
         impatient=rng.random() < 0.2,
         calls=rng.randint(150, 350),
-    ))
+    )))
 
 
 def _with_sliding(cfg: FuzzConfig) -> FuzzConfig:
@@ -291,6 +300,20 @@ def _with_sliding(cfg: FuzzConfig) -> FuzzConfig:
         cfg, sliding_layers=side.choice(SWA_LAYER_SETS), sliding_window=side.randint(2, {1: 8, 4: 13, 16: 49}[ps]),
         swa_pages=side.randint(max(2, 2 * pages // 3), pages),
         host_pages=0 if side.random() < 0.25 else cfg.host_pages)
+
+
+def _with_kv_format(cfg: FuzzConfig) -> FuzzConfig:
+    """`cfg` with 16- or 8-bit KV pools or MLA's one latent per token, for about `KV_FORMAT_SHARE` of
+    the mixed episodes without sliding layers (which need "mha"), by a side draw salted from the
+    already drawn `fault_seed` as `_with_sliding`'s: the episode's own stream is unchanged. The
+    fingerprints are exact in every pool dtype (`runtime.fingerprint`)."""
+    if cfg.sliding:
+        return cfg
+    side = random.Random(f"hicache-fuzz-kv-format:{cfg.fault_seed}")
+    if side.random() >= KV_FORMAT_SHARE:
+        return cfg
+    dtype = side.choice(KV_FORMAT_DTYPES)
+    return replace(cfg, kv_dtype=dtype, kv_layout="mla" if dtype == "float32" or side.random() < 0.4 else "mha")
 
 
 def _storage_for(cfg: FuzzConfig, directory: str) -> Any:
@@ -602,14 +625,17 @@ def _bad_positions(pool: Any, slots: np.ndarray, hashes: np.ndarray, layers: tup
     shape = pool.shape
     if len(slots) == 0:
         return np.zeros(0, np.int64)
-    want = _fingerprint(hashes, layers if layers is not None else tuple(range(shape.num_layers)))
+    want = _fingerprint(hashes, layers if layers is not None else tuple(range(shape.num_layers)), shape)
+    if shape.dtype != torch.float32:  # what the pool can hold of it (exact by construction: runtime.fingerprint)
+        want = want.to(shape.dtype).to(torch.float32)
     got = pool.read_slots(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))).to(torch.float32)
     return torch.nonzero((got != want).flatten(3).any(-1).any(0).any(0)).flatten().numpy()
 
 
-def _fingerprint(hashes: np.ndarray, layers: tuple[int, ...]) -> torch.Tensor:
-    """The fingerprint KV of these of the model's layers (a layer's does not depend on the others)."""
-    data = fingerprint_kv(hashes, max(layers) + 1, NUM_HEADS, HEAD_DIM)
+def _fingerprint(hashes: np.ndarray, layers: tuple[int, ...], shape: Any) -> torch.Tensor:
+    """The fingerprint KV of these of the model's layers (a layer's does not depend on the others),
+    in the dtype and parts (K and V, or MLA's latent) of the pool `shape`."""
+    data = fingerprint_kv(hashes, max(layers) + 1, NUM_HEADS, HEAD_DIM, shape.dtype, shape.parts)
     return data if len(layers) == len(data) else data[list(layers)]
 
 
@@ -1090,7 +1116,7 @@ class Driver:
         await self.ready(r)
         r.state_from = None  # (an impatient caller computes before its state came back: no resume to check)
         a = r.computed
-        data = _fingerprint(r.hashes[a:upto], self.layers)
+        data = _fingerprint(r.hashes[a:upto], self.layers, self.rt.device_pool.shape)
         if self.swa is None:
             self.rt.device_pool.write_slots(torch.from_numpy(r.slots[a:upto].copy()), data)
         else:
