@@ -2732,6 +2732,11 @@ def hybrid_only(cfg: FuzzConfig) -> bool:
     return cfg.hybrid
 
 
+def sliding_only(cfg: FuzzConfig) -> bool:
+    """`fuzz(only=...)` for the episodes with sliding-window layers."""
+    return cfg.sliding
+
+
 def env_only() -> Callable[[FuzzConfig], bool] | None:
     """`HICACHE_FUZZ_HYBRID=1`: only the episodes with recurrent state."""
     return hybrid_only if os.environ.get("HICACHE_FUZZ_HYBRID") not in (None, "", "0") else None
@@ -2764,8 +2769,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shrink-s", type=float, default=60.0)
     ap.add_argument("--all", action="store_true", help="keep going past violations; report each distinct one")
     ap.add_argument("--hybrid", action="store_true", help="only the episodes with recurrent state")
+    ap.add_argument("--sliding", action="store_true", help="only the episodes with sliding-window layers")
     args = ap.parse_args(argv)
-    only = hybrid_only if args.hybrid else None
+    only = hybrid_only if args.hybrid else sliding_only if args.sliding else None
     configure_logging()
     seen: dict[str, tuple[int, Violation]] = {}
 
