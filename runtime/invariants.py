@@ -352,6 +352,8 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
     if set(sliding.backups) != backups:
         _fail(f"swa: backups recorded {sorted(sliding.backups)} != in flight {sorted(backups)}")
     for rec in core.requests.values():
+        if rec.failed is not None:
+            continue  # its load failed and was rolled back: its cached pages are freed, it reads none
         lo = max(0, rec.cached_len - window + 1) // ps * ps
         pages = np.asarray(_pages(rec.slot_range(lo, rec.num_slots), ps), dtype=np.int64)
         if len(pages) and not present[pages].all():

@@ -52,6 +52,20 @@ call:
   else), and after every call every running and pending slot holds its fingerprint and every
   tree node's snapshot the fingerprint of that node's whole path (they are few: at most the
   state slots).
+- sliding-window layers (*sliding* episodes, about 1 in 6 of the others: `FuzzConfig.sliding_layers`,
+  three layers of which one or two slide, a window of a few pages and often not page-aligned, a
+  sliding pool smaller than the full one, with or without a host tier, no storage or decode
+  offload): the harness writes the sliding layers' fingerprints at `rt.swa_map[slot]` in
+  `rt.swa_pool` (the full ones in `rt.device_pool`), and its forward reads the window before the
+  positions it computes through the map. Oracles: a running request's positions from its window's
+  start (`cached - W + 1`) on never map to a dropped slot and, up to what it computed, hold its own
+  prefix's sliding KV (at the forward and after every call); an admitted hit's window is present
+  (the cut); every tree node's device pages with sliding KV hold their path's, those without are a
+  leading run of the node, and its host copy's sliding part holds it on the pages its host record
+  says have it (`tree-kv-content`, every `TREE_EVERY` calls).
+- KV formats (about 1 in 4 of the mixed episodes without sliding layers, `_with_kv_format`): 16-
+  and 8-bit pools (float16, bfloat16, float8_e4m3fn, float8_e5m2) and MLA's one latent per token;
+  the fingerprints are exact in each (`runtime.fingerprint`), so every oracle holds as it is.
 
 Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
 debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
@@ -115,6 +129,13 @@ NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 1, 2  # two layers: per-layer readiness mat
 # rule is what is tested, not the copy)
 STATE_LAYERS, STATE_COMPONENTS = 2, "conv:3x2:float32,ssm:2x2:float32"
 HYBRID_SHARE = 0.2  # of episodes (`generate_episode`)
+# sliding episodes: three layers, one or two of them sliding (a sliding pool with more layers than
+# the full one exercises per-layer readiness of copies with fewer layers than the model)
+SWA_LAYERS = 3
+SWA_LAYER_SETS = ("0", "1", "2", "0,2", "1,2")
+SWA_SHARE = 0.4  # of the mixed episodes without storage or decode offload (about 1 in 6 non-hybrid ones)
+KV_FORMAT_SHARE = 0.25  # of the mixed episodes without sliding layers: another KV dtype or MLA (`_with_kv_format`)
+KV_FORMAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")  # float32 with "mla" only
 
 
 class Violation(AssertionError):
@@ -171,10 +192,26 @@ class FuzzConfig:
     # > 0: a hybrid model's recurrent state in this many device state slots (`draw_config`)
     state_slots: int = 0
     host_state_slots: int | None = None  # host copies of snapshots (None: the runtime's default)
+    # sliding-window layers (`_with_sliding`): "" none, else the indices of SWA_LAYERS that slide, the
+    # window in tokens (not page-aligned as a rule) and the sliding pool's pages
+    sliding_layers: str = ""
+    sliding_window: int = 0
+    swa_pages: int = 0
+    # the KV pools' dtype and layout (`_with_kv_format`): "mla" keeps one latent per token
+    kv_dtype: str = "float32"
+    kv_layout: str = "mha"
 
     @property
     def hybrid(self) -> bool:
         return self.state_slots > 0
+
+    @property
+    def sliding(self) -> bool:
+        return bool(self.sliding_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return SWA_LAYERS if self.sliding else NUM_LAYERS
 
     @property
     def device_slots(self) -> int:
@@ -187,7 +224,8 @@ class FuzzConfig:
     def runtime_config(self) -> RuntimeConfig:
         ps = self.page_size
         return RuntimeConfig(
-            num_layers=NUM_LAYERS, num_kv_heads=NUM_HEADS, head_dim=HEAD_DIM, kv_dtype="float32",
+            num_layers=self.num_layers, num_kv_heads=NUM_HEADS, head_dim=HEAD_DIM, kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout,
             page_size=ps, device_slots=self.device_slots, host_tokens=self.host_pages * ps,
             host_layout=self.host_layout, write_policy=self.write_policy, write_through_threshold=2,
             eviction_policy=self.eviction_policy, copy_engine="cpu", copy_workers=1,
@@ -197,7 +235,9 @@ class FuzzConfig:
             debug_invariants=True, kv_events=True,
             **({"state_layers": STATE_LAYERS, "state_components": STATE_COMPONENTS, "state_slots": self.state_slots,
                 "host_state_slots": self.host_state_slots if self.host_pages else None}
-               if self.hybrid else {}))
+               if self.hybrid else {}),
+            **({"sliding_layers": self.sliding_layers, "sliding_window": self.sliding_window,
+                "swa_tokens": self.swa_pages * ps} if self.sliding else {}))
 
 
 def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
@@ -227,7 +267,7 @@ def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
             write_policy=rng.choice(("write_through", "write_back")), eviction_policy=rng.choice(("lru", "lfu")),
             host_layout=rng.choice(("layer_first", "page_first")), copy_faults=True,
             impatient=rng.random() < 0.2, calls=rng.randint(150, 350), focus="loads")
-    return FuzzConfig(
+    return _with_kv_format(_with_sliding(FuzzConfig(
         page_size=ps, device_pages=device_pages, host_pages=host_pages,
         write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
         eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")),
@@ -244,7 +284,39 @@ def draw_config(rng: random.Random, hybrid: bool = False) -> FuzzConfig:
         fault_seed=rng.randrange(1 << 30),
         impatient=rng.random() < 0.2,
         calls=rng.randint(150, 350),
-    )
+    )))
+
+
+def _with_sliding(cfg: FuzzConfig) -> FuzzConfig:
+    """`cfg` as a sliding-window episode, for about `SWA_SHARE` of those without storage or decode
+    offload (the runtime refuses both with sliding layers), by a side draw salted from the already
+    drawn `fault_seed`: the episode's own stream draws what it drew before, and every other episode
+    is unchanged. A window of a few pages, often not page-aligned; a sliding pool smaller than the
+    full one, so that sliding pages are dropped all the time; a quarter of them without a host tier."""
+    if cfg.storage != "none" or cfg.decode_offload:
+        return cfg
+    side = random.Random(f"hicache-fuzz-swa:{cfg.fault_seed}")
+    if side.random() >= SWA_SHARE:
+        return cfg
+    ps, pages = cfg.page_size, cfg.device_pages
+    return replace(
+        cfg, sliding_layers=side.choice(SWA_LAYER_SETS), sliding_window=side.randint(2, {1: 8, 4: 13, 16: 49}[ps]),
+        swa_pages=side.randint(max(2, 2 * pages // 3), pages),
+        host_pages=0 if side.random() < 0.25 else cfg.host_pages)
+
+
+def _with_kv_format(cfg: FuzzConfig) -> FuzzConfig:
+    """`cfg` with 16- or 8-bit KV pools or MLA's one latent per token, for about `KV_FORMAT_SHARE` of
+    the mixed episodes without sliding layers (which need "mha"), by a side draw salted from the
+    already drawn `fault_seed` as `_with_sliding`'s: the episode's own stream is unchanged. The
+    fingerprints are exact in every pool dtype (`runtime.fingerprint`)."""
+    if cfg.sliding:
+        return cfg
+    side = random.Random(f"hicache-fuzz-kv-format:{cfg.fault_seed}")
+    if side.random() >= KV_FORMAT_SHARE:
+        return cfg
+    dtype = side.choice(KV_FORMAT_DTYPES)
+    return replace(cfg, kv_dtype=dtype, kv_layout="mla" if dtype == "float32" or side.random() < 0.4 else "mha")
 
 
 def _hybrid_storage(host_pages: int, fault_seed: int) -> dict[str, Any]:
@@ -484,26 +556,63 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any) -> list[str]:
+@dataclass(frozen=True)
+class SwaView:
+    """A sliding episode's pools as the harness (the model) sees them: the full layers in
+    `rt.device_pool` / `rt.host_pool`, the sliding ones in `pool` / `host_pool` (global layer
+    indices `full`, `layers`: the fingerprint of a layer is that of its index in the model)."""
+
+    pool: Any
+    host_pool: Any
+    full: tuple[int, ...]
+    layers: tuple[int, ...]
+    window: int
+
+
+def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any, swa: SwaView | None = None) -> list[str]:
     """Every tree node's ready device copy and host copy holds the fingerprint of its prefix
-    (invariant 6 for nodes; a node whose device copy is still loading is exempt)."""
-    slots_d, hashes_d, slots_h, hashes_h, where = [], [], [], [], []
+    (invariant 6 for nodes; a node whose device copy is still loading is exempt). Sliding layers:
+    a node's device pages still mapped to sliding pages hold its prefix's sliding KV there, and
+    those without are a leading run of its pages; its host copy's sliding part holds it from the
+    pages its host record says have it (`SlidingWindow.host_missing`) on."""
+    full = swa.full if swa is not None else None
+    checks: dict[str, tuple[Any, tuple[int, ...] | None, list, list]] = {
+        "device": (device_pool, full, [], []), "host": (host_pool, full, [], [])}
+    if swa is not None:
+        checks["device sliding"] = (swa.pool, swa.layers, [], [])
+        checks["host sliding"] = (swa.host_pool, swa.layers, [], [])
+    sliding = core.residency.sliding
+    smap = sliding.swa.map if swa is not None else None
+    not_leading = []
     for node in core.residency.tree.nodes():
         n = node.num_tokens
         h = prefix_hashes(core.residency.tree.path_tokens(node), node.extra_key)[-n:]
         if node.device is not None and node.id not in core.copies.loading:
-            slots_d.append(node.device)
-            hashes_d.append(h)
+            checks["device"][2].append(node.device)
+            checks["device"][3].append(h)
         if node.host is not None and host_pool is not None:
-            slots_h.append(node.host)
-            hashes_h.append(h)
-        where.append(node.id)
-    out = []
-    for tier, pool, slots, hashes in (("device", device_pool, slots_d, hashes_d), ("host", host_pool, slots_h, hashes_h)):
-        if not slots:
+            checks["host"][2].append(node.host)
+            checks["host"][3].append(h)
+        if smap is None:
+            continue
+        if node.device is not None:
+            present = smap[node.device] >= 0
+            if present[: int(np.count_nonzero(~present))].any():
+                not_leading.append(node.id)
+            if node.id not in core.copies.loading:
+                checks["device sliding"][2].append(smap[node.device][present])
+                checks["device sliding"][3].append(h[present])
+        if node.host is not None and swa.host_pool is not None:
+            k = sliding.host_missing.get(node, 0) * core.page_size
+            checks["host sliding"][2].append(node.host[k:])
+            checks["host sliding"][3].append(h[k:])
+    out = [f"tree nodes {not_leading[:8]} have device pages without sliding KV that are not a leading run of "
+           "their pages"] if not_leading else []
+    for tier, (pool, layers, slots, hashes) in checks.items():
+        if not slots or pool is None:
             continue
         s, h = np.concatenate(slots), np.concatenate(hashes)
-        bad = _bad_positions(pool, s, h)
+        bad = _bad_positions(pool, s, h, layers)
         if len(bad):
             out.append(f"{tier} slots {s[bad][:8].tolist()} of tree nodes do not hold their prefix's KV")
     return out
@@ -528,11 +637,25 @@ def _tree_state_errors(core: Any, pool: Any, host_pool: Any = None) -> list[str]
             "path"] if bad else []
 
 
-def _bad_positions(pool: Any, slots: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+def _bad_positions(pool: Any, slots: np.ndarray, hashes: np.ndarray, layers: tuple[int, ...] | None = None
+                   ) -> np.ndarray:
+    """Positions whose KV in `pool` is not the fingerprint of their hash; `layers`: the model's
+    layers the pool holds (None: all of them, 0..L-1)."""
     shape = pool.shape
-    want = fingerprint_kv(hashes, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+    if len(slots) == 0:
+        return np.zeros(0, np.int64)
+    want = _fingerprint(hashes, layers if layers is not None else tuple(range(shape.num_layers)), shape)
+    if shape.dtype != torch.float32:  # what the pool can hold of it (exact by construction: runtime.fingerprint)
+        want = want.to(shape.dtype).to(torch.float32)
     got = pool.read_slots(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))).to(torch.float32)
     return torch.nonzero((got != want).flatten(3).any(-1).any(0).any(0)).flatten().numpy()
+
+
+def _fingerprint(hashes: np.ndarray, layers: tuple[int, ...], shape: Any) -> torch.Tensor:
+    """The fingerprint KV of these of the model's layers (a layer's does not depend on the others),
+    in the dtype and parts (K and V, or MLA's latent) of the pool `shape`."""
+    data = fingerprint_kv(hashes, max(layers) + 1, NUM_HEADS, HEAD_DIM, shape.dtype, shape.parts)
+    return data if len(layers) == len(data) else data[list(layers)]
 
 
 EMPTY_PREFIX = (1 << 61) - 1  # the state before any token (prefix hashes are below 2**61 - 1)
@@ -608,6 +731,13 @@ class Driver:
         self.evictor: Any = None
         self._vocab_chains: list[tuple[np.ndarray, Hashable, list[bytes]]] | None = None
         self.state_pool = rt.state_pool  # hybrid: the harness is the recurrent layers, as it is the attention
+        self.final_stats: dict[str, dict[str, Any]] | None = None  # stats() at the end of the teardown
+        self.layers = tuple(range(cfg.num_layers))
+        self.swa: SwaView | None = None  # sliding: the harness writes and reads those layers through rt.swa_map
+        if cfg.sliding:
+            slide = rt.config.sliding_layer_set
+            self.swa = SwaView(rt.swa_pool, rt.host_swa_pool, tuple(i for i in self.layers if i not in slide), slide,
+                               cfg.sliding_window)
 
     # -- running ---------------------------------------------------------------------------------
     async def run(self, steps: list[Step] | None) -> None:
@@ -859,11 +989,24 @@ class Driver:
                     cached, cached, cached, cached, tuple(res.readiness))
             if self.cfg.hybrid:
                 self._admit_state(r, res)
+            if self.swa is not None:
+                self._check_cut(r)
         self._check_not_shared(rid, full[own_from:], full[:own_from])
         self._check_storage_hit(f"admit of {rid!r}", toks, r.ns, res.loaded_storage)
         self.reqs[rid] = r
         self._may_store(plan, r.ns)
         self.prepared.discard(rid)
+
+    def _check_cut(self, r: Req) -> None:
+        """A hit ends where the sliding KV of its window is present: every page of
+        [cached - W + 1, cached) maps to a sliding slot (the cut), on device or loading."""
+        assert self.swa is not None
+        lo = max(0, r.cached - self.swa.window + 1)
+        mapped = self.rt.swa_map.numpy()[r.slots[lo: r.cached]]
+        if (mapped < 0).any():
+            at = lo + int(np.flatnonzero(mapped < 0)[0])
+            raise self.fail("swa-cut", f"admit of {r.rid!r}: a hit of {r.cached} tokens (window {self.swa.window}) "
+                            f"whose window's position {at} has no sliding KV: the match was not cut back")
 
     def _admit_state(self, r: Req, res: AdmitResult) -> None:
         """The engine's part of a hybrid admit: a hit resumes from the snapshot `state_from`, which
@@ -992,11 +1135,40 @@ class Driver:
         await self.ready(r)
         r.state_from = None  # (an impatient caller computes before its state came back: no resume to check)
         a = r.computed
-        data = fingerprint_kv(r.hashes[a:upto], NUM_LAYERS, NUM_HEADS, HEAD_DIM)
-        self.rt.device_pool.write_slots(torch.from_numpy(r.slots[a:upto].copy()), data)
+        data = _fingerprint(r.hashes[a:upto], self.layers, self.rt.device_pool.shape)
+        if self.swa is None:
+            self.rt.device_pool.write_slots(torch.from_numpy(r.slots[a:upto].copy()), data)
+        else:
+            self._swa_forward(r, a, upto, data)
         r.computed = upto
         if r.state_slot is not None:  # the recurrent layers ran over the same tokens
             self._write_state(r.state_slot, self._state_hash(r, upto))
+
+    def _swa_forward(self, r: Req, a: int, upto: int, data: torch.Tensor) -> None:
+        """The model step of a sliding episode: positions [a, upto) read the sliding KV of
+        [a - W + 1, a) through the map (present, and their own prefix's once loaded) and write
+        their full layers at their slots, their sliding layers at the sliding slots mapped."""
+        swa = self.swa
+        assert swa is not None
+        lo = max(0, a - swa.window + 1)
+        smap = self.rt.swa_map.numpy()
+        if not (r.failed or any(x.error() is not None for x in r.readiness)):
+            mapped = smap[r.slots[lo:upto]]
+            if (mapped < 0).any():
+                at = lo + int(np.flatnonzero(mapped < 0)[0])
+                raise self.fail("swa-window", f"the forward of {r.rid!r} over [{a}, {upto}) reads position {at} "
+                                f"(window {swa.window}, cached {r.cached}), whose sliding KV was dropped")
+            start = lo if all(x.all_ready() for x in r.readiness) else max(lo, r.base)
+            bad = _bad_positions(swa.pool, mapped[start - lo: a - lo], r.hashes[start:a], swa.layers)
+            if len(bad):
+                raise self.fail("swa-content", f"the forward of {r.rid!r} over [{a}, {upto}) reads positions "
+                                f"{(start + bad[:8]).tolist()} whose sliding KV is not its own prefix's")
+        own = smap[r.slots[a:upto]]
+        if (own < 0).any():
+            raise self.fail("swa-window", f"{r.rid!r}'s own positions {(a + np.flatnonzero(own < 0)[:8]).tolist()} "
+                            "have no sliding slot")
+        self.rt.device_pool.write_slots(torch.from_numpy(r.slots[a:upto].copy()), data[list(swa.full)])
+        swa.pool.write_slots(torch.from_numpy(own.copy()), data[list(swa.layers)])
 
     def tokens_of(self, rid: Hashable, m: int, flip: int | None, given: list[int] | None) -> np.ndarray:
         r = self.reqs.get(rid)
@@ -1113,13 +1285,56 @@ class Driver:
                 slots.append(s.slots[: s.kv])
                 hashes.append(s.hashes[: s.kv])
                 owners += [(f"session {s.sid!r}", p) for p in range(s.kv)]
+        if self.swa is not None:
+            self._check_swa(what)
         if not slots:
             return
-        bad = _bad_positions(self.rt.device_pool, np.concatenate(slots), np.concatenate(hashes))
+        bad = _bad_positions(self.rt.device_pool, np.concatenate(slots), np.concatenate(hashes),
+                             self.swa.full if self.swa is not None else None)
         if len(bad):
             who = [owners[i] for i in bad[:6]]
             raise self.fail("kv-content", f"after {what}: positions (holder, position) {who} do not hold the KV of "
                             "their own token prefix")
+
+    def _check_swa(self, what: str) -> None:
+        """Sliding layers: every live request's pages from its window's start (`cached - W + 1`,
+        where its next forward reads from) on map to sliding slots, and from there to what it
+        computed they hold its own prefix's sliding KV (the cached part once its loads are ready);
+        every idle session's, all of them."""
+        swa = self.swa
+        assert swa is not None
+        smap = self.rt.swa_map.numpy()
+        slots, hashes, owners = [], [], []
+        for r in self.reqs.values():
+            if r.failed:  # (`_check_kv` marked those whose load failed)
+                continue
+            lo = max(0, r.cached - swa.window + 1)
+            mapped = smap[r.slots[lo:]]
+            if (mapped < 0).any():
+                at = lo + int(np.flatnonzero(mapped < 0)[0])
+                raise self.fail("swa-window", f"after {what}: request {r.rid!r} (cached {r.cached}, window {swa.window}) "
+                                f"maps position {at}, which its window reads, to a dropped sliding slot")
+            start = lo if all(x.all_ready() for x in r.readiness) else max(lo, r.base)
+            if r.computed > start:
+                slots.append(mapped[start - lo: r.computed - lo])
+                hashes.append(r.hashes[start: r.computed])
+                owners += [(r.rid, p) for p in range(start, r.computed)]
+        for sess in self.sessions.values():
+            if sess.turn is None and sess.kv:
+                mapped = smap[sess.slots[: sess.kv]]
+                if (mapped < 0).any():
+                    raise self.fail("swa-window", f"after {what}: session {sess.sid!r} maps positions "
+                                    f"{np.flatnonzero(mapped < 0)[:8].tolist()} to dropped sliding slots")
+                slots.append(mapped)
+                hashes.append(sess.hashes[: sess.kv])
+                owners += [(f"session {sess.sid!r}", p) for p in range(sess.kv)]
+        if not slots:
+            return
+        bad = _bad_positions(swa.pool, np.concatenate(slots), np.concatenate(hashes), swa.layers)
+        if len(bad):
+            who = [owners[i] for i in bad[:6]]
+            raise self.fail("swa-content", f"after {what}: positions (holder, position) {who} do not hold the sliding "
+                            "KV of their own token prefix")
 
     def _check_states(self, what: str) -> None:
         """Every live request's running slot holds the state after its computed tokens; each of its
@@ -1137,8 +1352,8 @@ class Driver:
 
     async def check_tree(self, what: str) -> None:
         # (the tree's state snapshots are checked after every call, by the observation)
-        dev, host = self.rt.device_pool, self.rt.host_pool
-        errors = await self.inspect(lambda core: _tree_kv_errors(core, dev, host))
+        dev, host, swa = self.rt.device_pool, self.rt.host_pool, self.swa
+        errors = await self.inspect(lambda core: _tree_kv_errors(core, dev, host, swa))
         if errors:
             raise self.fail("tree-kv-content", f"after {what}: " + "; ".join(errors))
         await self.check_events(what)
@@ -2220,6 +2435,7 @@ class Driver:
         await self.check_tree("teardown")
         st, exc = await self.call("stats()", self.rt.stats)
         self.outcome("stats()", OK, exc)
+        self.final_stats = st
         busy = {f"{g}.{k}": st[g][k] for g, k in (("requests", "live"), ("copies", "inflight"), ("storage", "inflight"),
                                                    ("storage", "calls_running"), ("offload", "inflight"),
                                                    ("offload", "retired_requests"))}
@@ -2227,7 +2443,10 @@ class Driver:
             raise self.fail("leak", f"stats() after releasing everything: {busy}")
         av, exc = await self.call("available()", self.rt.available)
         self.outcome("available()", OK, exc)
-        if av["device_free"] + av["device_evictable"] != self.D:
+        # (sliding: a free page needs a sliding page too; the tree's pages without one are evictable, so
+        # free + evictable lies between the smaller pool and the full one)
+        least = self.D if self.swa is None else min(self.D, self.cfg.swa_pages * self.ps)
+        if not least <= av["device_free"] + av["device_evictable"] <= self.D:
             raise self.fail("leak", f"with nothing live, {self.D - av['device_free'] - av['device_evictable']} "
                             f"device slots are neither free nor evictable: {av}")
 
@@ -2252,6 +2471,7 @@ class EpisodeResult:
     calls: int
     violation: Violation | None
     outcomes: list[str] = field(default_factory=list)
+    stats: dict[str, dict[str, Any]] | None = None  # stats() after the teardown (None: it did not get there)
 
 
 def episode_rng(seed: int, episode: int) -> random.Random:
@@ -2343,7 +2563,7 @@ async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Ste
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     assert driver is not None
-    return EpisodeResult(cfg, driver.steps, driver.calls, violation, driver.outcomes)
+    return EpisodeResult(cfg, driver.steps, driver.calls, violation, driver.outcomes, driver.final_stats)
 
 
 async def _after_close(rt: CacheRuntime, driver: Driver) -> Violation | None:
@@ -2449,14 +2669,28 @@ class FuzzReport:
     shrunk: list[Step] | None = None
     calls_to_find: int | None = None
     passed_over: list[tuple[int, Violation]] = field(default_factory=list)  # violations `want` did not ask for
+    # sliding episodes: how many ran, and what their runtimes counted (`swa` stats, summed)
+    swa_episodes: int = 0
+    swa: dict[str, int] = field(default_factory=dict)
 
     @property
     def calls_per_s(self) -> float:
         return self.calls / self.seconds if self.seconds else 0.0
 
+    def count(self, res: EpisodeResult) -> None:
+        self.episodes += 1
+        self.calls += res.calls
+        if res.cfg.sliding:
+            self.swa_episodes += 1
+            for key, value in ((res.stats or {}).get("swa") or {}).items():
+                if key in ("pages_dropped", "cut_backs", "cut_tokens"):
+                    self.swa[key] = self.swa.get(key, 0) + value
+
     def summary(self) -> str:
+        swa = (f"; {self.swa_episodes} sliding episodes: "
+               + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.swa.items())) if self.swa_episodes else ""
         return (f"API fuzzer: seed {self.seed}, {self.episodes} episodes, {self.calls} API calls in "
-                f"{self.seconds:.1f} s ({self.calls_per_s:.0f} calls/s)")
+                f"{self.seconds:.1f} s ({self.calls_per_s:.0f} calls/s){swa}")
 
 
 def fuzz(seed: int, min_calls: int, *, max_seconds: float = 1e9, first_episode: int = 0, shrink_s: float = 60.0,
@@ -2475,8 +2709,7 @@ def fuzz(seed: int, min_calls: int, *, max_seconds: float = 1e9, first_episode: 
             ep += 1
             continue
         res = run_episode(cfg, rng)
-        report.episodes += 1
-        report.calls += res.calls
+        report.count(res)
         v = res.violation
         if v is not None and want is not None and not want(v):
             report.passed_over.append((ep, v))
@@ -2522,6 +2755,11 @@ def hybrid_only(cfg: FuzzConfig) -> bool:
     return cfg.hybrid
 
 
+def sliding_only(cfg: FuzzConfig) -> bool:
+    """`fuzz(only=...)` for the episodes with sliding-window layers."""
+    return cfg.sliding
+
+
 def env_only() -> Callable[[FuzzConfig], bool] | None:
     """`HICACHE_FUZZ_HYBRID=1`: only the episodes with recurrent state."""
     return hybrid_only if os.environ.get("HICACHE_FUZZ_HYBRID") not in (None, "", "0") else None
@@ -2554,8 +2792,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shrink-s", type=float, default=60.0)
     ap.add_argument("--all", action="store_true", help="keep going past violations; report each distinct one")
     ap.add_argument("--hybrid", action="store_true", help="only the episodes with recurrent state")
+    ap.add_argument("--sliding", action="store_true", help="only the episodes with sliding-window layers")
     args = ap.parse_args(argv)
-    only = hybrid_only if args.hybrid else None
+    only = hybrid_only if args.hybrid else sliding_only if args.sliding else None
     configure_logging()
     seen: dict[str, tuple[int, Violation]] = {}
 

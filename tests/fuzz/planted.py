@@ -43,6 +43,21 @@ Recurrent state (hybrid episodes only: these plants run just the episodes with s
   source is not its node's snapshot; `state_load_other_snapshot_unchecked`: the same with the
   checker's state part off, for the fingerprint oracles alone.
 
+Sliding-window layers (sliding episodes only):
+
+- `swa_drop_inside_window`: the drop rule keeps one page less than the W - 1 tokens before each
+  node end (`SlidingWindow.limit` one page larger), so a running request's window, or a hit's,
+  reads a dropped sliding page. The invariant checker sees a live request's window dropped first;
+  `swa_drop_inside_window_unchecked`: the same with the checker's sliding part off, for the
+  harness's sliding oracles alone (the forward's window reads through `rt.swa_map`).
+- `swa_no_cut`: a match is not cut back where its window's sliding KV is dropped
+  (`SlidingWindow.usable_end` returns the whole match). The checker runs after the admit has
+  answered, so the harness's cut oracle (the admitted hit's window maps a dropped slot) sees it
+  first: no unchecked twin, and only the sliding oracles' kinds count as finding it.
+- `swa_backup_skips_sliding`: a backup copies no sliding rows (its host record still says they
+  are there): host copies' sliding parts hold stale KV, and a load brings it back. Only the
+  fingerprint oracles see it (tree host copies, or the loaded request's window).
+
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
 prints the reproduction to stderr and one JSON line (found, seed, episode, calls to find...) last.
@@ -284,6 +299,59 @@ def _state_leaf_grows_unchecked() -> Callable[[], None]:
     return undo
 
 
+def _swa_drop_inside_window() -> Callable[[], None]:
+    from runtime.tree.sliding import SlidingWindow
+
+    limit = SlidingWindow.limit
+    SlidingWindow.limit = lambda self, n: max(0, (n - self.window + 1 + self.page_size) // self.page_size)
+    return lambda: setattr(SlidingWindow, "limit", limit)
+
+
+def _swa_no_cut() -> Callable[[], None]:
+    from runtime.tree.sliding import SlidingWindow
+
+    usable_end = SlidingWindow.usable_end
+    SlidingWindow.usable_end = lambda self, look, host_len=0: look.device_len + host_len
+    return lambda: setattr(SlidingWindow, "usable_end", usable_end)
+
+
+def _swa_backup_skips_sliding() -> Callable[[], None]:
+    from runtime.tree.sliding import SlidingWindow
+
+    start_backup = SlidingWindow.start_backup
+
+    def broken(self: SlidingWindow, op_id, device, host):
+        start_backup(self, op_id, device, host)  # records the backup (and its missing pages)
+        return ()  # ...but its plan copies only the full layers
+
+    SlidingWindow.start_backup = broken
+    return lambda: setattr(SlidingWindow, "start_backup", start_backup)
+
+
+def _without_swa_checks() -> Callable[[], None]:
+    """The invariant checker's sliding-window part off: the fingerprint oracles alone must find it."""
+    import runtime.invariants as invariants
+
+    check = invariants._check_sliding
+    invariants._check_sliding = lambda core, nodes: None
+    return lambda: setattr(invariants, "_check_sliding", check)
+
+
+def _unchecked(plant: Callable[[], Callable[[], None]], without: Callable[[], Callable[[], None]]
+               ) -> Callable[[], Callable[[], None]]:
+    """`plant` with a part of the invariant checker off (`without`)."""
+    def install() -> Callable[[], None]:
+        undo_plant, undo_check = plant(), without()
+
+        def undo() -> None:
+            undo_plant()
+            undo_check()
+
+        return undo
+
+    return install
+
+
 # the storage plants search only the episodes on file storage (the storage-content oracle's), the
 # state plants those with recurrent state: each is found in the same episode as by the whole run,
 # in less time (calls of the episodes skipped are not counted: test_planted bounds the episode)
@@ -291,6 +359,7 @@ EPISODES: dict[str, Callable[[object], bool]] = {
     "hybrid": lambda cfg: cfg.hybrid,  # type: ignore[attr-defined]
     "storage": lambda cfg: cfg.storage != "none",  # type: ignore[attr-defined]
     "file": lambda cfg: cfg.storage == "file",  # type: ignore[attr-defined]
+    "swa": lambda cfg: cfg.sliding,  # type: ignore[attr-defined]
 }
 
 PLANTS: dict[str, Plant] = {
@@ -318,6 +387,13 @@ PLANTS: dict[str, Plant] = {
                                        "not that node's snapshot", episodes="hybrid"),
     "state_load_other_snapshot_unchecked": Plant(_state_load_other_snapshot_unchecked,
                                                  frozenset({"state-content", "tree-state-content"}), episodes="hybrid"),
+    "swa_drop_inside_window": Plant(_swa_drop_inside_window, frozenset({"invariant", "runtime-failed"}),
+                                    "whose sliding KV was dropped", episodes="swa"),
+    "swa_drop_inside_window_unchecked": Plant(_unchecked(_swa_drop_inside_window, _without_swa_checks),
+                                              frozenset({"swa-window", "swa-content"}), episodes="swa"),
+    "swa_no_cut": Plant(_swa_no_cut, frozenset({"swa-cut", "swa-window"}), episodes="swa"),
+    "swa_backup_skips_sliding": Plant(_swa_backup_skips_sliding, frozenset({"tree-kv-content", "swa-content"}),
+                                      episodes="swa"),
 }
 
 

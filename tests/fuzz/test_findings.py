@@ -25,6 +25,8 @@ SESSION_PLAN = [1, 308, 192, 374, 98, 80, 81, 439, 276, 275, 291, 473, 444, 473,
                 457, 466, 128, 139, 417, 20, 73, 123, 67]
 PROMPT_A = [437, 199, 107, 319, 137, 491, 52, 237, 252, 276, 331, 306, 176, 461]
 PROMPT_B = [2, 406, 374, 362, 331, 324, 27, 242, 186, 395, 311, 70, 303, 54, 35, 347, 4]
+SWA_PROMPT = [37, 314, 422, 200, 65, 263, 106, 294, 283, 465, 255, 396, 113, 256, 188, 155, 412, 91, 240, 129, 216,
+              304, 499]
 
 FINDINGS: dict[str, tuple[FuzzConfig, list[Step]]] = {
     # A turn's finish that keeps fewer tokens than its session already had (here 1 of 3): the
@@ -128,6 +130,29 @@ FINDINGS: dict[str, tuple[FuzzConfig, list[Step]]] = {
          _admit("r2", [116, 479, 167, 359, 427], 4),
          _admit("r3", [45, 308, 435, 129, 30], 4),
          ("can_then_admit", {"rid": "r4", "tokens": [5, 6, 7], "cont": [7] * 4, "ns": None})]),
+    # Sliding window (seed 1, episode 178): a crowd's first load fails; its request r67 stays live
+    # with its hit rolled back (the loaded pages freed, their sliding pages with them), and the
+    # invariant checker, holding r67's window to have sliding KV, failed the runtime at the ack:
+    # "request 'r67' (cached 2) reads positions 0..0 in its sliding window, whose sliding KV was
+    # dropped". Fixed in the checker: a request whose load failed reads nothing until released.
+    "failed_load_request_held_to_its_sliding_window": (
+        FuzzConfig(page_size=1, device_pages=23, host_pages=27, write_policy="write_back", eviction_policy="lfu",
+                   copy_faults=True, sliding_layers="0,2", sliding_window=4, swa_pages=16),
+        [("batch", {"items": [("admit", {"rid": "r1", "tokens": [37, 314, 422, 105], "cont": [7] * 19,
+                                         "ns": ("lora", 7)})], "cancel": None}),
+         _finish("r1", 4, 0),
+         ("batch", {"items": [("admit", {"rid": "r4", "tokens": SWA_PROMPT[:9], "cont": SWA_PROMPT[9:],
+                                         "ns": ("lora", 7)})], "cancel": None}),
+         _admit("r6", [302, 472, 206, 271, 325], 18),
+         _finish("r4", 8),
+         _admit("r1", [311, 236, 177, 478, 333], 18, "tenant-a"),
+         ("settle", {}),
+         ("crowd", {"pressure": {"rid": "r66", "tokens": [205, 499, 231, 406, 239, 451, 376, 241, 162, 45, 449, 105,
+                                                          417, 376, 38, 240, 108, 419, 349, 455, 420, 60],
+                                 "cont": [417]},
+                    "items": [("admit", {"rid": rid, "tokens": SWA_PROMPT[:n], "cont": SWA_PROMPT[n:],
+                                         "ns": ("lora", 7)}) for rid, n in (("r67", 3), ("r68", 9), ("r69", 13))],
+                    "fail_first_load": True})]),
 }
 
 

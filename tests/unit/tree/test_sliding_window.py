@@ -296,3 +296,29 @@ def test_the_checker_flags_a_missing_prefix_without_a_host_copy():
     core.residency.sliding.host_missing[node] = 2
     with pytest.raises(InvariantViolation, match="host pages without sliding KV"):
         check_invariants(core)
+
+
+def test_a_request_whose_load_failed_is_not_held_to_its_window():
+    """API fuzzer, seed 1 episode 178 (tests/fuzz/test_findings.py): a load that fails rolls its
+    request's hit back (the loaded pages freed, their sliding pages with them); the request stays
+    live, reading nothing, until released. The checker held its window to have sliding KV and,
+    run by the tree actor after the ack, failed the runtime."""
+    core = make_core(host_tokens=128, write_policy="write_back")
+    a = toks(32, 1)
+    run(core, "a", a)
+    run(core, "b", toks(28, 2))
+    with pytest.raises(CapacityError):  # a and b go to host
+        core.admit("c", toks(40, 3))
+    ack(core)
+    core.admit("c", toks(40, 3))
+    core.abort("c")
+    res = core.admit("a2", np.concatenate([a, toks(4, 4)]))
+    assert (res.cached_device, res.loaded_host) == (0, 32)
+    (op_id,) = core.copies.ops
+    core.apply_ack(op_id, "injected copy fault")
+    rec = core.requests["a2"]
+    window = rec.slot_range(32 - W + 1, 32)
+    assert rec.failed is not None and (core.residency.sliding.swa.map[window] < 0).all()
+    check_invariants(core)
+    core.abort("a2")
+    check_invariants(core, quiescent=True)
