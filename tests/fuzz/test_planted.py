@@ -36,7 +36,7 @@ def searches() -> dict[str, dict]:
     search only): one interpreter start for all, not one per plant."""
     proc = subprocess.run(
         [sys.executable, "-m", "tests.fuzz.planted", *sorted(PLANTS), "--seed", str(SEED), "--calls", str(BUDGET),
-         "--shrink-s", "3"],
+         "--shrink-s", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     outs = [json.loads(line) for line in proc.stdout.strip().splitlines() if line.startswith("{")]
