@@ -55,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
@@ -181,6 +182,13 @@ class HiCacheConnector(KVConnectorBase_V1):
             raise ConfigError("HiCacheConnector needs vLLM's KVCacheConfig (vLLM >= 0.33)")
         if len(kv_cache_config.kv_cache_groups) != 1:
             raise ConfigError("HiCacheConnector supports one KV cache group (full attention) for now")
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        if type(spec) is not FullAttentionSpec:
+            # a sliding-window group's blocks out of the window are vLLM's null block (a backup would
+            # store it as those tokens' KV), a Mamba group's are states, an MLA group's latents:
+            # none is one block of every token's K and V, which the tiers and storage pages hold
+            raise ConfigError(f"HiCacheConnector supports a FullAttentionSpec KV cache group for now, "
+                              f"got {type(spec).__name__}")
         self.block_size = vllm_config.cache_config.block_size
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         unknown = set(extra) - {"host_blocks", "storage_dir", "storage_cap_bytes", "model_id", "weight_version"}

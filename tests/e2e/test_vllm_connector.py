@@ -339,3 +339,29 @@ def test_a_requests_kept_token_array_is_extended_and_never_used_once_vllm_change
     assert conn._tokens_of(req).tolist() == ids
     del ids[20:]  # shorter than the kept array
     assert conn._tokens_of(req).tolist() == ids
+
+
+@pytest.mark.parametrize("spec", ["SlidingWindowSpec", "MLAAttentionSpec", "MambaSpec"])
+def test_a_kv_cache_group_that_is_not_full_attention_is_refused(model_dir, tmp_path, spec):
+    """A sliding-window group's blocks out of the window are vLLM's null block (a backup would
+    store it as those tokens' KV), a Mamba group's hold states and an MLA group's latents: the
+    connector refuses them before it opens anything (the storage directory stays untouched)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1 import kv_cache_interface as kvi
+
+    from runtime.errors import ConfigError
+    from runtime.integrations.vllm import HiCacheConnector
+
+    attention = dict(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
+    made = {"SlidingWindowSpec": lambda: kvi.SlidingWindowSpec(**attention, sliding_window=64),
+            "MLAAttentionSpec": lambda: kvi.MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=HEAD,
+                                                             dtype=torch.float32),
+            "MambaSpec": lambda: kvi.MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))}[spec]()
+    names = ["model.layers.0.self_attn.attn"]
+    kvc = kvi.KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=[kvi.KVCacheGroupSpec(names, made)])
+    store = tmp_path / "kv"
+    config = vllm_config(model_dir, connector="HiCacheConnector", extra={"storage_dir": str(store)})
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=f"FullAttentionSpec KV cache group for now, got {spec}"):
+            HiCacheConnector(config, role, kvc)
+    assert not store.exists()
