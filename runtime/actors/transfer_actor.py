@@ -539,7 +539,9 @@ class TransferActor(Actor[TransferMessage]):
             if entry.error is None:
                 self.counters["ops_done"] += 1
                 key = "bytes_device_to_host" if direction is Direction.BACKUP else "bytes_host_to_device"
-                self.counters[key] += sum(t.src.numel() * self.pool_slot_bytes.get(t.pool, 0) for t in plan.transfers)
+                # every rank runs the plan on its own pools (one control plane): every rank's bytes
+                moved = sum(t.src.numel() * self.pool_slot_bytes.get(t.pool, 0) for t in plan.transfers)
+                self.counters[key] += max(1, len(self._rank_pools)) * moved
             else:
                 self.counters["ops_failed"] += 1
                 log.warning("copy_failed", op=plan.op_id, direction=direction.value, error=entry.error)

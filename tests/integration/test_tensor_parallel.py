@@ -248,6 +248,9 @@ async def test_one_control_plane_stores_and_reads_every_ranks_shard(tmp_path, si
             stats = await rt.stats()
             assert stats["storage"]["hit_tokens"] == N
             assert stats["storage"]["written_bytes"] == size * N * cfg.bytes_per_token  # every rank's shard
+            # (a copy plan runs on every rank: its bytes are every rank's, as storage's are)
+            assert stats["transfer"]["device_to_host_bytes"] == size * N * cfg.bytes_per_token
+            assert stats["transfer"]["host_to_device_bytes"] == size * N * cfg.bytes_per_token
             for r in range(size):
                 assert fb.exists_prefix(rank_keys(cfg, r, prompt)) == pages
         assert len(list(tmp_path.glob("*/*.kv"))) == size * pages
