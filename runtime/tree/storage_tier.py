@@ -475,6 +475,9 @@ class StorageTier:
                 if b.after <= found and (blob is None or b.after > blob.after):
                     self._doubt_states(b.page)
             found = blob.after if blob is not None else 0
+            if blob is not None:  # found stored, as the KV before it (`_found`): a clear removes it
+                assert self.state_format is not None
+                self.known_states[blob.page] = self.state_format.keys(blob.page)
         if found and self._read(pf, sop.keys[:found], blob):
             return None  # its waiters wait for the read
         self._release_anchor(pf)
@@ -525,7 +528,8 @@ class StorageTier:
         states: tuple[StateBlob, ...] = ()
         if blob is not None and slot is not None:
             self.states.pin_host(slot, op_id)  # type: ignore[union-attr]
-            states = (StateBlob(slot, self.state_format.keys(blob.page), blob.after, page=blob.page),)  # type: ignore[union-attr]
+            chunks = self.known_states.get(blob.page) or self.state_format.keys(blob.page)  # type: ignore[union-attr]
+            states = (StateBlob(slot, chunks, blob.after, page=blob.page),)
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         first = pf.start // res.page_size

@@ -188,3 +188,20 @@ async def test_a_snapshot_found_missing_is_written_again(tmp_path):
         assert fb.exists_prefix(list(state_keys(cfg, a, 32))) == 2
         await rt.clear_storage()
         assert fb.exists_prefix(list(state_keys(cfg, a, 16))) == 0 and fb.exists_prefix(list(state_keys(cfg, a, 32))) == 0
+
+
+async def test_clear_removes_the_snapshot_a_fresh_runtime_found(tmp_path):
+    """A fresh runtime's prefetch finds and reads a's KV and the snapshot at 32: both are stored
+    pages it found, so its clear removes both (it removed the KV alone, leaving the chunks as
+    stray files that no hit could reach); the snapshot at 16, which it never asked for, stays."""
+    a = toks(33, 7)
+    await write_a(tmp_path, a)
+    cfg = config()
+    fb = file_backend(tmp_path, cfg)
+    async with CacheRuntime.open(cfg, storage=fb) as rt:
+        res = await serve(rt, "a2", a, snaps=())
+        assert res.loaded_storage == 32 and res.state_from is not None
+        assert await rt.clear_storage() == 8 + 2  # a's 8 KV pages, the 2 chunks of the snapshot at 32
+        keys = page_hashes(a[:32], cfg.page_size, None, KVIdentity.from_config(cfg))
+        assert fb.exists_prefix(keys) == 0 and fb.exists_prefix(list(state_keys(cfg, a, 32))) == 0
+        assert fb.exists_prefix(list(state_keys(cfg, a, 16))) == 2
