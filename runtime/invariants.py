@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from runtime.memory.ledger import LedgerSnapshot, SlotLedger
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node, RadixTree
-    from runtime.tree.records import CopyOp
+    from runtime.tree.records import CopyOp, RequestRecord
     from runtime.tree.recurrent import RecurrentStates
     from runtime.tree.storage_tier import StorageTier
     from runtime.tree.tiers_only import TiersOnlyCore
@@ -318,9 +318,10 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
 def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
     """Sliding-window layers (docs/ARCHITECTURE.md, "Pool groups"): the sliding ledger and the
     full -> sliding map agree (each sliding page held by exactly one allocated full page); only
-    tree nodes' pages lack sliding KV, and in each node they are a prefix of its pages (what the
-    drop rule drops and a split hands on); no live request's window reads a dropped page: from
-    `cached_len - W + 1` on, everything it maps has sliding KV; host copies' missing prefixes
+    tree nodes' pages and live requests' pages before their read start lack sliding KV, in each
+    node a prefix of its pages (what the drop rule drops and a split hands on), of a request's
+    own pages a leading run; no live request's window reads a dropped page: from
+    `committed_len - W + 1` on, everything it maps has sliding KV; host copies' missing prefixes
     belong to live host copies, and every backup in flight has its record."""
     sliding = core.residency.sliding
     assert sliding is not None
@@ -334,13 +335,13 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
             continue
         pages = np.asarray(_pages(node.device, ps), dtype=np.int64)
         in_nodes[pages] = True
-        flags = present[pages]
-        dropped = int(np.count_nonzero(~flags))
-        if dropped and flags[:dropped].any():
-            _fail(f"node {node.id}: its pages without sliding KV are not a prefix of its pages "
-                  f"({(~flags).astype(int).tolist()})")
+        _check_leading(present[pages], f"node {node.id}: its pages")
     for op in core.copies.ops.values():  # (an orphaned load's pages left their nodes)
         in_nodes[np.asarray(_pages(op.device, ps), dtype=np.int64)] = True
+    for rec in core.requests.values():  # pages a request reads no more (duplicates included)
+        if rec.failed is None:
+            done = rec.slot_range(0, _read_start(rec, window, ps))
+            in_nodes[np.asarray(_pages(done, ps), dtype=np.int64)] = True
     lost = np.flatnonzero(allocated & ~present & ~in_nodes)
     if len(lost):
         _fail(f"swa: full pages {lost[:8].tolist()} held outside the tree lack sliding KV")
@@ -354,12 +355,27 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
     for rec in core.requests.values():
         if rec.failed is not None:
             continue  # its load failed and was rolled back: its cached pages are freed, it reads none
-        lo = max(0, rec.cached_len - window + 1) // ps * ps
+        lo = _read_start(rec, window, ps)
         pages = np.asarray(_pages(rec.slot_range(lo, rec.num_slots), ps), dtype=np.int64)
         if len(pages) and not present[pages].all():
             at = lo + int(np.flatnonzero(~present[pages])[0]) * ps
-            _fail(f"request {rec.rid!r} (cached {rec.cached_len}) reads positions {at}..{at + ps - 1} in its "
-                  f"sliding window, whose sliding KV was dropped")
+            _fail(f"request {rec.rid!r} (committed {rec.committed_len}) reads positions {at}..{at + ps - 1} in "
+                  f"its sliding window, whose sliding KV was dropped")
+        own = np.asarray(_pages(rec.slot_range(rec.own_start, rec.num_slots), ps), dtype=np.int64)
+        _check_leading(present[own], f"request {rec.rid!r}: its own pages")
+
+
+def _check_leading(flags: np.ndarray, what: str) -> None:
+    """Pages without sliding KV (`flags` False) come first: the drop rules drop leading runs."""
+    dropped = int(np.count_nonzero(~flags))
+    if dropped and flags[:dropped].any():
+        _fail(f"{what} without sliding KV are not a prefix of them ({(~flags).astype(int).tolist()})")
+
+
+def _read_start(rec: "RequestRecord", window: int, ps: int) -> int:
+    """The page boundary a live request's next read starts at or after: its forwards compute from
+    `committed_len` on (a rewind below refuses a dropped window), reading W - 1 positions back."""
+    return max(0, rec.committed_len - window + 1) // ps * ps
 
 
 def _chain_host_states(states: "RecurrentStates", node: "Node", length: int) -> set[int]:

@@ -77,6 +77,8 @@ class CacheCore:
         self.page_size = config.page_size
         self.residency = Residency.from_config(config, tracer)
         self.residency.tree.on_split = self._on_split
+        if self.residency.sliding is not None:
+            self.residency.sliding.running = self._read_past
         op_ids = itertools.count(1)  # one id space: ledger pins are keyed by op id
         self.copies = CopyTracker(self.residency, op_ids, config.num_layers, readiness_factory)
         self.offload: DecodeOffload | None = DecodeOffload(self.residency, op_ids) if config.decode_offload else None
@@ -385,6 +387,7 @@ class CacheCore:
         floor = max(rec.cached_len, self.sessions[rec.session].kv_len if rec.session is not None else 0)
         if not isinstance(new_len, int) or not floor <= new_len <= rec.seq_len:
             raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
+        self._check_rewind_window(rec, new_len)
         if self.offload is not None:
             self.offload.check_rewind(rec, new_len)
         self._free_tail(rec, new_len)
@@ -640,6 +643,10 @@ class CacheCore:
         # it holds a state snapshot: that is the state after the leaf's last token, not a later one
         states = self.residency.states
         extend = start is not None and not copies.busy(start) and (states is None or start not in states.node_state)
+        # (own pages whose sliding KV dropped must start a node: dropped pages are a node's prefix)
+        sliding = self.residency.sliding
+        if extend and sliding is not None and not sliding.present_at(int(rec.slot_view(rec.cached_len, n)[0])):
+            extend = False
         res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
                                     rec.priority)
         duplicates = res.duplicate_slots
@@ -805,6 +812,35 @@ class CacheCore:
             raise LengthError(f"turn {rec.rid!r} must keep at least the {self.sessions[rec.session].kv_len} "
                               f"tokens its session {rec.session!r} had, got {len(arr)}")
         return arr
+
+    def _read_past(self) -> Iterator[np.ndarray]:
+        """Per live request, its own full pages wholly before its read start: its next forward
+        computes from `committed_len` on, reading from `committed_len - W + 1`, and its inserts
+        end past its cached prefix, so none of its reads needs their sliding KV (a rewind into
+        their window is refused). Session turns keep theirs: the session's next turn reads them."""
+        sliding = self.residency.sliding
+        assert sliding is not None
+        ps, window = self.page_size, sliding.window
+        for rec in self.requests.values():
+            if rec.session is not None:
+                continue
+            end = max(0, rec.committed_len - window + 1) // ps * ps
+            if end > rec.cached_len:
+                yield rec.slot_range(rec.cached_len, end)[::ps] // ps
+
+    def _check_rewind_window(self, rec: RequestRecord, new_len: int) -> None:
+        """A rewind recomputes from `new_len`, reading [new_len - W + 1, new_len): LengthError,
+        nothing changed, if a page there gave back its sliding KV (`_read_past` dropped it)."""
+        sliding = self.residency.sliding
+        if sliding is None or new_len >= rec.committed_len:
+            return
+        ps = self.page_size
+        lo = max(0, new_len - sliding.window + 1) // ps * ps
+        gone = ~sliding.swa.present(rec.slot_range(lo, new_len)[::ps] // ps)
+        if gone.any():
+            last = lo + (int(np.flatnonzero(gone)[-1]) + 1) * ps  # the end of the last dropped page
+            raise LengthError(f"rewind of {rec.rid!r} to {new_len} would read positions before {last} whose "
+                              f"sliding KV was dropped; rewind to at least {last + sliding.window - 1}")
 
     def _free_tail(self, rec: RequestRecord, keep: int) -> None:
         """Free the request's own pages past `keep` tokens. The start is aligned up to the next

@@ -12,7 +12,12 @@ sliding KV of [e-W+1, e) only; full layers need all of [0, e). The rule, by cons
   (page-rounded) keeps every node end matchable. Dropped pages are a prefix of the node's
   pages (a split hands each half a prefix), and pinned pages (a copy reads them) never drop.
   A running request's window never reads a dropped page: its reads start at or after
-  `cached_len - W + 1`, inside the window of its locked node's end, or in pages of its own.
+  `committed_len - W + 1`, inside the window of its locked node's end, or in pages of its own.
+- **running requests**: a live request's own pages wholly before its read start
+  (`committed_len - W + 1`) are never read again by it; they drop after the tree's (`running`,
+  set by `CacheCore`), a leading run of its own pages. Inserted later, they are a prefix of the
+  new node, as the tree's drop leaves one; an insert end whose window they were is cut, as a
+  split's.
 - **eviction**: when the sliding pool is short, droppable pages go first, nodes in the tree's
   eviction order (`drop`), then whole nodes (`Residency.evict_device`).
 - **split**: a split at q makes q a node end; if pages of q's window were dropped already,
@@ -27,6 +32,8 @@ through the node's full slots, so splits, adoption and eviction need nothing her
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -55,6 +62,9 @@ class SlidingWindow:
         # those of each backup in flight (op id -> pages), given to its chain at the ack
         self.host_missing: dict[Node, int] = {}
         self.backups: dict[int, int] = {}
+        # per live request, its own full pages (in position order) that it reads no more: set by
+        # the owner of the requests (CacheCore), which alone knows their lengths
+        self.running: Callable[[], Iterable[np.ndarray]] = tuple
 
     # -- matching ----------------------------------------------------------------
     def usable_end(self, look: MatchResult, host_len: int = 0) -> int:
@@ -101,25 +111,38 @@ class SlidingWindow:
         if n == 0:
             return np.empty(0, dtype=np.int64)
         ps = self.page_size
-        pages = node.device[start: start + n * ps: ps] // ps
+        return self._leading(node.device[start: start + n * ps: ps] // ps)
+
+    def _leading(self, pages: np.ndarray) -> np.ndarray:
+        """Of candidate `pages` (a leading run of a node's or a request's own), those present,
+        up to the first pinned one (a copy reads it): dropping them keeps the dropped a prefix."""
         pages = pages[self.swa.present(pages)]
         pinned = np.flatnonzero(self.ledger.pins_of(pages))
         return pages[: pinned[0]] if len(pinned) else pages
 
     def drop(self, need: int) -> int:
-        """Give back up to `need` droppable sliding pages, nodes in the tree's eviction order;
-        returns how many. O(nodes log nodes): only when the sliding pool is short."""
+        """Give back up to `need` droppable sliding pages, nodes in the tree's eviction order,
+        then running requests' pages they read no more; returns how many. O(nodes log nodes):
+        only when the sliding pool is short."""
         if need <= 0:
             return 0
         key = self.tree.policy.key
         dropped = 0
         for node in sorted((n for n in self.tree.nodes() if n.device is not None), key=key):
-            pages = self.droppable(node)[: need - dropped]
-            dropped += self.swa.give_back(pages)
+            dropped += self.swa.give_back(self.droppable(node)[: need - dropped])
             if dropped >= need:
                 break
+        else:
+            for pages in self.running():
+                dropped += self.swa.give_back(self._leading(pages)[: need - dropped])
+                if dropped >= need:
+                    break
         self.stats["swa_pages_dropped"] += dropped
         return dropped
+
+    def present_at(self, slot: int) -> bool:
+        """Whether the page holding full `slot` still has its sliding page."""
+        return bool(self.swa.map[slot] >= 0)
 
     # -- host copies (CopyTracker, Residency) -------------------------------------------
     def start_backup(self, op_id: int, device: np.ndarray, host: np.ndarray) -> tuple[PoolTransfer, ...]:
@@ -190,7 +213,7 @@ class SlidingWindow:
                 total += len(self.droppable(node, 0, look.partial)) + len(self.droppable(node, look.partial))
             else:
                 total += len(self.droppable(node))
-        return total
+        return total + sum(len(self._leading(pages)) for pages in self.running())
 
     def kept_pages(self, node: Node, tail: int = 0) -> int:
         """Sliding pages evicting `node` gives back beyond what `drop` would: its present pages

@@ -58,7 +58,7 @@ call:
   offload): the harness writes the sliding layers' fingerprints at `rt.swa_map[slot]` in
   `rt.swa_pool` (the full ones in `rt.device_pool`), and its forward reads the window before the
   positions it computes through the map. Oracles: a running request's positions from its window's
-  start (`cached - W + 1`) on never map to a dropped slot and, up to what it computed, hold its own
+  start (`committed - W + 1`) on never map to a dropped slot and, up to what it computed, hold its own
   prefix's sliding KV (at the forward and after every call); an admitted hit's window is present
   (the cut); every tree node's device pages with sliding KV hold their path's, those without are a
   leading run of the node, and its host copy's sliding part holds it on the pages its host record
@@ -911,6 +911,10 @@ class Driver:
         floor = r.session_kv if r.session is not None else r.cached
         if not floor <= n <= r.seq_len:
             return (LengthError,), ()
+        if self.swa is not None and n < r.committed:  # it would recompute from n, reading [n - W + 1, n)
+            window = self.rt.swa_map.numpy()[r.slots[max(0, n - self.swa.window + 1): n]]
+            if (window < 0).any():  # a page its decode gave back (issue 17)
+                return (LengthError,), ()
         # decode offload refuses a rewind that would cut an offload in flight
         return (), ((StateError,) if self.cfg.decode_offload else ())
 
@@ -1297,7 +1301,7 @@ class Driver:
                             "their own token prefix")
 
     def _check_swa(self, what: str) -> None:
-        """Sliding layers: every live request's pages from its window's start (`cached - W + 1`,
+        """Sliding layers: every live request's pages from its window's start (`committed - W + 1`,
         where its next forward reads from) on map to sliding slots, and from there to what it
         computed they hold its own prefix's sliding KV (the cached part once its loads are ready);
         every idle session's, all of them."""
@@ -1308,12 +1312,12 @@ class Driver:
         for r in self.reqs.values():
             if r.failed:  # (`_check_kv` marked those whose load failed)
                 continue
-            lo = max(0, r.cached - swa.window + 1)
+            lo = max(0, r.committed - swa.window + 1)
             mapped = smap[r.slots[lo:]]
             if (mapped < 0).any():
                 at = lo + int(np.flatnonzero(mapped < 0)[0])
-                raise self.fail("swa-window", f"after {what}: request {r.rid!r} (cached {r.cached}, window {swa.window}) "
-                                f"maps position {at}, which its window reads, to a dropped sliding slot")
+                raise self.fail("swa-window", f"after {what}: request {r.rid!r} (committed {r.committed}, window "
+                                f"{swa.window}) maps position {at}, which its window reads, to a dropped sliding slot")
             start = lo if all(x.all_ready() for x in r.readiness) else max(lo, r.base)
             if r.computed > start:
                 slots.append(mapped[start - lo: r.computed - lo])

@@ -9,10 +9,10 @@ no live request's window dropped) runs after every step.
 
 Here W = 6 and pages of 4 tokens: a node of n tokens may drop its first (n - 5) // 4 pages.
 Broken variants checked by hand: `limit` one page larger (drops inside the window) fails
-`test_a_running_requests_window_is_never_dropped` (the checker: "request 'b' (cached 32) reads
+`test_a_running_requests_window_is_never_dropped` (the checker: "request 'b' (committed 32) reads
 positions 24..27 in its sliding window, whose sliding KV was dropped"), and `usable_end`
 returning `look.device_len` (no cut) fails `test_a_match_is_cut_back_to_a_present_window` ("request
-'c' (cached 20) reads positions 12..15 in its sliding window, whose sliding KV was dropped").
+'c' (committed 20) reads positions 12..15 in its sliding window, whose sliding KV was dropped").
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from runtime.config import RuntimeConfig
-from runtime.errors import CapacityError, ConfigError, InvariantViolation
+from runtime.errors import CapacityError, ConfigError, InvariantViolation, LengthError
 from runtime.invariants import check_invariants
 from runtime.tree.cache import CacheCore
 from tests.tokens import toks
@@ -205,7 +205,7 @@ def test_the_checker_flags_a_drop_inside_a_running_window():
     core.admit("b", np.concatenate([a, toks(4, 2)]))
     node = core.residency.tree.match(a, None, split=False, touch=False).nodes[-1]
     core.residency.sliding.swa.give_back(node.device[: 7 * PS: PS] // PS)  # page 6 holds 24..27
-    with pytest.raises(InvariantViolation, match=r"request 'b' \(cached 32\) reads positions 24\.\.27"):
+    with pytest.raises(InvariantViolation, match=r"request 'b' \(committed 32\) reads positions 24\.\.27"):
         check_invariants(core)
 
 
@@ -321,4 +321,100 @@ def test_a_request_whose_load_failed_is_not_held_to_its_window():
     assert rec.failed is not None and (core.residency.sliding.swa.map[window] < 0).all()
     check_invariants(core)
     core.abort("a2")
+    check_invariants(core, quiescent=True)
+
+
+# -- a running request's own pages (issue 17) ------------------------------------------------
+
+def decode_to(core: CacheCore, rid: str, length: int) -> None:
+    """Decode steps until `rid` holds `length` tokens, the invariants checked after each."""
+    while core.requests[rid].seq_len < length:
+        core.decode_step((rid,))
+        check_invariants(core)
+
+
+def own_dropped(core: CacheCore, rid: str) -> list[bool]:
+    """Per page of the request's own pages: whether its sliding page was dropped."""
+    rec = core.requests[rid]
+    return (core.residency.sliding.swa.map[rec.slot_range(rec.cached_len, rec.num_slots)[::PS]] < 0).tolist()
+
+
+def test_a_request_longer_than_the_sliding_pool_decodes_to_the_end():
+    # without its own pages dropping (the rule before issue 17) the 7th page finds no sliding page
+    before = make_core(swa_tokens=24)
+    before.residency.sliding.running = tuple
+    before.admit("a", toks(8, 1))
+    with pytest.raises(CapacityError, match="decode step needs 1 device pages"):
+        decode_to(before, "a", 60)
+    assert before.requests["a"].seq_len == 24
+
+    core = make_core(swa_tokens=24)  # 6 sliding pages, 15 pages of its own
+    core.admit("a", toks(8, 1))
+    for length in range(9, 61):
+        decode_to(core, "a", length)
+        rec = core.requests["a"]
+        flags = own_dropped(core, "a")
+        k = flags.count(True)
+        # a leading run, every dropped page outside the window read from committed_len - W + 1 on,
+        # and only as many as the pool was short of
+        assert flags == [True] * k + [False] * (len(flags) - k)
+        assert k * PS <= max(0, rec.committed_len - W + 1)
+        assert len(flags) - k == min(len(flags), 6)
+    assert core.stats["swa_pages_dropped"] == 9 and core.stats["device_evicted_tokens"] == 0
+
+
+def test_a_finished_long_request_gives_a_node_whose_matches_are_cut():
+    core = make_core(swa_tokens=24)
+    a = toks(8, 1)
+    core.admit("a", a)
+    decode_to(core, "a", 60)
+    tokens = np.concatenate([a, toks(52, 2)])
+    assert core.finish("a", tokens) == 60
+    check_invariants(core, quiescent=True)
+    assert dropped(core, tokens) == [True] * 9 + [False] * 6
+    # its end's window [55, 60) kept: a full hit; an end inside the dropped pages: cut to 0
+    assert core.match_prefix(np.concatenate([tokens, toks(4, 3)]))["device"] == 60
+    assert core.match_prefix(np.concatenate([tokens[:20], toks(4, 3)]))["device"] == 0
+    res = core.admit("b", np.concatenate([tokens[:44], toks(4, 3)]))  # 44's window [39, 44): pages 9, 10
+    check_invariants(core)
+    assert res.cached_device == 44 and core.stats["swa_cut_backs"] == 0
+
+
+def test_a_cache_mid_decode_starts_a_node_where_its_dropped_pages_start():
+    """A request's own leaf grows in place at a cache, unless its own pages dropped sliding KV: the
+    merged node would hold dropped pages after present ones (the checker: "not a prefix")."""
+    core = make_core(swa_tokens=24)
+    a = toks(8, 1)
+    core.admit("a", a)
+    tokens = np.concatenate([a, toks(52, 2)])
+    decode_to(core, "a", 30)
+    core.cache("a", tokens[:29])
+    check_invariants(core)
+    decode_to(core, "a", 56)
+    assert own_dropped(core, "a")[:2] == [True, True]
+    core.cache("a", tokens[:55])
+    check_invariants(core)
+    decode_to(core, "a", 60)
+    core.finish("a", tokens)
+    check_invariants(core, quiescent=True)
+    # [0, 28) at the first cache; [28, 52) at the second, grown in place to 60 at the finish
+    nodes = core.residency.tree.match(tokens, None, split=False, touch=False).nodes
+    assert [n.num_tokens for n in nodes] == [28, 32]
+    assert core.match_prefix(tokens)["device"] == 60
+
+
+def test_a_rewind_into_a_dropped_window_is_refused():
+    core = make_core(swa_tokens=24)
+    a = toks(8, 1)
+    core.admit("a", a)
+    decode_to(core, "a", 60)  # committed 59: pages 0..8 (positions 0..35) dropped
+    with pytest.raises(LengthError, match="rewind to at least 41"):
+        core.rewind("a", 40)
+    rec = core.requests["a"]
+    assert (rec.seq_len, rec.committed_len) == (60, 59)
+    check_invariants(core)
+    assert core.rewind("a", 41) == 41
+    check_invariants(core)
+    decode_to(core, "a", 48)
+    core.finish("a", np.concatenate([a, toks(40, 2)]))
     check_invariants(core, quiescent=True)
