@@ -233,3 +233,27 @@ async def test_swa_drop_inside_the_window_is_caught(model, ref_model, monkeypatc
         assert "sliding KV was dropped" in str(exc)
     else:
         assert mismatches(ref_model, results) != [], stats["swa"]
+
+
+LONG_SWA_TOKENS = 64  # 4 pages: a conversation of 40 + 60 tokens holds 7 pages of its own
+
+
+async def test_a_conversation_longer_than_the_sliding_pool_equals_generate(model, ref_model):
+    """A request gives back the sliding pages of its own pages before its window as it decodes
+    (issue 17): one conversation of 100 tokens through a sliding pool of 64 runs to the end with
+    no preemption (before, the serving loop preempted it twice: no sliding page for its next page
+    until a `finish` put its pages in the tree, whose drop rule could give them back), its greedy
+    tokens equal to ``generate`` and its logits within 1e-4."""
+    prompt, new = ids(40, 7), 60
+    cfg = runtime_config(model, device_slots=DEVICE_SLOTS, swa_tokens=LONG_SWA_TOKENS, host_tokens=0,
+                         **swa_config(model))
+    async with CacheRuntime.open(cfg) as rt:
+        paged = PagedSWAModel(model, rt.device_pool, swa_pool=rt.swa_pool, swa_map=rt.swa_map)
+        # (admission probes room for prompt + reserve tokens at once: a reserve within the pool)
+        async with ServingLoop(rt, paged, record_logits=True, max_reserve=PAGE) as srv:
+            c = await srv.generate(prompt, max_new_tokens=new, rid="long")
+            loop_stats = dict(srv.stats)
+        stats = await rt.stats()
+    assert len(prompt) + len(c.tokens) > LONG_SWA_TOKENS
+    assert stats["swa"]["pages_dropped"] > 0 and loop_stats["preemptions"] == 0, (stats["swa"], loop_stats)
+    assert mismatches(ref_model, [("long", prompt, c.tokens, c.logits)], new=new, tol=1e-4) == []
