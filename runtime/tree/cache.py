@@ -59,6 +59,7 @@ from runtime.tree.recurrent import COUNTERS as STATE_COUNTERS
 from runtime.tree.sliding import COUNTERS as SWA_COUNTERS
 from runtime.tree.storage_tier import COUNTERS as STORAGE_COUNTERS
 from runtime.tree.storage_tier import StorageRequest, StorageTier
+from runtime.tree.token_checks import checked_kv_tokens, checked_tokens, kept_tokens
 
 
 class Effects(NamedTuple):
@@ -387,7 +388,8 @@ class CacheCore:
         floor = max(rec.cached_len, self.sessions[rec.session].kv_len if rec.session is not None else 0)
         if not isinstance(new_len, int) or not floor <= new_len <= rec.seq_len:
             raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
-        self._check_rewind_window(rec, new_len)
+        if self.residency.sliding is not None:
+            self.residency.sliding.check_rewind(rec, new_len)
         if self.offload is not None:
             self.offload.check_rewind(rec, new_len)
         self._free_tail(rec, new_len)
@@ -782,65 +784,22 @@ class CacheCore:
         return sess
 
     def _check_tokens(self, tokens: Any) -> np.ndarray:
-        arr = np.asarray(tokens, dtype=np.int32)
-        if arr.ndim != 1 or len(arr) == 0:
-            raise LengthError("tokens must be a non-empty 1-D sequence of token ids")
-        if len(arr) > self.config.device_slots:
-            raise LengthError(f"{len(arr)} tokens exceed the device pool ({self.config.device_slots} slots)")
-        return arr
+        return checked_tokens(tokens, self.config.device_slots)
 
     def _check_kv_tokens(self, rec: RequestRecord, tokens: Any) -> np.ndarray:
-        arr = self._check_tokens(tokens)
-        if len(arr) > rec.seq_len:
-            raise LengthError(f"{len(arr)} tokens given but request {rec.rid!r} has KV slots for {rec.seq_len}")
-        keep = min(len(arr), len(rec.tokens))
-        # (a `step`'s Cache shares its Admit's checked prompt array: nothing to compare)
-        if keep and arr is not rec.tokens and arr[:keep].tobytes() != rec.tokens[:keep].tobytes():
-            raise StateError(f"tokens of {rec.rid!r} do not extend the tokens it was admitted or cached with")
-        return arr
+        return checked_kv_tokens(rec, self._check_tokens(tokens))
 
     def _trimmed(self, rec: RequestRecord, tokens: Any, finished_len: int | None) -> np.ndarray:
         """The tokens a finishing request keeps: prompt + `finished_len` (all when None)."""
-        arr = self._check_kv_tokens(rec, tokens)
-        if finished_len is not None:
-            keep = rec.prompt_len + finished_len if isinstance(finished_len, int) and finished_len >= 0 else -1
-            if not rec.prompt_len <= keep <= len(arr):
-                raise LengthError(f"finished_len {finished_len!r} of {rec.rid!r} must keep between "
-                                  f"{rec.prompt_len} and {len(arr)} tokens")
-            arr = arr[:keep]
-        if rec.session is not None and len(arr) < self.sessions[rec.session].kv_len:
-            raise LengthError(f"turn {rec.rid!r} must keep at least the {self.sessions[rec.session].kv_len} "
-                              f"tokens its session {rec.session!r} had, got {len(arr)}")
-        return arr
+        session_kv = self.sessions[rec.session].kv_len if rec.session is not None else 0
+        return kept_tokens(rec, self._check_kv_tokens(rec, tokens), finished_len, session_kv)
 
     def _read_past(self) -> Iterator[np.ndarray]:
-        """Per live request, its own full pages wholly before its read start: its next forward
-        computes from `committed_len` on, reading from `committed_len - W + 1`, and its inserts
-        end past its cached prefix, so none of its reads needs their sliding KV (a rewind into
-        their window is refused). Session turns keep theirs: the session's next turn reads them."""
+        """The sliding part's view of the request table: per live request, its own pages it will
+        not read again (`SlidingWindow.read_past`)."""
         sliding = self.residency.sliding
         assert sliding is not None
-        ps, window = self.page_size, sliding.window
-        for rec in self.requests.values():
-            if rec.session is not None:
-                continue
-            end = max(0, rec.committed_len - window + 1) // ps * ps
-            if end > rec.cached_len:
-                yield rec.slot_range(rec.cached_len, end)[::ps] // ps
-
-    def _check_rewind_window(self, rec: RequestRecord, new_len: int) -> None:
-        """A rewind recomputes from `new_len`, reading [new_len - W + 1, new_len): LengthError,
-        nothing changed, if a page there gave back its sliding KV (`_read_past` dropped it)."""
-        sliding = self.residency.sliding
-        if sliding is None or new_len >= rec.committed_len:
-            return
-        ps = self.page_size
-        lo = max(0, new_len - sliding.window + 1) // ps * ps
-        gone = ~sliding.swa.present(rec.slot_range(lo, new_len)[::ps] // ps)
-        if gone.any():
-            last = lo + (int(np.flatnonzero(gone)[-1]) + 1) * ps  # the end of the last dropped page
-            raise LengthError(f"rewind of {rec.rid!r} to {new_len} would read positions before {last} whose "
-                              f"sliding KV was dropped; rewind to at least {last + sliding.window - 1}")
+        return sliding.read_past(self.requests.values())
 
     def _free_tail(self, rec: RequestRecord, keep: int) -> None:
         """Free the request's own pages past `keep` tokens. The start is aligned up to the next

@@ -33,15 +33,17 @@ through the node's full slots, so splits, adoption and eviction need nothing her
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
+from runtime.errors import LengthError
 from runtime.memory.swa import SWA_POOL, PairedLedger, SwaSlots
 from runtime.messages import PoolTransfer
 from runtime.tree.nodes import MatchResult, Node
 from runtime.tree.radix import RadixTree
+from runtime.tree.records import RequestRecord
 
 __all__ = ["SlidingWindow", "COUNTERS"]
 
@@ -65,6 +67,34 @@ class SlidingWindow:
         # per live request, its own full pages (in position order) that it reads no more: set by
         # the owner of the requests (CacheCore), which alone knows their lengths
         self.running: Callable[[], Iterable[np.ndarray]] = tuple
+
+    # -- live requests (their records are CacheCore's: read here, never written) --
+    def read_past(self, records: Iterable[RequestRecord]) -> Iterator[np.ndarray]:
+        """Per live request, its own full pages wholly before its read start: its next forward
+        computes from `committed_len` on, reading from `committed_len - W + 1`, and its inserts
+        end past its cached prefix, so none of its reads needs their sliding KV (a rewind into
+        their window is refused: `check_rewind`). Session turns keep theirs: the session's next
+        turn reads them."""
+        ps, window = self.page_size, self.window
+        for rec in records:
+            if rec.session is not None:
+                continue
+            end = max(0, rec.committed_len - window + 1) // ps * ps
+            if end > rec.cached_len:
+                yield rec.slot_range(rec.cached_len, end)[::ps] // ps
+
+    def check_rewind(self, rec: RequestRecord, new_len: int) -> None:
+        """A rewind recomputes from `new_len`, reading [new_len - W + 1, new_len): LengthError,
+        nothing changed, if a page there gave back its sliding KV (`read_past` dropped it)."""
+        if new_len >= rec.committed_len:
+            return
+        ps = self.page_size
+        lo = max(0, new_len - self.window + 1) // ps * ps
+        gone = ~self.swa.present(rec.slot_range(lo, new_len)[::ps] // ps)
+        if gone.any():
+            last = lo + (int(np.flatnonzero(gone)[-1]) + 1) * ps  # the end of the last dropped page
+            raise LengthError(f"rewind of {rec.rid!r} to {new_len} would read positions before {last} whose "
+                              f"sliding KV was dropped; rewind to at least {last + self.window - 1}")
 
     # -- matching ----------------------------------------------------------------
     def usable_end(self, look: MatchResult, host_len: int = 0) -> int:
