@@ -597,12 +597,17 @@ class _Events:
 
 @asynccontextmanager
 async def storage_actor(backend: Any, *, layout: str = "page_first", timeout_s: float | None = None,
+                        rank_hosts: list[HostPool] | None = None,
                         ) -> AsyncIterator[tuple[Supervisor, TransferActor, Mailbox[Any]]]:
     """A transfer actor with a storage backend, alone; its acks go to a plain mailbox. `timeout_s`:
-    its storage_timeout_s (None: the default)."""
+    its storage_timeout_s (None: the default); `rank_hosts`: one host pool per tensor-parallel rank
+    (None: one rank, a host pool of `layout`)."""
     dev = DevicePool(SHAPE, DEV_PAGES * PS, PS)
-    host = HostPool(SHAPE, HOST_PAGES * PS, PS, layout, pin_memory=False)
     kwargs: dict[str, Any] = {} if timeout_s is None else {"storage_timeout_s": timeout_s}
+    if rank_hosts is None:
+        host = HostPool(SHAPE, HOST_PAGES * PS, PS, layout, pin_memory=False)
+    else:
+        host, kwargs["rank_host_pools"] = rank_hosts[0], rank_hosts
     transfer = TransferActor(FakeCopyEngine({"kv": (dev, host)}), max_inflight_loads=3, max_queued_backups=8,
                              mailbox_capacity=64, bytes_per_slot=SHAPE.bytes_per_token, storage=backend,
                              host_pool=host, **kwargs)
@@ -803,18 +808,9 @@ class KeyedBackend:
 @asynccontextmanager
 async def ranks_actor(backend: Any, ranks: int) -> AsyncIterator[tuple[TransferActor, list[HostPool], Mailbox[Any]]]:
     """A transfer actor storing for `ranks` ranks, each with its own (page_first) host pool."""
-    dev = DevicePool(SHAPE, DEV_PAGES * PS, PS)
     hosts = [HostPool(SHAPE, HOST_PAGES * PS, PS, "page_first", pin_memory=False) for _ in range(ranks)]
-    transfer = TransferActor(FakeCopyEngine({"kv": (dev, hosts[0])}), max_inflight_loads=3, max_queued_backups=8,
-                             mailbox_capacity=64, bytes_per_slot=SHAPE.bytes_per_token, storage=backend,
-                             host_pool=hosts[0], rank_host_pools=hosts)
-    sup = Supervisor([transfer])
-    await sup.start()
-    try:
-        yield transfer, hosts, Mailbox(64)
-    finally:
-        await sup.stop()
-    sup.raise_if_failed()
+    async with storage_actor(backend, rank_hosts=hosts) as (_, transfer, box):
+        yield transfer, hosts, box
 
 
 def rank_op(op_id: int, kind: str, ack_to: Mailbox[Any], ranks: int, n: int = 3, replicated: bool = False) -> Any:
