@@ -528,8 +528,8 @@ class StorageTier:
         states: tuple[StateBlob, ...] = ()
         if blob is not None and slot is not None:
             self.states.pin_host(slot, op_id)  # type: ignore[union-attr]
-            chunks = self.known_states.get(blob.page) or self.state_format.keys(blob.page)  # type: ignore[union-attr]
-            states = (StateBlob(slot, chunks, blob.after, page=blob.page),)
+            # (its chunk keys: known since the lookup found it, `_lookup_landed`)
+            states = (StateBlob(slot, self.known_states[blob.page], blob.after, page=blob.page),)
         pf.op_id, pf.host = op_id, host
         pf.tokens = pf.tokens[:pf.start + len(keys) * res.page_size]
         first = pf.start // res.page_size
