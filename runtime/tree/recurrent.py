@@ -217,10 +217,10 @@ class RecurrentStates:
         if host is None:
             return None
         if host.num_free_pages() == 0:
-            victims = list(self._evictable(self.host_state, host))
-            if not victims:
+            victim = min(self._evictable(self.host_state, host), key=self.policy.key, default=None)
+            if victim is None:
                 return None
-            self.drop_host(min(victims, key=self.policy.key))
+            self.drop_host(victim)
             self.stats["state_snapshots_evicted"] += 1
         return int(host.alloc(1, owner, **ctx)[0])
 
@@ -317,11 +317,10 @@ class RecurrentStates:
         if self.ledger.num_free_pages() == 0:
             # the first unlocked snapshot in the eviction order: its node keeps its KV (a hit there just
             # reaches less far); O(snapshots), a state slot is large and they are few
-            victims = list(self._evictable(self.node_state, self.ledger))
-            if not victims:
+            victim = min(self._evictable(self.node_state, self.ledger), key=self.policy.key, default=None)
+            if victim is None:
                 raise CapacityError(f"no state slot free: {self.ledger.num_pages} held by running requests, "
                                     "their snapshots and locked nodes")
-            victim = min(victims, key=self.policy.key)
             self.drop(victim)
             self.stats["state_snapshots_evicted"] += 1
         return int(self.ledger.alloc(1, owner, **ctx)[0])
