@@ -117,7 +117,8 @@ async def test_storage_with_recurrent_state_needs_host_state_slots(tmp_path):
             with pytest.raises(ConfigError, match="host_state_slots"):
                 await rt.attach_storage(backend)
             assert (await rt.stats())["storage"]["writes_issued"] == 0
-        async with CacheRuntime.open(small_config(copy_engine="cpu", **STATE)) as rt:
+        async with CacheRuntime.open(small_config(copy_engine="cpu", **STATE), storage=backend) as rt:
+            await rt.detach_storage()  # (a StateError had no backend been taken)
             await rt.attach_storage(backend)
             await rt.detach_storage()
     finally:
