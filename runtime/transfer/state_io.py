@@ -68,7 +68,7 @@ class StateBlobIO:
             blob = blobs[i]
             if blob.after > found:
                 continue
-            keys = list(blob.keys or self.format.keys(blob.page))
+            keys = list(self.format.keys(blob.page))  # (a lookup's blob names its page alone)
             if checked_count("exists_prefix", backend.exists_prefix(keys), len(keys)) == len(keys):
                 out[i] = True
                 break

@@ -82,12 +82,13 @@ def test_io_writes_finds_the_deepest_whole_and_reads_back(tmp_path):
     with FileBackend(str(tmp_path), 64) as fb:
         a, b = StateBlob(0, fmt.keys(b"a" * 16), 1), StateBlob(1, fmt.keys(b"b" * 16), 3)
         assert io.write(fb, [a, b]) == (True, True)
+        la, lb = StateBlob(-1, (), 1, page=b"a" * 16), StateBlob(-1, (), 3, page=b"b" * 16)  # as the tree looks up
         # deepest first, within the KV found
-        assert io.lookup(fb, [a, b], found=3) == (False, True)
-        assert io.lookup(fb, [a, b], found=2) == (True, False)
-        assert io.lookup(fb, [a, b], found=0) == (False, False)
+        assert io.lookup(fb, [la, lb], found=3) == (False, True)
+        assert io.lookup(fb, [la, lb], found=2) == (True, False)
+        assert io.lookup(fb, [la, lb], found=0) == (False, False)
         fb.remove([b.keys[-1]])  # one chunk gone: the blob is not whole
-        assert io.lookup(fb, [a, b], found=3) == (True, False)
+        assert io.lookup(fb, [la, lb], found=3) == (True, False)
         into = StateBlob(2, a.keys, 1)
         assert io.read(fb, [into], read=1) == (True,)
         assert torch.equal(pool.read_slot(2), pool.read_slot(0))
