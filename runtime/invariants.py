@@ -328,20 +328,20 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
     swa, ps, window = sliding.swa, core.page_size, sliding.window
     allocated = core.residency.device.allocated()  # type: ignore[attr-defined]
     swa.check(allocated)
+    # every slot array below was checked whole, aligned pages by the claims: page ids by slicing
     present = swa.map[::ps] >= 0
     in_nodes = np.zeros(len(present), dtype=bool)
     for node in nodes:
         if node.device is None:
             continue
-        pages = np.asarray(_pages(node.device, ps), dtype=np.int64)
+        pages = node.device[::ps] // ps
         in_nodes[pages] = True
         _check_leading(present[pages], f"node {node.id}: its pages")
     for op in core.copies.ops.values():  # (an orphaned load's pages left their nodes)
-        in_nodes[np.asarray(_pages(op.device, ps), dtype=np.int64)] = True
+        in_nodes[op.device[::ps] // ps] = True
     for rec in core.requests.values():  # pages a request reads no more (duplicates included)
         if rec.failed is None:
-            done = rec.slot_range(0, _read_start(rec, window, ps))
-            in_nodes[np.asarray(_pages(done, ps), dtype=np.int64)] = True
+            in_nodes[rec.slot_range(0, _read_start(rec, window, ps))[::ps] // ps] = True
     lost = np.flatnonzero(allocated & ~present & ~in_nodes)
     if len(lost):
         _fail(f"swa: full pages {lost[:8].tolist()} held outside the tree lack sliding KV")
@@ -356,12 +356,12 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
         if rec.failed is not None:
             continue  # its load failed and was rolled back: its cached pages are freed, it reads none
         lo = _read_start(rec, window, ps)
-        pages = np.asarray(_pages(rec.slot_range(lo, rec.num_slots), ps), dtype=np.int64)
+        pages = rec.slot_range(lo, rec.num_slots)[::ps] // ps
         if len(pages) and not present[pages].all():
             at = lo + int(np.flatnonzero(~present[pages])[0]) * ps
             _fail(f"request {rec.rid!r} (committed {rec.committed_len}) reads positions {at}..{at + ps - 1} in "
                   f"its sliding window, whose sliding KV was dropped")
-        own = np.asarray(_pages(rec.slot_range(rec.own_start, rec.num_slots), ps), dtype=np.int64)
+        own = rec.slot_range(rec.own_start, rec.num_slots)[::ps] // ps
         _check_leading(present[own], f"request {rec.rid!r}: its own pages")
 
 
