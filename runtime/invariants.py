@@ -380,10 +380,15 @@ def _read_start(rec: "RequestRecord", window: int, ps: int) -> int:
 
 def _chain_host_states(states: "RecurrentStates", node: "Node", length: int) -> set[int]:
     """The host snapshots of the nodes covering the last `length` tokens of `node`'s path."""
-    out, covered = set(), 0
+    return {states.host_state[n] for n in _chain(node, length) if n in states.host_state}
+
+
+def _chain(node: "Node", length: int) -> list["Node"]:
+    """The nodes covering the last `length` tokens of `node`'s path, deepest first."""
+    out: list["Node"] = []
+    covered = 0
     while covered < length and node.parent is not None:
-        if node in states.host_state:
-            out.add(states.host_state[node])
+        out.append(node)
         covered += node.num_tokens
         node = node.parent
     return out
@@ -395,12 +400,7 @@ def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> 
     position, a load reads each node's host snapshot into that node's device snapshot. Positions alone
     do not show a load that brings back another node's snapshot."""
     copy = op.state
-    chain: list["Node"] = []
-    node, covered = op.node, 0
-    while covered < op.length and node.parent is not None:
-        chain.append(node)
-        covered += node.num_tokens
-        node = node.parent
+    chain = _chain(op.node, op.length)
     if not copy.nodes or copy.nodes[0] is not op.node or any(n not in chain for n in copy.nodes):
         _fail(f"copy {op.op_id} carries state for nodes {[n.id for n in copy.nodes]}, not its chain's "
               f"{[n.id for n in chain]} from its node {op.node.id}")
