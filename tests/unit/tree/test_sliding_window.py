@@ -342,7 +342,7 @@ def own_dropped(core: CacheCore, rid: str) -> list[bool]:
 def test_a_request_longer_than_the_sliding_pool_decodes_to_the_end():
     # without its own pages dropping (the rule before issue 17) the 7th page finds no sliding page
     before = make_core(swa_tokens=24)
-    before.residency.sliding.running = tuple
+    before.residency.sliding.requests = {}  # its running requests drop nothing
     before.admit("a", toks(8, 1))
     with pytest.raises(CapacityError, match="decode step needs 1 device pages"):
         decode_to(before, "a", 60)
