@@ -250,6 +250,6 @@ class SlidingWindow:
         that are not droppable (`tail` > 0: of its last `tail` tokens, as if split off)."""
         ps = self.page_size
         assert node.device is not None
-        slots = node.device[len(node.device) - tail:] if tail else node.device
-        present = int(np.count_nonzero(self.swa.present(slots[::ps] // ps)))
-        return present - len(self.droppable(node, len(node.device) - tail if tail else 0))
+        start = len(node.device) - tail if tail else 0
+        present = int(np.count_nonzero(self.swa.present(node.device[start::ps] // ps)))
+        return present - len(self.droppable(node, start))
