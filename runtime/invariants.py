@@ -328,20 +328,20 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
     swa, ps, window = sliding.swa, core.page_size, sliding.window
     allocated = core.residency.device.allocated()  # type: ignore[attr-defined]
     swa.check(allocated)
+    # every slot array below was checked whole, aligned pages by the claims: page ids by slicing
     present = swa.map[::ps] >= 0
     in_nodes = np.zeros(len(present), dtype=bool)
     for node in nodes:
         if node.device is None:
             continue
-        pages = np.asarray(_pages(node.device, ps), dtype=np.int64)
+        pages = node.device[::ps] // ps
         in_nodes[pages] = True
         _check_leading(present[pages], f"node {node.id}: its pages")
     for op in core.copies.ops.values():  # (an orphaned load's pages left their nodes)
-        in_nodes[np.asarray(_pages(op.device, ps), dtype=np.int64)] = True
+        in_nodes[op.device[::ps] // ps] = True
     for rec in core.requests.values():  # pages a request reads no more (duplicates included)
         if rec.failed is None:
-            done = rec.slot_range(0, _read_start(rec, window, ps))
-            in_nodes[np.asarray(_pages(done, ps), dtype=np.int64)] = True
+            in_nodes[rec.slot_range(0, _read_start(rec, window, ps))[::ps] // ps] = True
     lost = np.flatnonzero(allocated & ~present & ~in_nodes)
     if len(lost):
         _fail(f"swa: full pages {lost[:8].tolist()} held outside the tree lack sliding KV")
@@ -356,12 +356,12 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
         if rec.failed is not None:
             continue  # its load failed and was rolled back: its cached pages are freed, it reads none
         lo = _read_start(rec, window, ps)
-        pages = np.asarray(_pages(rec.slot_range(lo, rec.num_slots), ps), dtype=np.int64)
+        pages = rec.slot_range(lo, rec.num_slots)[::ps] // ps
         if len(pages) and not present[pages].all():
             at = lo + int(np.flatnonzero(~present[pages])[0]) * ps
             _fail(f"request {rec.rid!r} (committed {rec.committed_len}) reads positions {at}..{at + ps - 1} in "
                   f"its sliding window, whose sliding KV was dropped")
-        own = np.asarray(_pages(rec.slot_range(rec.own_start, rec.num_slots), ps), dtype=np.int64)
+        own = rec.slot_range(rec.own_start, rec.num_slots)[::ps] // ps
         _check_leading(present[own], f"request {rec.rid!r}: its own pages")
 
 
@@ -380,10 +380,15 @@ def _read_start(rec: "RequestRecord", window: int, ps: int) -> int:
 
 def _chain_host_states(states: "RecurrentStates", node: "Node", length: int) -> set[int]:
     """The host snapshots of the nodes covering the last `length` tokens of `node`'s path."""
-    out, covered = set(), 0
+    return {states.host_state[n] for n in _chain(node, length) if n in states.host_state}
+
+
+def _chain(node: "Node", length: int) -> list["Node"]:
+    """The nodes covering the last `length` tokens of `node`'s path, deepest first."""
+    out: list["Node"] = []
+    covered = 0
     while covered < length and node.parent is not None:
-        if node in states.host_state:
-            out.add(states.host_state[node])
+        out.append(node)
         covered += node.num_tokens
         node = node.parent
     return out
@@ -395,12 +400,7 @@ def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> 
     position, a load reads each node's host snapshot into that node's device snapshot. Positions alone
     do not show a load that brings back another node's snapshot."""
     copy = op.state
-    chain: list["Node"] = []
-    node, covered = op.node, 0
-    while covered < op.length and node.parent is not None:
-        chain.append(node)
-        covered += node.num_tokens
-        node = node.parent
+    chain = _chain(op.node, op.length)
     if not copy.nodes or copy.nodes[0] is not op.node or any(n not in chain for n in copy.nodes):
         _fail(f"copy {op.op_id} carries state for nodes {[n.id for n in copy.nodes]}, not its chain's "
               f"{[n.id for n in chain]} from its node {op.node.id}")

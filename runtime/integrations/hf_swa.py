@@ -117,11 +117,24 @@ class PagedSWAModel(PagedKVModel):
             return None
         write_idx = None
         if self.swa_map is not None:  # the sliding pool's slots of each sequence's positions
-            slots = [self.swa_map[s.cpu()].to(self.device) for s in slots]
+            slots = [self._mapped(b, s, st) for b, (s, st) in enumerate(zip(slots, starts, strict=True))]
             write_idx = torch.cat([s[st:] for s, st in zip(slots, starts, strict=True)])
         by_window = {w: self._window_read(w, slots, starts, totals, position_ids, write_idx)
                      for w in set(self.windows.values())}
         return {layer: by_window[w] for layer, w in self.windows.items()}
+
+    def _mapped(self, b: int, slots: torch.Tensor, start: int) -> torch.Tensor:
+        """Sequence `b`'s sliding slots (``swa_map[slots]``, on the model's device); LookupError if
+        the widest window from `start` on reads one that was dropped (checked on the host, where
+        the map is: one check per sequence, not a device sync per sequence and window)."""
+        assert self.swa_map is not None
+        mapped = self.swa_map[slots.cpu()]
+        lo = window_start(start, max(self.windows.values()))
+        gone = torch.nonzero(mapped[lo:] < 0)
+        if len(gone):
+            raise LookupError(f"seq {b}: a sliding layer's window reads position {lo + int(gone[0])}, "
+                              f"whose sliding KV was dropped")
+        return mapped.to(self.device)
 
     def _window_read(
         self, window: int, slots: list[torch.Tensor], starts: list[int], totals: list[int], position_ids: torch.Tensor,
@@ -137,9 +150,6 @@ class PagedSWAModel(PagedKVModel):
         kv_len = max(lens)
         gather = torch.empty((len(slots), kv_len), dtype=torch.long, device=dev)
         for b, (s, lo, n) in enumerate(zip(slots, los, lens, strict=True)):
-            if self.swa_map is not None and bool((s[lo:] < 0).any()):
-                at = lo + int(torch.nonzero(s[lo:] < 0)[0])
-                raise LookupError(f"seq {b}: a sliding layer's window reads position {at}, whose sliding KV was dropped")
             gather[b, :n] = s[lo:]
             if n < kv_len:
                 gather[b, n:] = s[-1]

@@ -116,7 +116,7 @@ class PairedLedger(SlotLedger):
         self.swa = swa
 
     def num_free_pages(self) -> int:
-        return min(self._top, self.swa._top)
+        return min(self._top, self.swa.num_free_pages())
 
     def num_free_slots(self) -> int:
         return self.num_free_pages() * self.page_size

@@ -78,8 +78,6 @@ class CacheCore:
         self.page_size = config.page_size
         self.residency = Residency.from_config(config, tracer)
         self.residency.tree.on_split = self._on_split
-        if self.residency.sliding is not None:
-            self.residency.sliding.running = self._read_past
         op_ids = itertools.count(1)  # one id space: ledger pins are keyed by op id
         self.copies = CopyTracker(self.residency, op_ids, config.num_layers, readiness_factory)
         self.offload: DecodeOffload | None = DecodeOffload(self.residency, op_ids) if config.decode_offload else None
@@ -87,6 +85,8 @@ class CacheCore:
         self._op_ids = op_ids
         self.table = RequestTable(config.page_size)
         self.requests: dict[Hashable, RequestRecord] = self.table.records  # read-only here: rows change in the table
+        if self.residency.sliding is not None:  # its running requests' drop reads them
+            self.residency.sliding.requests = self.requests
         self.sessions: dict[Hashable, SessionRecord] = {}
         self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
         self._write_through_all = config.host_slots > 0 and config.write_policy == "write_through"
@@ -793,13 +793,6 @@ class CacheCore:
         """The tokens a finishing request keeps: prompt + `finished_len` (all when None)."""
         session_kv = self.sessions[rec.session].kv_len if rec.session is not None else 0
         return kept_tokens(rec, self._check_kv_tokens(rec, tokens), finished_len, session_kv)
-
-    def _read_past(self) -> Iterator[np.ndarray]:
-        """The sliding part's view of the request table: per live request, its own pages it will
-        not read again (`SlidingWindow.read_past`)."""
-        sliding = self.residency.sliding
-        assert sliding is not None
-        return sliding.read_past(self.requests.values())
 
     def _free_tail(self, rec: RequestRecord, keep: int) -> None:
         """Free the request's own pages past `keep` tokens. The start is aligned up to the next

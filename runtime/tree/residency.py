@@ -376,20 +376,14 @@ class Residency:
         with sliding layers, to the deepest end whose window's sliding KV is present."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len if self.host is not None else 0
-        if self.states is not None and look.device_len + host_len:
-            usable = self.states.usable_end(look, host_len)
-            if usable < look.device_len + host_len:
-                look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
-                host_len = look.host_len if self.host is not None else 0
-        sliding = self.sliding
-        if sliding is not None:
-            matched = look.device_len + host_len
-            usable = sliding.usable_end(look, host_len) if matched else 0
-            if admitting:
-                sliding.note_cut(matched - usable)
-            if usable < matched:
-                look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
-                host_len = look.host_len if self.host is not None else 0
+        rule = self.states if self.states is not None else self.sliding  # one at most (RuntimeConfig)
+        matched = look.device_len + host_len
+        usable = rule.usable_end(look, host_len) if rule is not None and matched else matched
+        if admitting and self.sliding is not None:  # every admission's look sets it (0: not cut)
+            self.sliding.note_cut(matched - usable)
+        if usable < matched:
+            look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
+            host_len = look.host_len if self.host is not None else 0
         return look, host_len
 
     def evictable_device_pages(self) -> int:

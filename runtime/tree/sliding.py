@@ -14,8 +14,8 @@ sliding KV of [e-W+1, e) only; full layers need all of [0, e). The rule, by cons
   A running request's window never reads a dropped page: its reads start at or after
   `committed_len - W + 1`, inside the window of its locked node's end, or in pages of its own.
 - **running requests**: a live request's own pages wholly before its read start
-  (`committed_len - W + 1`) are never read again by it; they drop after the tree's (`running`,
-  set by `CacheCore`), a leading run of its own pages. Inserted later, they are a prefix of the
+  (`committed_len - W + 1`) are never read again by it; they drop after the tree's (`read_past`,
+  over the records `CacheCore` hands in), a leading run of its own pages. Inserted later, they are a prefix of the
   new node, as the tree's drop leaves one; an insert end whose window they were is cut, as a
   split's.
 - **eviction**: when the sliding pool is short, droppable pages go first, nodes in the tree's
@@ -33,7 +33,7 @@ through the node's full slots, so splits, adoption and eviction need nothing her
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -64,19 +64,19 @@ class SlidingWindow:
         # those of each backup in flight (op id -> pages), given to its chain at the ack
         self.host_missing: dict[Node, int] = {}
         self.backups: dict[int, int] = {}
-        # per live request, its own full pages (in position order) that it reads no more: set by
-        # the owner of the requests (CacheCore), which alone knows their lengths
-        self.running: Callable[[], Iterable[np.ndarray]] = tuple
+        # the live requests by rid: the request table's records, handed in by their owner
+        # (CacheCore) and only read here (`read_past`); none until then
+        self.requests: Mapping[Hashable, RequestRecord] = {}
 
     # -- live requests (their records are CacheCore's: read here, never written) --
-    def read_past(self, records: Iterable[RequestRecord]) -> Iterator[np.ndarray]:
+    def read_past(self) -> Iterator[np.ndarray]:
         """Per live request, its own full pages wholly before its read start: its next forward
         computes from `committed_len` on, reading from `committed_len - W + 1`, and its inserts
         end past its cached prefix, so none of its reads needs their sliding KV (a rewind into
         their window is refused: `check_rewind`). Session turns keep theirs: the session's next
         turn reads them."""
         ps, window = self.page_size, self.window
-        for rec in records:
+        for rec in self.requests.values():
             if rec.session is not None:
                 continue
             end = max(0, rec.committed_len - window + 1) // ps * ps
@@ -163,7 +163,7 @@ class SlidingWindow:
             if dropped >= need:
                 break
         else:
-            for pages in self.running():
+            for pages in self.read_past():
                 dropped += self.swa.give_back(self._leading(pages)[: need - dropped])
                 if dropped >= need:
                     break
@@ -243,13 +243,13 @@ class SlidingWindow:
                 total += len(self.droppable(node, 0, look.partial)) + len(self.droppable(node, look.partial))
             else:
                 total += len(self.droppable(node))
-        return total + sum(len(self._leading(pages)) for pages in self.running())
+        return total + sum(len(self._leading(pages)) for pages in self.read_past())
 
     def kept_pages(self, node: Node, tail: int = 0) -> int:
         """Sliding pages evicting `node` gives back beyond what `drop` would: its present pages
         that are not droppable (`tail` > 0: of its last `tail` tokens, as if split off)."""
         ps = self.page_size
         assert node.device is not None
-        slots = node.device[len(node.device) - tail:] if tail else node.device
-        present = int(np.count_nonzero(self.swa.present(slots[::ps] // ps)))
-        return present - len(self.droppable(node, len(node.device) - tail if tail else 0))
+        start = len(node.device) - tail if tail else 0
+        present = int(np.count_nonzero(self.swa.present(node.device[start::ps] // ps)))
+        return present - len(self.droppable(node, start))
