@@ -254,16 +254,6 @@ def _state_load_other_snapshot() -> Callable[[], None]:
     return lambda: setattr(RecurrentStates, "start_load", start_load)
 
 
-def _state_load_other_snapshot_unchecked() -> Callable[[], None]:
-    undo_plant, undo_check = _state_load_other_snapshot(), _without_state_checks()
-
-    def undo() -> None:
-        undo_plant()
-        undo_check()
-
-    return undo
-
-
 def _state_leaf_grows() -> Callable[[], None]:
     from runtime.tree.residency import Residency
 
@@ -287,16 +277,6 @@ def _without_state_checks() -> Callable[[], None]:
     check = invariants._check_states
     invariants._check_states = lambda core, nodes: None
     return lambda: setattr(invariants, "_check_states", check)
-
-
-def _state_leaf_grows_unchecked() -> Callable[[], None]:
-    undo_check, undo_leaf = _without_state_checks(), _state_leaf_grows()
-
-    def undo() -> None:
-        undo_leaf()
-        undo_check()
-
-    return undo
 
 
 def _swa_drop_inside_window() -> Callable[[], None]:
@@ -381,11 +361,11 @@ PLANTS: dict[str, Plant] = {
     "state_match_not_cut": Plant(_state_match_not_cut, frozenset({"state-hit", "state-content"}), episodes="hybrid"),
     "state_leaf_grows": Plant(_state_leaf_grows, frozenset({"invariant", "runtime-failed"}),
                               "holds the state snapshot taken at", episodes="hybrid"),
-    "state_leaf_grows_unchecked": Plant(_state_leaf_grows_unchecked,
+    "state_leaf_grows_unchecked": Plant(_unchecked(_state_leaf_grows, _without_state_checks),
                                         frozenset({"state-content", "tree-state-content"}), episodes="hybrid"),
     "state_load_other_snapshot": Plant(_state_load_other_snapshot, frozenset({"invariant", "runtime-failed"}),
                                        "not that node's snapshot", episodes="hybrid"),
-    "state_load_other_snapshot_unchecked": Plant(_state_load_other_snapshot_unchecked,
+    "state_load_other_snapshot_unchecked": Plant(_unchecked(_state_load_other_snapshot, _without_state_checks),
                                                  frozenset({"state-content", "tree-state-content"}), episodes="hybrid"),
     "swa_drop_inside_window": Plant(_swa_drop_inside_window, frozenset({"invariant", "runtime-failed"}),
                                     "whose sliding KV was dropped", episodes="swa"),
