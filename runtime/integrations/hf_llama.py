@@ -55,6 +55,8 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from runtime.memory.pools import _BYTE_FLOATS, _indexable
+
 __all__ = [
     "ATTN_NAME",
     "SMOLLM2_GGUF_FILE",
@@ -126,25 +128,18 @@ class KVScales:
         return "kv-scales-" + hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 
-_BYTE_FLOATS = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
-
-
 def _write_pool(pool_t: torch.Tensor, idx: torch.Tensor, new: torch.Tensor, scale: float | None) -> None:
     """``pool_t[idx] = new`` in the pool's dtype; an fp8 pool stores ``new / scale`` (saturated to
-    the format's range) through a uint8 view (CPU torch has no fp8 ``index_copy_``)."""
-    if pool_t.dtype not in _BYTE_FLOATS:
-        pool_t.index_copy_(0, idx, new.to(pool_t.dtype))
-        return
-    top = torch.finfo(pool_t.dtype).max
-    q = (new.float() / (scale or 1.0)).clamp_(-top, top).to(pool_t.dtype)
-    pool_t.view(torch.uint8).index_copy_(0, idx, q.view(torch.uint8))
+    the format's range), written through the pools' uint8 view (CPU torch has no fp8 ``index_copy_``)."""
+    if pool_t.dtype in _BYTE_FLOATS:
+        top = torch.finfo(pool_t.dtype).max
+        new = (new.float() / (scale or 1.0)).clamp_(-top, top)
+    _indexable(pool_t).index_copy_(0, idx, _indexable(new.to(pool_t.dtype)))
 
 
 def _read_pool(pool_t: torch.Tensor, idx: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
-    """``pool_t[idx]`` in ``dtype``; an fp8 pool's values times ``scale``."""
-    if pool_t.dtype not in _BYTE_FLOATS:
-        return pool_t.index_select(0, idx).to(dtype)
-    raw = pool_t.view(torch.uint8).index_select(0, idx).view(pool_t.dtype).to(dtype)
+    """``pool_t[idx]`` in ``dtype``; an fp8 pool's values times ``scale`` (only fp8 pools have scales)."""
+    raw = _indexable(pool_t).index_select(0, idx).view(pool_t.dtype).to(dtype)
     return raw if scale is None else raw * scale
 
 

@@ -45,3 +45,21 @@ def ref_model(model):
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("sdpa")  # transformers' own attention and KV cache
     return ref
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    """The tiny random DeepSeek-V3 (MLA) of the MLA tests."""
+    from runtime.integrations.hf_mla import tiny_deepseek_v3
+    from tests.e2e.support import DEVICE
+
+    return tiny_deepseek_v3(seed=0).to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def ref_deepseek():
+    """The same weights, never hooked: transformers' own attention and cache."""
+    from runtime.integrations.hf_mla import tiny_deepseek_v3
+    from tests.e2e.support import DEVICE
+
+    return tiny_deepseek_v3(seed=0).to(DEVICE)

@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.integrations.hf_mla import PagedMLAModel, mla_geometry, tiny_deepseek_v3  # noqa: E402
+from runtime.integrations.hf_mla import PagedMLAModel, mla_geometry  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime, make_engine  # noqa: E402
 from tests.e2e.support import DEVICE, PAGE, ids  # noqa: E402
@@ -37,17 +37,6 @@ TOL = 1e-4
 USERS, TURNS, NEW = 3, 4, 6
 SYSTEM = ids(40, 1)
 FILLER = ids(300, 99)  # shares nothing with the users' conversations
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_deepseek_v3(seed=0).to(DEVICE)
-
-
-@pytest.fixture(scope="module")
-def ref_model():
-    # the same weights, never hooked: transformers' own attention and cache
-    return tiny_deepseek_v3(seed=0).to(DEVICE)
 
 
 def mla_config(model, tmp_path) -> RuntimeConfig:
@@ -108,10 +97,10 @@ def mismatches(ref_model, results) -> list[str]:
     return tier_mismatches(ref_model, results, NEW, TOL)
 
 
-async def test_mla_every_tier_equals_generate(model, ref_model, tmp_path):
-    results, metrics, stats = await serve(model, tmp_path)
+async def test_mla_every_tier_equals_generate(deepseek, ref_deepseek, tmp_path):
+    results, metrics, stats = await serve(deepseek, tmp_path)
     assert len(results) == USERS * TURNS + 1
-    assert mismatches(ref_model, results) == []
+    assert mismatches(ref_deepseek, results) == []
     by_turn = {t: [m for turn, m in metrics if turn == t] for t in range(TURNS)}
     assert all(m.device_tokens > 0 for m in by_turn[1]), [m.device_tokens for m in by_turn[1]]
     assert all(m.host_tokens > 0 for m in by_turn[2]), [(m.device_tokens, m.host_tokens) for m in by_turn[2]]
@@ -123,7 +112,7 @@ async def test_mla_every_tier_equals_generate(model, ref_model, tmp_path):
     assert stats["requests"]["live"] == 0 and stats["copies"]["failures"] == 0
 
 
-async def test_latents_loaded_one_page_off_are_caught(model, ref_model, tmp_path):
+async def test_latents_loaded_one_page_off_are_caught(deepseek, ref_deepseek, tmp_path):
     """The planted bug: host->device loads read the host page after the right one. Turn 2's
     load-backs (and what storage prefetch stages through host for turn 3) then give other latents,
     and the comparison with generate must flag those turns."""
@@ -133,8 +122,8 @@ async def test_latents_loaded_one_page_off_are_caught(model, ref_model, tmp_path
         engines.append(LoadOffByOnePage(inner, cfg))
         return engines[-1]
 
-    results, metrics, _ = await serve(model, tmp_path, broken)
+    results, metrics, _ = await serve(deepseek, tmp_path, broken)
     assert engines and engines[0].loads > 0, "nothing was loaded: the planted bug was never exercised"
-    bad = {line.split()[0] for line in mismatches(ref_model, results)}
+    bad = {line.split()[0] for line in mismatches(ref_deepseek, results)}
     loaded = {f"u{m.rid[1:]}t{t}" for t, m in metrics if m.host_tokens + m.storage_tokens > 0}
     assert loaded and loaded <= bad, (sorted(loaded), sorted(bad))

@@ -1489,11 +1489,15 @@ class Driver:
             await self.compute(r, upto)
 
     async def x_extend(self, rid: Hashable, n: int) -> None:
-        pred = self.p_extend(rid, n)
-        what = f"extend({rid!r}, {n})"
-        res, exc = await self.call(what, lambda: self.rt.extend(rid, n))
+        await self.request_call(f"extend({rid!r}, {n})", self.p_extend(rid, n), lambda: self.rt.extend(rid, n),
+                                lambda res: self.apply_extend(self.reqs[rid], n, res))
+
+    async def request_call(self, what: str, pred: Pred, make: Callable[[], Awaitable[Any]],
+                           apply: Callable[[Any], None]) -> None:
+        """One call on a request: its answer applied to the model where the prediction allows it, then checked."""
+        res, exc = await self.call(what, make)
         if self.outcome(what, pred, exc):
-            self.apply_extend(self.reqs[rid], n, res)
+            apply(res)
         await self.check(what, exc)
 
     def apply_extend(self, r: Req, n: int, res: Any) -> None:
@@ -1648,12 +1652,9 @@ class Driver:
         await self.check(what, exc)
 
     async def x_snapshot(self, rid: Hashable, position: Any) -> None:
-        pred = self.p_snapshot(rid, position)
-        what = f"snapshot({rid!r}, {position})"
-        res, exc = await self.call(what, lambda: self.rt.snapshot(rid, position))
-        if self.outcome(what, pred, exc):
-            self.apply_snapshot(self.reqs[rid], position, res)
-        await self.check(what, exc)
+        await self.request_call(f"snapshot({rid!r}, {position})", self.p_snapshot(rid, position),
+                                lambda: self.rt.snapshot(rid, position),
+                                lambda res: self.apply_snapshot(self.reqs[rid], position, res))
 
     async def x_open_session(self, sid: Hashable, plan: list[int], ns: Hashable = None) -> None:
         # (hybrid: sessions keep no recurrent state yet, and say so before anything else)

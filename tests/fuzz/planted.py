@@ -254,16 +254,6 @@ def _state_load_other_snapshot() -> Callable[[], None]:
     return lambda: setattr(RecurrentStates, "start_load", start_load)
 
 
-def _state_load_other_snapshot_unchecked() -> Callable[[], None]:
-    undo_plant, undo_check = _state_load_other_snapshot(), _without_state_checks()
-
-    def undo() -> None:
-        undo_plant()
-        undo_check()
-
-    return undo
-
-
 def _state_leaf_grows() -> Callable[[], None]:
     from runtime.tree.residency import Residency
 
@@ -278,25 +268,6 @@ def _state_leaf_grows() -> Callable[[], None]:
 
     Residency.insert = broken
     return lambda: setattr(Residency, "insert", insert)
-
-
-def _without_state_checks() -> Callable[[], None]:
-    """The invariant checker's recurrent-state part off: the fingerprint oracles alone must find it."""
-    import runtime.invariants as invariants
-
-    check = invariants._check_states
-    invariants._check_states = lambda core, nodes: None
-    return lambda: setattr(invariants, "_check_states", check)
-
-
-def _state_leaf_grows_unchecked() -> Callable[[], None]:
-    undo_check, undo_leaf = _without_state_checks(), _state_leaf_grows()
-
-    def undo() -> None:
-        undo_leaf()
-        undo_check()
-
-    return undo
 
 
 def _swa_drop_inside_window() -> Callable[[], None]:
@@ -328,24 +299,18 @@ def _swa_backup_skips_sliding() -> Callable[[], None]:
     return lambda: setattr(SlidingWindow, "start_backup", start_backup)
 
 
-def _without_swa_checks() -> Callable[[], None]:
-    """The invariant checker's sliding-window part off: the fingerprint oracles alone must find it."""
-    import runtime.invariants as invariants
-
-    check = invariants._check_sliding
-    invariants._check_sliding = lambda core, nodes: None
-    return lambda: setattr(invariants, "_check_sliding", check)
-
-
-def _unchecked(plant: Callable[[], Callable[[], None]], without: Callable[[], Callable[[], None]]
-               ) -> Callable[[], Callable[[], None]]:
-    """`plant` with a part of the invariant checker off (`without`)."""
+def _unchecked(plant: Callable[[], Callable[[], None]], check: str) -> Callable[[], Callable[[], None]]:
+    """`plant` with the invariant checker's part `check` (`runtime.invariants._check_states`,
+    `_check_sliding`) off: the fingerprint oracles alone must find it."""
     def install() -> Callable[[], None]:
-        undo_plant, undo_check = plant(), without()
+        import runtime.invariants as invariants
+
+        undo_plant, checker = plant(), getattr(invariants, check)
+        setattr(invariants, check, lambda core, nodes: None)
 
         def undo() -> None:
             undo_plant()
-            undo_check()
+            setattr(invariants, check, checker)
 
         return undo
 
@@ -381,15 +346,15 @@ PLANTS: dict[str, Plant] = {
     "state_match_not_cut": Plant(_state_match_not_cut, frozenset({"state-hit", "state-content"}), episodes="hybrid"),
     "state_leaf_grows": Plant(_state_leaf_grows, frozenset({"invariant", "runtime-failed"}),
                               "holds the state snapshot taken at", episodes="hybrid"),
-    "state_leaf_grows_unchecked": Plant(_state_leaf_grows_unchecked,
+    "state_leaf_grows_unchecked": Plant(_unchecked(_state_leaf_grows, "_check_states"),
                                         frozenset({"state-content", "tree-state-content"}), episodes="hybrid"),
     "state_load_other_snapshot": Plant(_state_load_other_snapshot, frozenset({"invariant", "runtime-failed"}),
                                        "not that node's snapshot", episodes="hybrid"),
-    "state_load_other_snapshot_unchecked": Plant(_state_load_other_snapshot_unchecked,
+    "state_load_other_snapshot_unchecked": Plant(_unchecked(_state_load_other_snapshot, "_check_states"),
                                                  frozenset({"state-content", "tree-state-content"}), episodes="hybrid"),
     "swa_drop_inside_window": Plant(_swa_drop_inside_window, frozenset({"invariant", "runtime-failed"}),
                                     "whose sliding KV was dropped", episodes="swa"),
-    "swa_drop_inside_window_unchecked": Plant(_unchecked(_swa_drop_inside_window, _without_swa_checks),
+    "swa_drop_inside_window_unchecked": Plant(_unchecked(_swa_drop_inside_window, "_check_sliding"),
                                               frozenset({"swa-window", "swa-content"}), episodes="swa"),
     "swa_no_cut": Plant(_swa_no_cut, frozenset({"swa-cut", "swa-window"}), episodes="swa"),
     "swa_backup_skips_sliding": Plant(_swa_backup_skips_sliding, frozenset({"tree-kv-content", "swa-content"}),
