@@ -6,12 +6,13 @@ optionally, a storage tier behind it. Load it with::
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
                            "kv_connector_module_path": "runtime.integrations.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"host_blocks": 4096,
+                           "kv_connector_extra_config": {"host_bytes": "64GiB",
                                                          "storage_dir": "/mnt/kv"}}'
 
 (``kv_load_failure_policy: recompute``: a load that fails makes vLLM recompute the blocks from
 the first failed one on; with vLLM's default ``fail`` the request ends with an error.)
-docs/VLLM.md has every option and how they map to vLLM's and LMCache's.
+`runtime.integrations.vllm_config` reads and checks the options; docs/VLLM.md has every option
+and how they map to vLLM's and LMCache's.
 
 Split as vLLM splits a connector:
 
@@ -60,11 +61,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from runtime.errors import ConfigError
+from runtime.integrations.vllm_config import ConnectorConfig, open_storage
 from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.messages import TransferPlan
 from runtime.storage.backend import checked_flags, read_prefix
-from runtime.storage.file_backend import FileBackend
-from runtime.storage.hashing import KVIdentity, tp_shard
 from runtime.trace import get_logger
 from runtime.transfer.block_copier import PagedKVCopier
 from runtime.tree.storage_tier import StorageRequest
@@ -190,14 +190,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             raise ConfigError(f"HiCacheConnector supports a FullAttentionSpec KV cache group for now, "
                               f"got {type(spec).__name__}")
         self.block_size = vllm_config.cache_config.block_size
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        unknown = set(extra) - {"host_blocks", "storage_dir", "storage_cap_bytes", "model_id", "weight_version"}
-        if unknown:
-            raise ConfigError(f"kv_connector_extra_config: unknown options {sorted(unknown)}")
-        host_blocks = extra.get("host_blocks", kv_cache_config.num_blocks)
-        if type(host_blocks) is not int or host_blocks <= 0:
-            raise ConfigError(f"kv_connector_extra_config.host_blocks must be a positive int, got {host_blocks!r}")
-        self.host_blocks = host_blocks
+        # every option checked (a `ConfigError` naming its key) before anything is created
+        self.config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
+        self.host_blocks = self.config.host_blocks
         parallel = vllm_config.parallel_config
         # tensor parallelism: every worker stores its own heads under its own keys, which the
         # scheduler's storage ops carry for every rank (`StorageRequest.rank_keys`); the scheduler
@@ -206,8 +201,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.tp_rank = parallel.rank % self.tp_size  # (a worker's; the scheduler's is 0)
         self._workers = parallel.world_size
         self._partial_acks = CopyAcks()  # ops some workers reported, not all yet
-        self.identity = _identity(vllm_config, kv_cache_config, extra)
-        self.storage = _open_storage(vllm_config, kv_cache_config, extra)
+        self.identity = self.config.identity
+        self.storage = _open_storage(self.config, role is not KVConnectorRole.SCHEDULER)  # (workers lend Mooncake memory)
         # scheduler side
         self.core: TiersOnlyCore | None = None
         self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
@@ -238,7 +233,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._finished: set[str] = set()  # requests vLLM said finished, not yet reported
         self._received: set[str] = set()  # requests whose async loads ran, not yet reported
         if role is KVConnectorRole.SCHEDULER:
-            self.core = TiersOnlyCore(self.block_size, host_blocks * self.block_size, kv_cache_config.num_blocks)
+            self.core = TiersOnlyCore(self.block_size, self.host_blocks * self.block_size, kv_cache_config.num_blocks)
+            log.info("vllm_connector_started", host_blocks=self.host_blocks, host_bytes=self.config.host_bytes,
+                     storage=self.config.storage_where, model_id=self.identity.model_id,
+                     weight_version=self.identity.weight_version, kv_dtype=self.identity.kv_dtype,
+                     page_layout=self.identity.page_layout)
             if self.storage is not None:
                 self.core.enable_storage(self.identity, self.storage.exists_prefix, self.tp_size)
         # KV events of the host tier and storage (`take_events`): on with vLLM's own
@@ -528,31 +527,6 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self.copier
 
 
-def _identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> KVIdentity:
-    """What makes a stored page reusable by another instance: the model and its weights, the KV
-    dtype and shape (a rank's heads), the page layout (a vLLM 0.33 block: heads x block x K|V,
-    every layer) and, under tensor parallelism, rank 0's shard (the scheduler's storage tier
-    derives every rank's from it)."""
-    group = kv_cache_config.kv_cache_groups[0]
-    spec = group.kv_cache_spec
-    model = vllm_config.model_config
-    layout = f"vllm-block:{spec.num_kv_heads}x{spec.block_size}x{2 * spec.head_size}"
-    return KVIdentity(str(extra.get("model_id", model.model)), str(extra.get("weight_version", model.revision or "")),
-                      str(spec.dtype).removeprefix("torch."), len(group.layer_names), spec.num_kv_heads,
-                      spec.head_size, layout, shard=tp_shard(0, vllm_config.parallel_config.tensor_parallel_size))
 
-
-def _open_storage(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> FileBackend | None:
-    path = extra.get("storage_dir")
-    if path is None:
-        return None
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"kv_connector_extra_config.storage_dir must be a directory path, got {path!r}")
-    # Under tensor parallelism each rank holds its own heads under its own keys (the scheduler's
-    # storage ops carry every rank's). Pipeline stages hold different layers of one page: no
-    # per-stage keys yet, so a stage would read another stage's layers
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise ConfigError("HiCacheConnector's storage tier supports pipeline_parallel_size 1 for now")
-    group = kv_cache_config.kv_cache_groups[0]  # a page: one block of every layer
-    return FileBackend(path, len(group.layer_names) * group.kv_cache_spec.page_size_bytes,
-                       cap_bytes=extra.get("storage_cap_bytes"))
+# the storage tier's opener, looked up at each connector's start (a test wraps the backend it returns)
+_open_storage = open_storage

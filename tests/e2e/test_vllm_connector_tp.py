@@ -17,8 +17,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by
 
 import torch  # noqa: E402
 
-from runtime.errors import ConfigError  # noqa: E402
-from runtime.integrations.vllm import CopyAcks, _open_storage  # noqa: E402
+from runtime.integrations.vllm import CopyAcks  # noqa: E402
 from runtime.tree.storage_tier import StorageTier  # noqa: E402
 from tests.e2e.vllm_engine import BLOCK, FakeEngine, expected_block, save_tiny_model, vllm_config  # noqa: E402
 
@@ -168,13 +167,3 @@ def test_copy_acks_count_the_workers_that_reported_an_op():
     done, rest = merged.split(2)
     assert done == CopyAcks({1: "lost"}, {3: (1, None, ())}, {1: 2, 3: 2})  # failed on one: failed
     assert rest == CopyAcks({2: None}, {}, {2: 1})
-
-
-def test_storage_under_pipeline_parallelism_is_refused(tmp_path):
-    """Pipeline stages hold different layers of one page and there are no per-stage keys yet."""
-    from types import SimpleNamespace
-
-    vllm_cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2))
-    with pytest.raises(ConfigError, match="pipeline_parallel_size 1"):
-        _open_storage(vllm_cfg, None, {"storage_dir": str(tmp_path)})  # type: ignore[arg-type]
-    assert list(tmp_path.iterdir()) == []  # refused before the directory was touched
