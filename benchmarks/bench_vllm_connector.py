@@ -60,7 +60,7 @@ class TimedEngine(FakeEngine):
         self.schedule_ns = 0  # schedule() without that part, this step
         self.running = 0  # requests running after this step's schedule()
         self.samples: list[tuple[int, int, int]] = []  # (running, schedule ns w/o connector, connector ns)
-        conn = self.connector
+        conn = self.scheduler.connector  # (vLLM's facade: its hand-off to the scheduler side timed too)
         if conn is not None:
             for name in CONNECTOR_CALLS:
                 setattr(conn, name, self._timed(getattr(conn, name), name in IN_SCHEDULE))

@@ -41,9 +41,9 @@ def test_a_bad_option_fails_the_schedulers_start_naming_its_key(model_dir, extra
 
 def test_host_bytes_size_the_host_tier_in_both_roles(model_dir):
     e = engine(model_dir, {"host_bytes": "1MiB"})
-    block_bytes = e.connector.config.block_bytes
-    assert e.connector.host_blocks == e.worker.host_blocks == (1 << 20) // block_bytes
-    assert e.worker.copier.host.numel() * e.worker.copier.host.element_size() == e.connector.config.host_bytes
+    config = e.scheduler.connector.config  # (the facade vLLM loaded; e.connector is its scheduler side)
+    assert config.host_blocks == e.worker.host_blocks == (1 << 20) // config.block_bytes
+    assert e.worker.copier.host.numel() * e.worker.copier.host.element_size() == config.host_bytes
 
 
 def test_one_model_loaded_from_two_paths_shares_its_stored_pages(model_dir, tmp_path):

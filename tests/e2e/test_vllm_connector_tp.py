@@ -51,7 +51,7 @@ def rank_order_writes(e: FakeEngine) -> None:
     first): with keys shared between ranks, which rank's bytes a file holds is then fixed instead
     of whichever worker thread renamed it last."""
     written = [dict[int, threading.Event]() for _ in e.workers]
-    for rank, worker in enumerate(e.workers):
+    for rank, worker in enumerate(w.connector_worker for w in e.workers):
         def ordered(request, write=worker._write, rank=rank):
             if rank > 0:
                 assert written[rank - 1].setdefault(request.op_id, threading.Event()).wait(timeout=60)
@@ -77,7 +77,7 @@ def stored_then_loaded(model_dir: str, tmp_path, tp: int, *, ordered_writes: boo
     a.assert_drained()
     b = engine(model_dir, tp, storage_dir=shared)
     wrong: dict[int, list[str]] = {r: [] for r in range(tp)}
-    for rank, worker in enumerate(b.workers):
+    for rank, worker in enumerate(w.connector_worker for w in b.workers):
         load = worker._load
 
         def checked_load(job, load=load, rank=rank):

@@ -55,6 +55,8 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
+from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
 
 BLOCK, LAYERS, KV_HEADS, HEAD, VOCAB, EOS = 16, 2, 2, 8, 1000, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -101,8 +103,7 @@ class FakeEngine:
     config: VllmConfig
     num_blocks: int
     scheduler: Scheduler = field(init=False)
-    worker: Any = field(init=False)  # rank 0's worker connector (None without a connector)
-    workers: list[Any] = field(init=False)  # one per tensor-parallel rank
+    workers: list[Any] = field(init=False)  # the worker connectors vLLM calls, one per tensor-parallel rank
     kv: dict[str, torch.Tensor] = field(init=False)  # rank 0's KV tensors
     kvs: list[dict[str, torch.Tensor]] = field(init=False)  # every rank's
     aggregator: KVOutputAggregator = field(init=False)
@@ -142,14 +143,20 @@ class FakeEngine:
                 worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kvc)
                 worker.register_kv_caches(kv)
                 self.workers.append(worker)
-        self.worker = self.workers[0] if self.workers else None
         # every worker's outputs as vLLM's executor merges them (a request's load or backup is
         # finished once every worker reported it; the workers' metadata aggregated per step)
         self.aggregator = KVOutputAggregator(ranks)
 
     @property
     def connector(self) -> Any:
-        return self.scheduler.connector
+        """The connector's scheduler side (vLLM's facade is `scheduler.connector`); None without one."""
+        facade = self.scheduler.connector
+        return None if facade is None else facade.connector_scheduler
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's worker connector's worker side (None without a connector)."""
+        return self.workers[0].connector_worker if self.workers else None
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, cache_salt: str | None = None) -> None:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -272,20 +279,27 @@ class FakeEngine:
             check_tiers_only(self.connector.core, quiescent=True)
             conn = self.connector
             assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or conn._partial_acks.reports)
-            assert not any(w._jobs for w in self.workers)
+            assert not any(w.connector_worker._jobs for w in self.workers)
+
+
+class _EagerFreeScheduler(HiCacheConnectorScheduler):
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        super().request_finished(request, block_ids)
+        return False, None
+
+
+class _EagerFreeWorker(HiCacheConnectorWorker):
+    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
+        _, received = super().get_finished(finished_req_ids)
+        return None, received  # (nothing was held for a finished request: nothing to hand back)
 
 
 class EagerFreeConnector(HiCacheConnector):
     """A broken variant: lets vLLM free a finished request's blocks while their backup has not
     read them yet (seed 000's class at the engine boundary)."""
 
-    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
-        super().request_finished(request, block_ids)
-        return False, None
-
-    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
-        _, received = super().get_finished(finished_req_ids)
-        return None, received  # (nothing was held for a finished request: nothing to hand back)
+    Scheduler = _EagerFreeScheduler
+    Worker = _EagerFreeWorker
 
 
 def expected_block(tokens: list[int], index: int, layer: int, salt: str | None = None, rank: int = 0) -> torch.Tensor:

@@ -47,6 +47,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 import runtime.integrations.vllm as vllm_integration  # noqa: E402
 from runtime.integrations.vllm import HiCacheConnector, LoadJob  # noqa: E402
+from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
 from runtime.invariants import check_tiers_only  # noqa: E402
 from runtime.messages import PoolTransfer, TransferPlan  # noqa: E402
 from runtime.storage.backend import FaultPlan, FaultyBackend  # noqa: E402
@@ -154,17 +156,19 @@ def expect_pages(expected: dict[bytes, torch.Tensor], tokens: list[int], identit
 
 
 # -- planted bugs: connector variants the fuzzer must find ----------------------------------------
-class LoadErrorsDropped(HiCacheConnector):
-    """Blocks a failed load never filled are not reported: vLLM computes on what they held."""
-
+class _LoadErrorsDroppedWorker(HiCacheConnectorWorker):
     def get_block_ids_with_load_errors(self):  # type: ignore[no-untyped-def]
         super().get_block_ids_with_load_errors()
         return set()
 
 
-class LoadOnePageLate(HiCacheConnector):
-    """A load plan's blocks are shifted by one page (the host pages of the wrong positions)."""
+class LoadErrorsDropped(HiCacheConnector):
+    """Blocks a failed load never filled are not reported: vLLM computes on what they held."""
 
+    Worker = _LoadErrorsDroppedWorker
+
+
+class _LoadOnePageLateScheduler(HiCacheConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # type: ignore[no-untyped-def]
         n = len(self._loads)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -181,22 +185,28 @@ class LoadOnePageLate(HiCacheConnector):
         self._loads[-1] = LoadJob(job.rid, dataclasses.replace(job.load, plan=shifted), job.unloadable)
 
 
-class BackedUpMidLoad(HiCacheConnector):
-    """A request aborted while its load runs is backed up as if it had finished (both guards
-    off: the connector's `_awaiting`, the core's `loading`): vLLM frees its blocks at one
-    report, then is told about a request it no longer has."""
+class LoadOnePageLate(HiCacheConnector):
+    """A load plan's blocks are shifted by one page (the host pages of the wrong positions)."""
 
+    Scheduler = _LoadOnePageLateScheduler
+
+
+class _BackedUpMidLoadScheduler(HiCacheConnectorScheduler):
     def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
         self._awaiting.discard(request.request_id)
-        assert self.core is not None
         self.core.loading = lambda rid: False  # type: ignore[method-assign]
         return super().request_finished(request, block_ids)
 
 
-class LimitInSourceOrder(HiCacheConnector):
-    """A load cut short copies its first pages in host-page order, not the plan's (the copier's
-    bug the fuzzer found: a short storage read then left a hit block unfilled)."""
+class BackedUpMidLoad(HiCacheConnector):
+    """A request aborted while its load runs is backed up as if it had finished (both guards
+    off: the scheduler side's `_awaiting`, the core's `loading`): vLLM frees its blocks at one
+    report, then is told about a request it no longer has."""
 
+    Scheduler = _BackedUpMidLoadScheduler
+
+
+class _LimitInSourceOrderWorker(HiCacheConnectorWorker):
     def register_kv_caches(self, kv_caches):  # type: ignore[no-untyped-def]
         super().register_kv_caches(kv_caches)
         copier = self.copier
@@ -211,11 +221,22 @@ class LimitInSourceOrder(HiCacheConnector):
         copier.run = run
 
 
+class LimitInSourceOrder(HiCacheConnector):
+    """A load cut short copies its first pages in host-page order, not the plan's (the copier's
+    bug the fuzzer found: a short storage read then left a hit block unfilled)."""
+
+    Worker = _LimitInSourceOrderWorker
+
+
+class _SaltBlindScheduler(HiCacheConnectorScheduler):
+    _namespace = staticmethod(lambda request: None)
+
+
 class SaltBlind(HiCacheConnector):
     """Every request in one namespace: a tenant's cached prefix is served to another tenant with
     the same tokens under a different cache salt."""
 
-    _namespace = staticmethod(lambda request: None)
+    Scheduler = _SaltBlindScheduler
 
 
 # plants a storage read shows (a short read cuts a load): their searches skip episodes without storage
