@@ -179,6 +179,7 @@ class FakeEngine:
         if not so.num_scheduled_tokens:
             time.sleep(0.0005)  # waiting on the worker's thread: do not spin
         for w in self.workers:
+            w.handle_preemptions(so.kv_connector_metadata)  # (as vLLM's model runner: before the forward)
             w.bind_connector_metadata(so.kv_connector_metadata)
             if so.has_sync_kv_loads:
                 w.start_load_kv(None)
