@@ -146,9 +146,10 @@ class TiersOnlyCore:
         self.stats: dict[str, int] = dict.fromkeys(
             ("lookups", "tokens_host_hit", "tokens_storage_hit", "tokens_loaded", "tokens_storage_loaded",
              "tokens_backed_up", "tokens_backup_skipped", "load_errors", "backup_errors", "storage_lookup_errors",
-             # hits cut at their report to the host room their load could have (never promised), and
-             # loads that filled fewer blocks than promised (pages lost since, a storage read short)
-             "hits_cut", "tokens_hit_cut", "loads_short"), 0)
+             # hits cut at their report to the host room their load could have (never promised); loads
+             # that covered less than the hit reported (the tiers lost its pages since: none while
+             # hits are held); storage reads that came back short (their loads' later blocks unfilled)
+             "hits_cut", "tokens_hit_cut", "loads_short", "storage_reads_short"), 0)
 
     def enable_storage(self, identity: KVIdentity, exists_prefix: Callable[[list[bytes]], int],
                        tp_ranks: int = 1) -> None:
@@ -390,7 +391,7 @@ class TiersOnlyCore:
                 raise StateError(f"storage read {op_id} acked before the load that copies from it")
         self.storage.apply_ack(op_id, pages, error, ok, ())
         if not sop.write and pages < len(sop.keys):  # (its load left the blocks after them unfilled)
-            self.stats["loads_short"] += 1
+            self.stats["storage_reads_short"] += 1
 
     def take_storage_writes(self) -> list[StorageRequest]:
         """The storage writes issued since the last call (a read travels with its load)."""
