@@ -36,19 +36,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from runtime.errors import ConfigError
 from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm_metrics import HiCacheConnectorStats, HiCachePromMetrics
 from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler
 from runtime.integrations.vllm_worker import HiCacheConnectorWorker
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, tp_shard
+from runtime.storage.health import Health, HealthTracked
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -57,6 +61,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["HiCacheConnector", "TieredMeta", "LoadJob", "CopyAcks"]
+
+logger = init_logger("vllm.hicache.connector")  # (under vLLM's logger: VLLM_LOGGING_LEVEL governs it)
 
 
 class HiCacheConnector(KVConnectorBase_V1):
@@ -86,7 +92,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         if type(host_blocks) is not int or host_blocks <= 0:
             raise ConfigError(f"kv_connector_extra_config.host_blocks must be a positive int, got {host_blocks!r}")
         identity = _identity(vllm_config, kv_cache_config, extra)
-        storage = _open_storage(vllm_config, kv_cache_config, extra)
+        opened = _open_storage(vllm_config, kv_cache_config, extra)
+        side = "scheduler" if role is KVConnectorRole.SCHEDULER else "worker"
+        # (a failing backend: its health tracked, its calls held back with backoff while it is down)
+        storage = None if opened is None else HealthTracked(opened, on_change=_health_logger(side))
         self.connector_scheduler: HiCacheConnectorScheduler | None = None
         self.connector_worker: HiCacheConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -156,6 +165,21 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self.worker.build_connector_worker_meta()
 
     # -- both ----------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's stats since its last report (vLLM merges the workers' and the scheduler's
+        and hands them to its stat loggers: `runtime.integrations.vllm_metrics`)."""
+        side = self.connector_scheduler or self.connector_worker
+        return side.get_kv_connector_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HiCacheConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> HiCachePromMetrics:
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         for side in (self.connector_worker, self.connector_scheduler):
             if side is not None:
@@ -165,6 +189,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredMeta)
         return meta
+
+
+def _health_logger(side: str) -> Any:
+    """One log line (vLLM's logging) per change of a side's storage health."""
+    def changed(old: Health, new: Health, reason: str) -> None:
+        (logger.info if new is Health.HEALTHY else logger.warning)(
+            "HiCache storage (%s side) %s -> %s: %s", side, old.value, new.value, reason)
+    return changed
 
 
 def _identity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: dict[str, Any]) -> KVIdentity:

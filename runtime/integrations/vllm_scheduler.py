@@ -27,8 +27,9 @@ from vllm.v1.request import RequestStatus
 from runtime.errors import ConfigError
 from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm_metrics import HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
-from runtime.storage.backend import StorageBackend
+from runtime.storage.health import HealthTracked
 from runtime.storage.hashing import KVIdentity
 from runtime.tree.tiers_only import TiersOnlyCore
 from runtime.validation import tokens as checked_tokens
@@ -67,7 +68,7 @@ class HiCacheConnectorScheduler:
 
     # -- state -------------------------------------------------------------------
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, host_blocks: int,
-                 identity: KVIdentity, storage: StorageBackend | None) -> None:
+                 identity: KVIdentity, storage: HealthTracked | None) -> None:
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         # tensor parallelism: every worker stores its own heads under its own keys, which the
@@ -96,6 +97,8 @@ class HiCacheConnectorScheduler:
         self._backups: list[tuple[str, TransferPlan]] = []
         # requests holding a reported hit (`TiersOnlyCore.reserve`) that vLLM has not allocated for yet
         self._held: dict[str, Request] = {}
+        self._reported: dict[str, int] = {}  # the counters of the last stats report (vLLM's metrics)
+        self._reported_health: int | None = None
         # KV events of the host tier and storage (`take_events`): on with vLLM's own
         self.events: ConnectorEvents | None = None
         kv_events = vllm_config.kv_events_config
@@ -215,6 +218,32 @@ class HiCacheConnectorScheduler:
                 self.events.learn_tokens(plan.op_id, request, tokens, namespace,
                                          request.num_computed_tokens // self.block_size)
         return self.core.finish(rid), None
+
+    def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
+        """What changed since the last report (`runtime.integrations.vllm_metrics`)."""
+        now = self._counters()
+        counters = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        health = self.storage.state.level if self.storage is not None else None
+        stats = report(counters, "storage_health_scheduler", health, self._reported_health)
+        if stats is not None:
+            self._reported_health = health
+        return stats
+
+    def stats(self) -> dict[str, Any]:
+        """The tiers' counters and, with storage, its backend's (health included)."""
+        out: dict[str, Any] = dict(self.core.stats)
+        if self.storage is not None:
+            out["storage"] = self.storage.stats()
+        return out
+
+    def _counters(self) -> dict[str, int]:
+        s = self.core.stats
+        return {"host_hit_tokens": s["tokens_loaded"] - s["tokens_storage_loaded"],
+                "storage_hit_tokens": s["tokens_storage_loaded"], "hits_cut": s["hits_cut"],
+                "hit_tokens_cut": s["tokens_hit_cut"], "backed_up_tokens": s["tokens_backed_up"],
+                "load_failures": s["load_errors"] + s["loads_short"] + s["storage_reads_short"],
+                "backup_failures": s["backup_errors"], "storage_lookup_failures": s["storage_lookup_errors"]}
 
     def shutdown(self) -> None:
         if self.storage is not None:

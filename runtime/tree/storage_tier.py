@@ -362,12 +362,14 @@ class StorageTier:
     def _write_landed(self, sop: StorageOp, error: str | None, ok: tuple[bool, ...]) -> None:
         assert sop.node is not None
         self.residency.tree.unprotect_host(sop.node, sop.length)
+        # (debug, not a warning per write: they are counted, `storage_write_failures`, and a failing
+        # backend's state is what is worth a log line, `runtime.storage.health`)
         if error is not None:
             ok = ()
-            _log.warning("storage_write_failed", op=sop.op_id, pages=len(sop.keys), error=error)
+            _log.debug("storage_write_failed", op=sop.op_id, pages=len(sop.keys), error=error)
         stored = [k for k, good in zip(sop.keys, ok) if good]
         if error is None and len(stored) < len(sop.keys):
-            _log.warning("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
+            _log.debug("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
         self.known.update(stored)
         self._remember_ranks(sop, [i for i, good in enumerate(ok) if good])
         if self.residency.events is not None and stored:
@@ -448,6 +450,11 @@ class StorageTier:
                 events.stored_pages(keys[new:], keys[new - 1] if new else pf.link,
                                     pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
         self.known.update(keys)
+
+    def missing(self, keys: list[bytes]) -> None:
+        """The engine's own lookup (tiers-only mode) found `keys[0]` missing: as `_gone` (the pages
+        are written again with the next backup of them; a directory wiped under us heals so)."""
+        self._gone(keys)
 
     def _gone(self, keys: list[bytes]) -> None:
         """A lookup or read stopped at `keys[0]`, missing: it and the pages after it (likely evicted

@@ -486,6 +486,8 @@ class TiersOnlyCore:
             if found == 0:
                 break
             found = checked_count("exists_prefix", self._exists(list(keys[:found])), found)
+        if found < len(wanted):  # (known stored, now missing: written again with their next backup)
+            self.storage.missing(wanted[found:])
         return found
 
     def _check_open(self, rid: Hashable) -> None:

@@ -8,7 +8,8 @@ vLLM's prefix cache keeps little and the host tier and storage serve the rest.
 
 from __future__ import annotations
 
-import tempfile
+import shutil
+import time
 
 import pytest
 
@@ -78,4 +79,76 @@ def test_no_request_fails_under_vllms_default_policy_with_small_host_tiers(model
     assert stats["tokens_storage_loaded"] > 0
     if host_blocks == 32:  # (the smallest tier cannot hold every hit it is asked for)
         assert stats["hits_cut"] > 0 and stats["tokens_hit_cut"] > 0
+    e.assert_drained()
+
+
+# -- storage that heals ---------------------------------------------------------------------------
+def test_a_storage_directory_removed_mid_run_is_made_again_and_serves_within_5_s(model_dir, plain_outputs,
+                                                                                 tmp_path):
+    """`rm -rf` of the storage directory between turns: lookups miss, the next write makes the
+    directory again, and pages written after it are loaded from storage again, within 5 s of the
+    removal; no request fails, outputs equal plain vLLM's; the backend's counters show the heal.
+    Checked failing with the file backend as it was (no `_heal`, no fan-out directory made
+    again): storage served nothing after the removal."""
+    root = tmp_path / "kv"
+    e = engine(model_dir, host_blocks=32, storage_dir=str(root))
+    history = sessions(e, range(2))
+    core = e.connector.core
+    before = core.stats["tokens_storage_loaded"]
+    served: list[float] = []
+    step = e.step
+
+    def watched() -> None:
+        step()
+        if not served and core.stats["tokens_storage_loaded"] > before:
+            served.append(time.monotonic())
+
+    e.step = watched  # type: ignore[method-assign]
+    shutil.rmtree(root)
+    removed = time.monotonic()
+    sessions(e, range(2, TURNS), history)
+    assert served and served[0] - removed < 5.0, "storage served nothing after the removal"
+    assert not e.errors and e.outputs == plain_outputs
+    worker = e.worker.stats()["storage"]
+    assert worker["dir_recreated"] == 1 and worker["health"] == "healthy" and worker["write_errors"] == 0
+    e.assert_drained()
+
+
+@pytest.mark.parametrize("level", ["WARNING", "ERROR"])
+def test_a_read_only_directory_counts_write_failures_reads_keep_serving_one_line_in_vllms_log(
+        model_dir, plain_outputs, tmp_path, monkeypatch, capsys, level):
+    """Storage turned read-only after two turns: writes fail and are counted, the worker's
+    backend is degraded (writes held back with backoff) while reads keep serving, no request
+    fails, outputs equal plain vLLM's. The connector logs through vLLM's logger: with
+    `VLLM_LOGGING_LEVEL=WARNING` exactly one line for the health change (not one per write), with
+    `ERROR` none."""
+    from vllm.logger import _configure_vllm_root_logger
+
+    from tests.unit.storage.test_file_backend_healing import read_only
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", level)
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")
+    _configure_vllm_root_logger()  # (as vLLM does at import, from the environment)
+    try:
+        root = tmp_path / "kv"
+        e = engine(model_dir, host_blocks=32, storage_dir=str(root))
+        history = sessions(e, range(2))
+        loaded = e.connector.core.stats["tokens_storage_loaded"]
+        capsys.readouterr()
+        with read_only(root, monkeypatch):
+            sessions(e, range(2, TURNS), history)
+        out = capsys.readouterr().out
+    finally:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+        _configure_vllm_root_logger()
+    assert not e.errors and e.outputs == plain_outputs
+    assert e.connector.core.stats["tokens_storage_loaded"] > loaded  # reads kept serving
+    worker = e.worker.stats()
+    assert worker["storage_write_failures"] > 0 and worker["storage"]["health"] == "degraded"
+    assert worker["storage"]["write_failures"] >= 3 and worker["storage"]["write_skipped"] > 0
+    lines = [line for line in out.splitlines() if "HiCache storage" in line]
+    if level == "WARNING":
+        assert len(lines) == 1 and "healthy -> degraded" in lines[0], out
+    else:
+        assert not lines, out
     e.assert_drained()

@@ -112,6 +112,8 @@ class FakeEngine:
     outputs: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
     finished: set[str] = field(default_factory=set)
     errors: set[str] = field(default_factory=set)  # requests vLLM ended with an error (a failed load, policy "fail")
+    # the connector's stats as vLLM's stat loggers receive them (`SchedulerStats.kv_connector_stats`), per step
+    connector_stats: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
     preemptions: int = 0
     preempted: set[str] = field(default_factory=set)  # requests preempted at least once
@@ -193,6 +195,8 @@ class FakeEngine:
         engine_out = self.scheduler.update_from_output(
             so, outputs[0] if len(outputs) == 1 else self.aggregator.aggregate(outputs))
         for outputs in engine_out.values():
+            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats is not None:
+                self.connector_stats.append(outputs.scheduler_stats.kv_connector_stats)
             for o in outputs.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
@@ -213,6 +217,7 @@ class FakeEngine:
         sending, recving = w.get_finished(so.finished_req_ids)
         out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                 invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                kv_connector_stats=w.get_kv_connector_stats(),
                                 kv_connector_worker_meta=w.build_connector_worker_meta())
         w.clear_connector_metadata()
         return out
