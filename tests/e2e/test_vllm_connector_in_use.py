@@ -152,3 +152,55 @@ def test_a_read_only_directory_counts_write_failures_reads_keep_serving_one_line
     else:
         assert not lines, out
     e.assert_drained()
+
+
+# -- vLLM's own metrics ---------------------------------------------------------------------------
+def test_vllms_stat_loggers_receive_the_tiers_hits_bytes_failures_and_storage_health(model_dir, tmp_path):
+    """The connector's stats as vLLM hands them to its stat loggers (`SchedulerStats.
+    kv_connector_stats`: the workers' merged by vLLM's `KVOutputAggregator`, the scheduler
+    side's added by vLLM's scheduler), observed by vLLM's Prometheus connector metrics
+    (`KVConnectorProm`, on a private registry) and its periodic log (`KVConnectorLogging`): the
+    tiers' hit tokens, bytes loaded and stored per tier, cut hits and storage health equal the
+    connector's own counters. Checked failing with `get_kv_connector_stats` returning None (what
+    it did): no series."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+
+    e = engine(model_dir, host_blocks=64, storage_dir=str(tmp_path / "kv"))
+    sessions(e)
+    registry = CollectorRegistry()
+
+    class Prom(KVConnectorProm):  # (vLLM's, on a registry of the test's own)
+        _gauge_cls = functools.partial(Gauge, registry=registry)
+        _counter_cls = functools.partial(Counter, registry=registry)
+        _histogram_cls = functools.partial(Histogram, registry=registry)
+
+    prom = Prom(e.config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    logging = KVConnectorLogging(e.config.kv_transfer_config)
+    assert e.connector_stats, "vLLM received no connector stats"
+    for data in e.connector_stats:
+        prom.observe(data, 0)
+        logging.observe(data)
+    lines: list[str] = []
+    logging.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+
+    def value(name: str, **labels: str) -> float:
+        got = registry.get_sample_value(name, {"model_name": "tiny", "engine": "0", **labels})
+        assert got is not None, f"no series {name} {labels}"
+        return got
+
+    s, w = e.connector.core.stats, e.worker.stats()
+    assert value("vllm:hicache_hit_tokens_total", tier="host") == s["tokens_loaded"] - s["tokens_storage_loaded"] > 0
+    assert value("vllm:hicache_hit_tokens_total", tier="storage") == s["tokens_storage_loaded"] > 0
+    assert value("vllm:hicache_loaded_bytes_total", tier="host") == w["loaded_bytes"] > 0
+    assert value("vllm:hicache_loaded_bytes_total", tier="storage") == w["storage_read_bytes"] > 0
+    assert value("vllm:hicache_stored_bytes_total", tier="host") == w["stored_bytes"] > 0
+    assert value("vllm:hicache_stored_bytes_total", tier="storage") == w["storage_written_bytes"] > 0
+    assert value("vllm:hicache_hits_cut_total") == s["hits_cut"]
+    assert value("vllm:hicache_load_failures_total") == 0
+    assert value("vllm:hicache_storage_health", side="worker") == 0
+    page = e.worker.page_bytes
+    assert w["loaded_bytes"] == s["tokens_loaded"] // 16 * page  # (every loaded block, whole)
+    assert len(lines) == 1 and "KV Transfer metrics" in lines[0] and "storage_hit_tokens=" in lines[0]
