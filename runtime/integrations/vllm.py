@@ -37,19 +37,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from runtime.errors import ConfigError
 from runtime.integrations.vllm_config import ConnectorConfig, open_storage
 from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm_metrics import HiCacheConnectorStats, HiCachePromMetrics
 from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler
 from runtime.integrations.vllm_worker import HiCacheConnectorWorker
-from runtime.trace import get_logger
+from runtime.storage.health import Health, HealthTracked
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -57,9 +60,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = get_logger("hicache.vllm")
-
 __all__ = ["HiCacheConnector", "TieredMeta", "LoadJob", "CopyAcks"]
+
+logger = init_logger("vllm.hicache.connector")  # (under vLLM's logger: VLLM_LOGGING_LEVEL governs it)
 
 
 class HiCacheConnector(KVConnectorBase_V1):
@@ -84,15 +87,18 @@ class HiCacheConnector(KVConnectorBase_V1):
         # every option checked (a `ConfigError` naming its key) before anything is created
         self.config = ConnectorConfig.from_vllm(vllm_config, kv_cache_config)
         host_blocks, identity = self.config.host_blocks, self.config.identity
-        storage = _open_storage(self.config, role is not KVConnectorRole.SCHEDULER)  # (workers lend Mooncake memory)
+        opened = _open_storage(self.config, role is not KVConnectorRole.SCHEDULER)  # (workers lend Mooncake memory)
+        side = "scheduler" if role is KVConnectorRole.SCHEDULER else "worker"
+        # (a failing backend: its health tracked, its calls held back with backoff while it is down)
+        storage = None if opened is None else HealthTracked(opened, on_change=_health_logger(side))
         self.connector_scheduler: HiCacheConnectorScheduler | None = None
         self.connector_worker: HiCacheConnectorWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
             self.connector_scheduler = self.Scheduler(vllm_config, kv_cache_config, host_blocks, identity, storage)
-            log.info("vllm_connector_started", host_blocks=host_blocks, host_bytes=self.config.host_bytes,
-                     storage=self.config.storage_where, model_id=identity.model_id,
-                     weight_version=identity.weight_version, kv_dtype=identity.kv_dtype,
-                     page_layout=identity.page_layout)
+            logger.info("HiCache connector started: host tier %d blocks (%d bytes) per worker, storage %s, "
+                        "model_id %s, weight_version %r, KV %s, pages %s", host_blocks, self.config.host_bytes,
+                        self.config.storage_where, identity.model_id, identity.weight_version, identity.kv_dtype,
+                        identity.page_layout)
         else:
             self.connector_worker = self.Worker(vllm_config, kv_cache_config, host_blocks, storage)
 
@@ -158,6 +164,21 @@ class HiCacheConnector(KVConnectorBase_V1):
         return self.worker.build_connector_worker_meta()
 
     # -- both ----------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's stats since its last report (vLLM merges the workers' and the scheduler's
+        and hands them to its stat loggers: `runtime.integrations.vllm_metrics`)."""
+        side = self.connector_scheduler or self.connector_worker
+        return side.get_kv_connector_stats() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return HiCacheConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> HiCachePromMetrics:
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         for side in (self.connector_worker, self.connector_scheduler):
             if side is not None:
@@ -168,6 +189,13 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert isinstance(meta, TieredMeta)
         return meta
 
+
+def _health_logger(side: str) -> Any:
+    """One log line (vLLM's logging) per change of a side's storage health."""
+    def changed(old: Health, new: Health, reason: str) -> None:
+        (logger.info if new is Health.HEALTHY else logger.warning)(
+            "HiCache storage (%s side) %s -> %s: %s", side, old.value, new.value, reason)
+    return changed
 
 
 # the storage tier's opener, looked up at each connector's start (a test wraps the backend it returns)

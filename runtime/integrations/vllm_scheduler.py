@@ -27,8 +27,9 @@ from vllm.v1.request import RequestStatus
 from runtime.errors import ConfigError
 from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm_metrics import HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
-from runtime.storage.backend import StorageBackend
+from runtime.storage.health import HealthTracked
 from runtime.storage.hashing import KVIdentity
 from runtime.tree.tiers_only import TiersOnlyCore
 from runtime.validation import tokens as checked_tokens
@@ -67,7 +68,7 @@ class HiCacheConnectorScheduler:
 
     # -- state -------------------------------------------------------------------
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, host_blocks: int,
-                 identity: KVIdentity, storage: StorageBackend | None) -> None:
+                 identity: KVIdentity, storage: HealthTracked | None) -> None:
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         # tensor parallelism: every worker stores its own heads under its own keys, which the
@@ -94,6 +95,10 @@ class HiCacheConnectorScheduler:
         # again after recomputing the shortfall; the same promise would fail the same way)
         self._reached: dict[str, int] = {}
         self._backups: list[tuple[str, TransferPlan]] = []
+        # requests holding a reported hit (`TiersOnlyCore.reserve`) that vLLM has not allocated for yet
+        self._held: dict[str, Request] = {}
+        self._reported: dict[str, int] = {}  # the counters of the last stats report (vLLM's metrics)
+        self._reported_health: int | None = None
         # KV events of the host tier and storage (`take_events`): on with vLLM's own
         self.events: ConnectorEvents | None = None
         kv_events = vllm_config.kv_events_config
@@ -112,12 +117,18 @@ class HiCacheConnectorScheduler:
         else:
             tokens = self._tokens_of(request)
             keys = self.core.page_keys(tokens, namespace)
-        hit = self.core.lookup(tokens, namespace, num_computed_tokens, keys)
-        total = hit.total
         reached = self._reached.get(rid)
-        if reached is not None:
-            total = min(total, max(0, reached - num_computed_tokens))
+        if reached is not None and reached <= num_computed_tokens:  # (promised nothing past it again)
+            self.core.release(rid)
+            total = 0
+        else:
+            # a hit told to vLLM is one the tiers can load: held for the request until its load
+            total = self.core.reserve(rid, tokens, namespace, num_computed_tokens, keys).total
+            if reached is not None and total > reached - num_computed_tokens:
+                total = reached - num_computed_tokens  # (the load uses a prefix of the hold)
         self._asked[rid] = _Asked(num_computed_tokens, tokens, keys)
+        if total:
+            self._held[rid] = request
         # every load is asynchronous: vLLM 0.33 caches a synchronous load's blocks as it allocates
         # them, and under kv_load_failure_policy="recompute" a failed one's blocks stay in its
         # prefix cache; a request preempted or aborted before recomputing them leaves them there
@@ -127,7 +138,9 @@ class HiCacheConnectorScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         rid = request.request_id
         asked = self._asked.pop(rid, None)
+        self._held.pop(rid, None)
         if num_external_tokens == 0:
+            self.core.release(rid)
             return
         assert asked is not None, "vLLM allocates an external hit only after asking for it"
         (block_ids,) = blocks.get_block_ids()
@@ -144,6 +157,12 @@ class HiCacheConnectorScheduler:
         self._awaiting.add(rid)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        # a hit vLLM did not allocate blocks for this step is not held for it (vLLM asks again);
+        # one whose load vLLM deferred to a later step (its request waits for remote KV) is
+        for rid, request in self._held.items():
+            if request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.core.release(rid)
+        self._held = {rid: r for rid, r in self._held.items() if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS}
         meta = TieredMeta(tuple(self._loads), tuple(self._backups),
                           tuple(self.core.take_storage_writes()))
         self._loads, self._backups = [], []
@@ -181,6 +200,7 @@ class HiCacheConnectorScheduler:
         rid = request.request_id
         self._asked.pop(rid, None)
         self._reached.pop(rid, None)
+        self._held.pop(rid, None)  # (its hold, if any, goes with `finish`)
         if rid in self._awaiting:  # (its blocks do not hold their KV yet; the load's report frees them)
             self._token_ids.pop(rid, None)
             self.core.finish(rid)
@@ -198,6 +218,32 @@ class HiCacheConnectorScheduler:
                 self.events.learn_tokens(plan.op_id, request, tokens, namespace,
                                          request.num_computed_tokens // self.block_size)
         return self.core.finish(rid), None
+
+    def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
+        """What changed since the last report (`runtime.integrations.vllm_metrics`)."""
+        now = self._counters()
+        counters = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        health = self.storage.state.level if self.storage is not None else None
+        stats = report(counters, "storage_health_scheduler", health, self._reported_health)
+        if stats is not None:
+            self._reported_health = health
+        return stats
+
+    def stats(self) -> dict[str, Any]:
+        """The tiers' counters and, with storage, its backend's (health included)."""
+        out: dict[str, Any] = dict(self.core.stats)
+        if self.storage is not None:
+            out["storage"] = self.storage.stats()
+        return out
+
+    def _counters(self) -> dict[str, int]:
+        s = self.core.stats
+        return {"host_hit_tokens": s["tokens_loaded"] - s["tokens_storage_loaded"],
+                "storage_hit_tokens": s["tokens_storage_loaded"], "hits_cut": s["hits_cut"],
+                "hit_tokens_cut": s["tokens_hit_cut"], "backed_up_tokens": s["tokens_backed_up"],
+                "load_failures": s["load_errors"] + s["loads_short"] + s["storage_reads_short"],
+                "backup_failures": s["backup_errors"], "storage_lookup_failures": s["storage_lookup_errors"]}
 
     def shutdown(self) -> None:
         if self.storage is not None:

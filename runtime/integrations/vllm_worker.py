@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.logger import init_logger
 
 from runtime.errors import ConfigError
 from runtime.integrations.vllm_messages import CopyAcks, JobResult, LoadJob, StorageOutcome, TieredMeta
+from runtime.integrations.vllm_metrics import Deltas, HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
-from runtime.storage.backend import StorageBackend, checked_flags, read_prefix
-from runtime.trace import get_logger
+from runtime.storage.backend import checked_flags, read_prefix
+from runtime.storage.health import HealthTracked
 from runtime.transfer.block_copier import PagedKVCopier
 from runtime.tree.storage_tier import StorageRequest
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-log = get_logger("hicache.vllm")
+logger = init_logger("vllm.hicache.worker")  # (under vLLM's logger: VLLM_LOGGING_LEVEL governs it)
 
 __all__ = ["HiCacheConnectorWorker"]
 
@@ -41,8 +43,12 @@ __all__ = ["HiCacheConnectorWorker"]
 class HiCacheConnectorWorker:
     # -- state -------------------------------------------------------------------
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, host_blocks: int,
-                 storage: StorageBackend | None) -> None:
+                 storage: HealthTracked | None) -> None:
         self.block_size = vllm_config.cache_config.block_size
+        group = kv_cache_config.kv_cache_groups[0]
+        self.page_bytes = len(group.layer_names) * group.kv_cache_spec.page_size_bytes  # (a block, every layer)
+        self.counts = Deltas()  # bytes moved and storage failures (vLLM's metrics; `stats`)
+        self._reported_health: int | None = None
         self.host_blocks = host_blocks
         self._kv_cache_config = kv_cache_config
         parallel = vllm_config.parallel_config
@@ -109,6 +115,21 @@ class HiCacheConnectorWorker:
         self._outcomes, self._storage_outcomes = {}, {}
         return acks
 
+    def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
+        """What this worker moved since the last report (`runtime.integrations.vllm_metrics`)."""
+        health = self.storage.state.level if self.storage is not None else None
+        stats = report(self.counts.take(), "storage_health_worker", health, self._reported_health)
+        if stats is not None:
+            self._reported_health = health
+        return stats
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's totals and, with storage, its backend's (health included)."""
+        out: dict[str, Any] = dict(self.counts.totals)
+        if self.storage is not None:
+            out["storage"] = self.storage.stats()
+        return out
+
     def shutdown(self) -> None:
         for executor in self._executors.values():
             executor.shutdown(wait=True)
@@ -159,9 +180,11 @@ class HiCacheConnectorWorker:
             op_id, keys, pages = load.read.op_id, self._own_keys(load.read), load.read.pages
             try:
                 got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages]), None
+                self.counts.add(storage_read_bytes=got * self.page_bytes)
             except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
                 got, err = 0, repr(exc)
-                log.warning("vllm_storage_read_failed", op=op_id, rid=job.rid, error=err)
+                self.counts.add(storage_read_failures=1)  # (the health tracker logs the backend's state)
+                logger.debug("HiCache storage read %d for %s failed: %s", op_id, job.rid, err)
             storage[op_id] = (got, err, ())
             usable = load.read_at + max(0, got - load.read_skip)
         if load.plan is not None:
@@ -171,8 +194,10 @@ class HiCacheConnectorWorker:
             try:
                 copier.run(load.plan, usable)
                 outcomes[load.plan.op_id] = None
+                self.counts.add(loaded_bytes=(len(blocks) if usable is None else min(usable, len(blocks)))
+                                * self.page_bytes)
             except Exception as exc:  # noqa: BLE001
-                log.warning("vllm_copy_failed", op=load.plan.op_id, direction="load", error=repr(exc))
+                logger.warning("HiCache load copy %d failed: %r", load.plan.op_id, exc)
                 outcomes[load.plan.op_id] = repr(exc)
                 errors.update(blocks)
         return outcomes, storage, errors
@@ -180,9 +205,10 @@ class HiCacheConnectorWorker:
     def _backup(self, plan: TransferPlan) -> JobResult:
         try:
             self._copier().run(plan)
+            self.counts.add(stored_bytes=len(plan.transfers[0].src) // self.block_size * self.page_bytes)
             return {plan.op_id: None}, {}, set()
         except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
-            log.warning("vllm_copy_failed", op=plan.op_id, direction="backup", error=repr(exc))
+            logger.warning("HiCache backup copy %d failed: %r", plan.op_id, exc)
             return {plan.op_id: repr(exc)}, {}, set()
 
     def _write(self, request: StorageRequest) -> JobResult:
@@ -191,9 +217,12 @@ class HiCacheConnectorWorker:
         try:
             ok = checked_flags("set_batch", self.storage.set_batch(list(keys), [copier.page_buffer(p) for p in pages]),
                                len(keys))
+            written = sum(ok)
+            self.counts.add(storage_written_bytes=written * self.page_bytes, storage_write_failures=len(ok) - written)
             return {}, {op_id: (0, None, ok)}, set()
         except Exception as exc:  # noqa: BLE001
-            log.warning("vllm_storage_write_failed", op=op_id, error=repr(exc))
+            self.counts.add(storage_write_failures=len(keys))  # (the health tracker logs the backend's state)
+            logger.debug("HiCache storage write %d failed: %r", op_id, exc)
             return {}, {op_id: (0, repr(exc), ())}, set()
 
     def _own_keys(self, request: StorageRequest) -> tuple[bytes, ...]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from structlog.testing import capture_logs
 
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by scripts/install_vllm.sh")
 
@@ -46,7 +45,7 @@ def test_host_bytes_size_the_host_tier_in_both_roles(model_dir):
     assert e.worker.copier.host.numel() * e.worker.copier.host.element_size() == config.host_bytes
 
 
-def test_one_model_loaded_from_two_paths_shares_its_stored_pages(model_dir, tmp_path):
+def test_one_model_loaded_from_two_paths_shares_its_stored_pages(model_dir, tmp_path, monkeypatch, capsys):
     """Instance A (the model at one path) writes its pages; B, the same model copied elsewhere,
     loads them from storage. Checked failing with the default model_id set to vLLM's `--model`
     (the path): B loaded nothing."""
@@ -57,13 +56,25 @@ def test_one_model_loaded_from_two_paths_shares_its_stored_pages(model_dir, tmp_
     a.run()
     a.assert_drained()
     assert a.connector.core.storage.stats["storage_pages_written"] > 0
-    with capture_logs() as logs:
+    from vllm.logger import _configure_vllm_root_logger
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    monkeypatch.setenv("VLLM_LOGGING_STREAM", "ext://sys.stdout")
+    _configure_vllm_root_logger()  # (as vLLM does at import, from the environment)
+    try:
+        capsys.readouterr()
         b = engine(copy, {"host_blocks": 64, "storage_dir": shared})
+        out = capsys.readouterr().out
+    finally:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+        _configure_vllm_root_logger()
     assert b.connector.identity == a.connector.identity
-    # one line at start (the scheduler's, not each worker's) names the identity and the directory
-    started = [e for e in logs if e["event"] == "vllm_connector_started"]
-    assert len(started) == 1 and started[0]["storage"] == f"file:{shared}"
-    assert started[0]["model_id"] == a.connector.identity.model_id != copy
+    # one line at start (the scheduler's, not each worker's), in vLLM's log, names the identity
+    # and the directory
+    started = [line for line in out.splitlines() if "HiCache connector started" in line]
+    assert len(started) == 1, out
+    assert f"storage file:{shared}," in started[0] and f"model_id {a.connector.identity.model_id}," in started[0]
+    assert copy not in started[0]
     b.add("b", PROMPT, 2)
     b.run()
     assert b.connector.core.stats["tokens_storage_loaded"] == 3 * BLOCK

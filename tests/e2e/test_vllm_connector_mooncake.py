@@ -68,9 +68,10 @@ class TestConnectorOverMooncake:
             e.run()
 
         a = engine()
-        assert isinstance(a.connector.storage, MooncakeBackend) and isinstance(a.worker.storage, MooncakeBackend)
-        assert a.connector.storage.config.global_segment_size == 0  # the scheduler only asks what exists
-        assert a.worker.storage.config.global_segment_size == 64 << 20
+        scheduler_store, worker_store = a.connector.storage.inner, a.worker.storage.inner  # (health-tracked)
+        assert isinstance(scheduler_store, MooncakeBackend) and isinstance(worker_store, MooncakeBackend)
+        assert scheduler_store.config.global_segment_size == 0  # the scheduler only asks what exists
+        assert worker_store.config.global_segment_size == 64 << 20
         serve(a)
         a.assert_drained()
         assert a.connector.core.storage.stats["storage_pages_written"] == 3 * 4  # 4 full blocks per prompt

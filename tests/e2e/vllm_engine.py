@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -73,11 +74,11 @@ def save_tiny_model(path: str) -> None:
 
 def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime.integrations.vllm",
                 extra: dict[str, Any] | None = None, max_batched: int = 256, max_seqs: int = 16,
-                kv_events: bool = False, tp: int = 1) -> VllmConfig:
+                kv_events: bool = False, tp: int = 1, failure_policy: str = "recompute") -> VllmConfig:
     kvt = None
     if connector is not None:
         kvt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
-                               kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy="recompute")
+                               kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy=failure_policy)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.kv_cache_layout = "LBNHC"  # what the engine core resolves for vLLM's default backend
     return VllmConfig(
@@ -110,6 +111,9 @@ class FakeEngine:
     computed: dict[str, int] = field(default_factory=dict)  # tokens the fake forward computed per request
     outputs: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
     finished: set[str] = field(default_factory=set)
+    errors: set[str] = field(default_factory=set)  # requests vLLM ended with an error (a failed load, policy "fail")
+    # the connector's stats as vLLM's stat loggers receive them (`SchedulerStats.kv_connector_stats`), per step
+    connector_stats: list[dict[str, Any]] = field(default_factory=list)
     steps: int = 0
     preemptions: int = 0
     preempted: set[str] = field(default_factory=set)  # requests preempted at least once
@@ -192,10 +196,14 @@ class FakeEngine:
         engine_out = self.scheduler.update_from_output(
             so, outputs[0] if len(outputs) == 1 else self.aggregator.aggregate(outputs))
         for outputs in engine_out.values():
+            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats is not None:
+                self.connector_stats.append(outputs.scheduler_stats.kv_connector_stats)
             for o in outputs.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
+                    if o.finish_reason == FinishReason.ERROR:
+                        self.errors.add(o.request_id)
                 if o.new_token_ids and o.request_id in self._wrong_reads:
                     raise AssertionError(self._wrong_reads[o.request_id])
         self._wrong_reads.clear()
@@ -210,6 +218,7 @@ class FakeEngine:
         sending, recving = w.get_finished(so.finished_req_ids)
         out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                 invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                kv_connector_stats=w.get_kv_connector_stats(),
                                 kv_connector_worker_meta=w.build_connector_worker_meta())
         w.clear_connector_metadata()
         return out
@@ -279,7 +288,8 @@ class FakeEngine:
 
             check_tiers_only(self.connector.core, quiescent=True)
             conn = self.connector
-            assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or conn._partial_acks.reports)
+            assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or conn._held
+                        or conn._partial_acks.reports)
             assert not any(w.connector_worker._jobs for w in self.workers)
 
 
