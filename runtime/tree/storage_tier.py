@@ -452,9 +452,11 @@ class StorageTier:
         self.known.update(keys)
 
     def missing(self, keys: list[bytes]) -> None:
-        """The engine's own lookup (tiers-only mode) found `keys[0]` missing: as `_gone` (the pages
-        are written again with the next backup of them; a directory wiped under us heals so)."""
-        self._gone(keys)
+        """The engine's own lookup (tiers-only mode) found `keys[0]` missing. When it was known
+        stored, storage lost pages behind our back (evicted by another writer, or the directory
+        wiped): nothing known is trusted any more, so every page is written again with the next
+        write of a path holding it (`write` skips only known pages); else as `_gone`."""
+        self._gone(list(self.known) if keys and keys[0] in self.known else keys)
 
     def _gone(self, keys: list[bytes]) -> None:
         """A lookup or read stopped at `keys[0]`, missing: it and the pages after it (likely evicted

@@ -358,8 +358,8 @@ class TiersOnlyCore:
             assert op.tokens is not None and op.owner is not None
             if error is None:  # (under its lock: the prefix it extends is still there)
                 _, node = res.adopt_host_run(op.tokens, op.extra_key, op.start, op.host, op.owner, op.rid, ())
-                if self.storage is not None and node is not None:  # write-through
-                    self.storage.write_chain(node, len(op.tokens) - op.start)
+                if self.storage is not None and node is not None:  # write-through of the path's
+                    self.storage.write_chain(node, len(op.tokens))  # pages not known stored (healing)
             else:
                 self.stats["backup_errors"] += 1
                 res.host.free(op.host, op.owner, rid=op.rid, reason="backup_failed")

@@ -85,33 +85,40 @@ def test_no_request_fails_under_vllms_default_policy_with_small_host_tiers(model
 # -- storage that heals ---------------------------------------------------------------------------
 def test_a_storage_directory_removed_mid_run_is_made_again_and_serves_within_5_s(model_dir, plain_outputs,
                                                                                  tmp_path):
-    """`rm -rf` of the storage directory between turns: lookups miss, the next write makes the
-    directory again, and pages written after it are loaded from storage again, within 5 s of the
-    removal; no request fails, outputs equal plain vLLM's; the backend's counters show the heal.
-    Checked failing with the file backend as it was (no `_heal`, no fan-out directory made
-    again): storage served nothing after the removal."""
+    """`rm -rf` of the storage directory after two turns: the third turn's lookups miss, its first
+    write makes the directory again, and what the scheduler side knew stored is written again; a
+    fresh instance on the directory (nothing in its host tier) then loads the fourth turn's
+    prompts from storage, within 5 s of the removal. No request fails, outputs equal plain
+    vLLM's, the backend's counters show the heal. Checked failing with the file backend as it was
+    (no `_heal`, no fan-out directory made again: the directory stayed gone, writes failed), and
+    with the scheduler
+    side trusting what it knew stored (`StorageTier.missing` as `_gone`: the fresh instance
+    loaded nothing, its prompts' first pages never written again)."""
     root = tmp_path / "kv"
-    e = engine(model_dir, host_blocks=32, storage_dir=str(root))
-    history = sessions(e, range(2))
-    core = e.connector.core
-    before = core.stats["tokens_storage_loaded"]
+    a = engine(model_dir, host_blocks=32, storage_dir=str(root))
+    history = sessions(a, range(2))
+    shutil.rmtree(root)
+    removed = time.monotonic()
+    history = sessions(a, range(2, 3), history)
+    assert not a.errors and a.worker.stats()["storage"]["dir_recreated"] == 1
+    a.assert_drained()
+    b = engine(model_dir, host_blocks=64, storage_dir=str(root))
     served: list[float] = []
-    step = e.step
+    step = b.step
 
     def watched() -> None:
         step()
-        if not served and core.stats["tokens_storage_loaded"] > before:
+        if not served and b.connector.core.stats["tokens_storage_loaded"] > 0:
             served.append(time.monotonic())
 
-    e.step = watched  # type: ignore[method-assign]
-    shutil.rmtree(root)
-    removed = time.monotonic()
-    sessions(e, range(2, TURNS), history)
+    b.step = watched  # type: ignore[method-assign]
+    sessions(b, range(3, 4), history)
     assert served and served[0] - removed < 5.0, "storage served nothing after the removal"
-    assert not e.errors and e.outputs == plain_outputs
-    worker = e.worker.stats()["storage"]
-    assert worker["dir_recreated"] == 1 and worker["health"] == "healthy" and worker["write_errors"] == 0
-    e.assert_drained()
+    assert not b.errors
+    assert a.outputs | b.outputs == plain_outputs
+    worker = a.worker.stats()["storage"]
+    assert worker["health"] == "healthy" and worker["write_errors"] == 0
+    b.assert_drained()
 
 
 @pytest.mark.parametrize("level", ["WARNING", "ERROR"])
