@@ -584,6 +584,15 @@ class LocalMooncakeCluster:
     def metadata_url(self) -> str:
         return f"http://{self.HOST}:{self.metadata_port}/metadata"
 
+    @property
+    def pids(self) -> dict[str, int]:
+        """The running cluster's processes: ``{"metadata": pid, "master": pid}``."""
+        return {name: p.pid for name, p in zip(("metadata", "master"), self._procs)}
+
+    @property
+    def master_pid(self) -> int:
+        return self.pids["master"]
+
     def config(self, **overrides: Any) -> MooncakeConfig:
         base = MooncakeConfig(master_server_address=self.master_address, metadata_server=self.metadata_url,
                               local_hostname=self.HOST, tcp_bind_address=self.HOST)
