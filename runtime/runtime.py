@@ -325,7 +325,6 @@ class CacheRuntime:
     # flight, then stops the actors without them (the runtime fails). Copies take milliseconds; a
     # hung storage backend must not hold a cancelled owner forever.
     close_grace_s: float = 5.0
-    _abandoned_copies = False  # set when a cancelled close stopped the actors with copies in flight
 
     def _tokens(self, value: Any) -> np.ndarray:
         """The call's own int32 copy of `value`, every id checked (`runtime.validation.tokens`)."""
@@ -386,20 +385,17 @@ class CacheRuntime:
         self.tracer.close()
         if self._events is not None:
             self._events.close()
-        owned = self._owned_storage
-        if owned is not None and owned is self.storage and not self._abandoned_copies:
-            if self._transfer.storage_inflight:
-                # overdue calls still run in worker threads and use the backend: leave it open
-                log.warning("storage_left_open", ops=sorted(self._transfer.storage_inflight))
-            else:
-                owned.close()
+        owned, self._owned_storage = self._owned_storage, None
+        if owned is not None:
+            # safe with abandoned calls still inside it: it tears down once they return, and waits
+            # for them at most its own close timeout (`CallGate`); off the loop, as that wait blocks
+            await asyncio.to_thread(owned.close)
 
     async def _close_cancelled(self, closer: asyncio.Task[None]) -> None:
         """The caller of `close` was cancelled: finish the close anyway, bounded by `close_grace_s`."""
         if not await wait_shielded(closer, self.close_grace_s):
-            # copies still in flight: stop without them. The copy engine and an owned storage
-            # backend are left open (a copy may still be writing to them); nothing is freed.
-            self._abandoned_copies = True
+            # copies still in flight: stop without them; nothing of theirs is freed. (An owned storage
+            # backend still closes: its teardown waits for its own calls.)
             await self._sup.terminate(TimeoutError(
                 f"close was cancelled and copies were still in flight after {self.close_grace_s} s"))
             await wait_shielded(closer, 1.0)  # its asks failed and the actors' task ended: it returns
@@ -630,7 +626,7 @@ class CacheRuntime:
         old = await self._sup.ask(self._tree.mailbox, DetachStorage(Reply()))
         if old is not None and old is self._owned_storage:
             self._owned_storage = None
-            old.close()
+            await asyncio.to_thread(old.close)  # (a Mooncake teardown talks to its master: off the loop)
 
     async def clear_storage(self) -> int:
         """Remove from storage every page this runtime knows stored (wrote, or found by a lookup or

@@ -34,6 +34,7 @@ from tests.integration.support import bad_positions, compute, small_config, toks
 
 PROMPTS = 6        # distinct prompts the streams share (so storage has what they ask for)
 PROMPT_TOKENS = 64  # 16 pages of 4 tokens
+WARM_REQUESTS = 20  # served before the kill, whatever the kill time (a loaded machine starts slowly)
 
 
 async def stream(rt: CacheRuntime, name: str, stop: asyncio.Event, rng: random.Random, out: dict[str, Any]) -> None:
@@ -76,7 +77,7 @@ async def scenario(args: argparse.Namespace, cluster: LocalMooncakeCluster) -> d
     page_bytes = config.page_size * config.bytes_per_token
     backend = MooncakeBackend(page_bytes, cluster.config(global_segment_size=32 << 20, local_buffer_size=16 << 20,
                                                          key_prefix=f"kill-{args.policy}-{os.getpid()}/",
-                                                         ))
+                                                         close_timeout_s=args.close_timeout))
     out: dict[str, Any] = {"requests": 0, "cached_tokens": 0, "wrong_positions": 0, "capacity": 0, "errors": []}
     loop = asyncio.get_running_loop()
     rt_closed_in = backend_closed_in = -1.0
@@ -84,10 +85,13 @@ async def scenario(args: argparse.Namespace, cluster: LocalMooncakeCluster) -> d
         stop = asyncio.Event()
         tasks = [asyncio.create_task(stream(rt, f"s{i}", stop, random.Random(args.seed * 10 + i), out))
                  for i in range(2)]
-        await asyncio.sleep(args.kill_at)
+        t0 = loop.time()
+        while out["requests"] < WARM_REQUESTS and loop.time() - t0 < 30:  # under load: a slow start is no load
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(max(0.0, args.kill_at - (loop.time() - t0)))
         os.kill(cluster.master_pid, signal.SIGKILL)
         out["killed_at_requests"] = out["requests"]
-        await asyncio.sleep(max(0.0, args.duration - args.kill_at))
+        await asyncio.sleep(max(0.0, args.duration - (loop.time() - t0)))
         stop.set()
         await asyncio.gather(*tasks)
         before = await rt.stats()
