@@ -358,7 +358,9 @@ class CacheRuntime:
         The close runs in a task of its own, shielded from the caller's cancellation: a cancelled
         caller (`task.cancel()`, `asyncio.timeout`, `anyio.fail_after`) still waits for it, at most
         `close_grace_s` longer; past that the actors are stopped without the copies still in
-        flight (the runtime fails, one `runtime_terminated` event). Then the cancellation goes on."""
+        flight (the runtime fails, one `runtime_terminated` event). Then the cancellation goes on.
+        `ForeignLoopError` from another loop or thread (the close must run in the runtime's loop)."""
+        self._sup.check_loop()
         closer = self._closer
         if closer is None:
             closer = self._closer = asyncio.get_running_loop().create_task(self._close(), name="hicache-close")
@@ -545,6 +547,7 @@ class CacheRuntime:
         """Every KV event batch from now on, in order (`async for batch in rt.kv_events()`), until
         the runtime closes; more than `maxsize` batches unread ends it with `EventsLostError`.
         Needs `kv_events=True` (docs/EVENTS.md)."""
+        self._sup.check_loop()
         if type(maxsize) is not int or maxsize <= 0:
             raise ArgumentError(f"maxsize must be a positive int, got {maxsize!r}")
         if self._events is None:
@@ -588,6 +591,7 @@ class CacheRuntime:
     async def refresh_metrics(self) -> dict[str, dict[str, Any]]:
         """Take a `stats()` snapshot and make it what the metrics export now (they are refreshed
         every `metrics_interval_s` anyway); returns a copy of it. `StateError` when metrics are off."""
+        self._sup.check_loop()
         if self._metrics is None:
             raise StateError("metrics are off: open the runtime with metrics_registry= or config.metrics_port")
         return copy.deepcopy(await self._snapshot_metrics())
@@ -613,6 +617,7 @@ class CacheRuntime:
         backups are written through and `prepare`/`admit` read from it. `ConfigError` (nothing
         changed): not a backend of this config's page size, or no host tier; `StateError`: one is
         attached already."""
+        self._sup.check_loop()
         if self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
         check_backend(self.config, backend)
