@@ -8,7 +8,9 @@ Before the backends closed through `CallGate`, the same program (kill at 1.5 s, 
 exited with SIGSEGV in one of two `wait_complete` runs and left its metadata server running;
 the runs that lived had 2 storage ops still in flight after `close()` and a backend close of
 9.7-12.8 s (`MooncakeBackend.close` tore the client down under a call waiting on the dead
-master, holding the interpreter lock for the client's RPC retries).
+master, holding the interpreter lock for the client's RPC retries). Checked failing with that
+close planted back (the gate tearing down at once, no deferral): the `timeout` run died with
+SIGSEGV (rc -11).
 
 The default run has one run per policy (both at once: each spends most of its ~20 s waiting, at
 exit, for Mooncake's teardown of a client whose master is gone); ``--runslow`` ten per policy.
