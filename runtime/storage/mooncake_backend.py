@@ -70,6 +70,8 @@ from runtime.trace import get_logger
 _log = get_logger("hicache.storage.mooncake")
 
 _PR_SET_PDEATHSIG = 1
+# looked up here, not in the forked child (a dlopen there could wait on a lock another thread held)
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 MASTER_PROBE_S = 0.5  # a master that accepts no connection within this long is gone (teardown at exit)
 SUM_SUFFIX = "/xxh64"  # companion object of a page: its checksum, 8 bytes little-endian
 _SUM = struct.Struct("<Q")
@@ -605,8 +607,8 @@ def _die_with_parent(parent: int) -> None:
     """In a spawned server, before it runs: SIGKILL it when the process that started it dies, even
     by a crash that runs no `stop()` (Linux ``PR_SET_PDEATHSIG``; strictly, when the *thread* that
     started it ends: start a cluster from a thread that outlives it, e.g. the main thread)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the line above: nobody would stop us
         os._exit(1)
 
