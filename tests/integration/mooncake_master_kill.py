@@ -111,6 +111,8 @@ async def scenario(args: argparse.Namespace, cluster: LocalMooncakeCluster) -> d
         "ops_failed": transfer["storage_ops_failed"], "ops_abandoned": transfer.get("storage_ops_abandoned"),
         "ops_overdue": transfer["storage_ops_overdue"],
         "inflight_after_close": len(rt._transfer.storage_inflight),
+        "copies_issued": rt._core.stats["backups_issued"] + rt._core.stats["loads_issued"],
+        "copies_settled": transfer["ops_done"] + transfer["ops_failed"], "copies_inflight": len(rt._transfer.inflight),
         "backend_calls_abandoned": bstats.get("calls_abandoned_at_close"),
         "backend_calls_running": bstats.get("calls_running"),
         "mooncake_errors": bstats["errors"], "pages_written": bstats["pages_written"], "pages_read": bstats["pages_read"],

@@ -1,6 +1,6 @@
 """The Mooncake master killed under load (two request streams, both prefetch policies), each run a
 child process in a private network namespace (`tests.integration.mooncake_master_kill`), so that
-a crash is seen as a failure: no crash, no server left running, every storage op settled (done,
+a crash is seen as a failure: no crash, no server left running, every copy and storage op settled (done,
 failed or abandoned, and counted), the runtime's close bounded by `storage_timeout_s` and the
 backend's by its `close_timeout_s`, and no wrong KV served.
 
@@ -71,6 +71,7 @@ def run_scenarios(runs: list[tuple[str, int]], tmp_path: Path) -> None:
         assert r["killed_at_requests"] > 0 and r["requests"] > r["killed_at_requests"], where  # load on both sides
         assert r["ops_submitted"] == r["ops_done"] + r["ops_failed"] + r["ops_abandoned"], where
         assert r["inflight_after_close"] == 0, where
+        assert r["copies_issued"] == r["copies_settled"] > 0 and r["copies_inflight"] == 0, where
         assert r["runtime_close_s"] <= STORAGE_TIMEOUT_S + SLACK_S, where
         assert r["backend_close_s"] <= CLOSE_TIMEOUT_S + SLACK_S, where
 
