@@ -132,6 +132,9 @@ class HiCacheConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self.scheduler.take_events()
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
     def has_pending_push_work(self) -> bool:
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
 

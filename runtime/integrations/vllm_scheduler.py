@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from runtime.errors import ConfigError
@@ -97,6 +98,8 @@ class HiCacheConnectorScheduler:
         self._backups: list[tuple[str, TransferPlan]] = []
         # requests holding a reported hit (`TiersOnlyCore.reserve`) that vLLM has not allocated for yet
         self._held: dict[str, Request] = {}
+        # this step's loads by tier, for vLLM's prefix-cache hits by source (asked right after the load)
+        self._sources: dict[str, dict[CacheHitSource, int]] = {}
         self._reported: dict[str, int] = {}  # the counters of the last stats report (vLLM's metrics)
         self._reported_health: int | None = None
         # KV events of the host tier and storage (`take_events`): on with vLLM's own
@@ -152,6 +155,9 @@ class HiCacheConnectorScheduler:
             self._reached[rid] = local + ld.tokens
         # reported through get_finished whatever happens (vLLM waits for it)
         self._loads.append(LoadJob(rid, ld, tuple(block_ids[first:end])))
+        host = ld.read_at * self.block_size if ld.read is not None else ld.tokens
+        self._sources[rid] = {CacheHitSource.HOST: host, CacheHitSource.DISK: ld.tokens - host,
+                              CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens - ld.tokens}
         if self.events is not None and ld.read is not None:  # (its pages join the tier at its ack)
             self.events.learn(ld.read[0], request, asked.keys[:(local + num_external_tokens) // self.block_size])
         self._awaiting.add(rid)
@@ -163,6 +169,7 @@ class HiCacheConnectorScheduler:
             if request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.core.release(rid)
         self._held = {rid: r for rid, r in self._held.items() if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS}
+        self._sources.clear()
         meta = TieredMeta(tuple(self._loads), tuple(self._backups),
                           tuple(self.core.take_storage_writes()))
         self._loads, self._backups = [], []
@@ -218,6 +225,13 @@ class HiCacheConnectorScheduler:
                 self.events.learn_tokens(plan.op_id, request, tokens, namespace,
                                          request.num_computed_tokens // self.block_size)
         return self.core.finish(rid), None
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The load's tokens by tier: host, disk (storage), and any it could not cover."""
+        split = self._sources.pop(request.request_id, None)
+        if split is None:
+            return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
+        return {source: n for source, n in split.items() if n}
 
     def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
         """What changed since the last report (`runtime.integrations.vllm_metrics`)."""

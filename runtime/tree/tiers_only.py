@@ -442,8 +442,8 @@ class TiersOnlyCore:
                 try:
                     stored_end += self._stored_pages(tokens[:n], extra_key, wanted, host_end // ps) * ps
                 except Exception as exc:  # noqa: BLE001 - a failing backend is a miss, never a crashed scheduler
-                    self.stats["storage_lookup_errors"] += 1
-                    log.warning("tiers_storage_lookup_failed", error=repr(exc))
+                    self.stats["storage_lookup_errors"] += 1  # (counted; the backend's health is what is logged)
+                    log.debug("tiers_storage_lookup_failed", error=repr(exc))
         return look, host_end, stored_end
 
     def _counted(self, hit: TierHit) -> TierHit:

@@ -168,8 +168,8 @@ def test_vllms_stat_loggers_receive_the_tiers_hits_bytes_failures_and_storage_he
     side's added by vLLM's scheduler), observed by vLLM's Prometheus connector metrics
     (`KVConnectorProm`, on a private registry) and its periodic log (`KVConnectorLogging`): the
     tiers' hit tokens, bytes loaded and stored per tier, cut hits and storage health equal the
-    connector's own counters. Checked failing with `get_kv_connector_stats` returning None (what
-    it did): no series."""
+    connector's own counters, and vLLM's prefix-cache hits by source split them by tier. Checked
+    failing with `get_kv_connector_stats` returning None (what it did): no series."""
     import functools
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -211,3 +211,8 @@ def test_vllms_stat_loggers_receive_the_tiers_hits_bytes_failures_and_storage_he
     page = e.worker.page_bytes
     assert w["loaded_bytes"] == s["tokens_loaded"] // 16 * page  # (every loaded block, whole)
     assert len(lines) == 1 and "KV Transfer metrics" in lines[0] and "storage_hit_tokens=" in lines[0]
+    # vLLM's own prefix-cache hits by source (its `prompt_tokens_cached_by_source` counter) split
+    # the same tokens by tier (requests never preempted: vLLM counts a preempted one apart)
+    assert e.preemptions == 0
+    assert e.hits_by_source == {"host": s["tokens_loaded"] - s["tokens_storage_loaded"],
+                                "disk": s["tokens_storage_loaded"]}

@@ -114,6 +114,7 @@ class FakeEngine:
     errors: set[str] = field(default_factory=set)  # requests vLLM ended with an error (a failed load, policy "fail")
     # the connector's stats as vLLM's stat loggers receive them (`SchedulerStats.kv_connector_stats`), per step
     connector_stats: list[dict[str, Any]] = field(default_factory=list)
+    hits_by_source: dict[str, int] = field(default_factory=dict)  # vLLM's connector prefix-cache hits by tier
     steps: int = 0
     preemptions: int = 0
     preempted: set[str] = field(default_factory=set)  # requests preempted at least once
@@ -196,8 +197,12 @@ class FakeEngine:
         engine_out = self.scheduler.update_from_output(
             so, outputs[0] if len(outputs) == 1 else self.aggregator.aggregate(outputs))
         for outputs in engine_out.values():
-            if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats is not None:
-                self.connector_stats.append(outputs.scheduler_stats.kv_connector_stats)
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:
+                self.connector_stats.append(stats.kv_connector_stats)
+            if stats is not None and stats.connector_prefix_cache_stats is not None:
+                for source, n in stats.connector_prefix_cache_stats.hits_by_source.items():
+                    self.hits_by_source[source.value] = self.hits_by_source.get(source.value, 0) + n
             for o in outputs.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:

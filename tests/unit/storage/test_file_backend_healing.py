@@ -9,7 +9,6 @@ import os
 import shutil
 
 import numpy as np
-import pytest
 
 from runtime.storage.file_backend import FileBackend
 
