@@ -327,6 +327,41 @@ async def test_an_internal_structures_error_half_way_through_a_call_fails_the_ru
     assert event == "actor_failed" and fields["actor"] == "tree" and fields["error"] == repr(info.value.__cause__)
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["call", "step"])
+async def test_a_ledger_validation_error_half_way_through_admit_fails_the_runtime(batched):
+    """Errors by origin: a `LengthError` (a ValidationError) that the device ledger raises during an
+    admit, after the admit locked its cached prefix and held its ledger code, is a bug of the
+    runtime, not a refusal of the caller's input: the runtime fails, the caller gets RuntimeFailed
+    with the LengthError as its cause, and nothing serves with the half-done admit (every later call
+    raises RuntimeFailed). The invariant checker is off: the phase alone must see it. Checked
+    against the type-based rule (`Phase.internal` made to return False): the caller got the
+    LengthError as a refusal and the runtime went on serving (with the checker on, it failed a
+    message later on "device ledger holds ['request:b#2'], request table rows name []"), so this
+    test failed."""
+    with pytest.raises(RuntimeFailed) as outer:
+        async with CacheRuntime.open(small_config(debug_invariants=False)) as rt:
+            t = toks(12, 8)
+            await serve(rt, "a", t)  # the cached prefix that "b" hits and locks
+
+            def break_alloc(core: Any) -> None:
+                def misused(*args: Any, **kw: Any) -> Any:
+                    raise LengthError("num_pages must be a non-negative int, got -1")  # an internal misuse
+                core.residency.device.alloc = misused
+
+            await rt.inspect(break_alloc)
+            longer = np.concatenate((t, toks(6, 9)))
+            with pytest.raises(RuntimeFailed) as info:
+                if batched:
+                    await rt.step([Admit("b", longer)])
+                else:
+                    await rt.admit("b", longer)
+            assert type(info.value.__cause__) is LengthError
+            for later in (rt.available(), rt.admit("c", t), rt.stats(), rt.inspect(lambda core: None)):
+                with pytest.raises(RuntimeFailed):
+                    await later
+    assert outer.value.__cause__ is info.value.__cause__
+
+
 @pytest.mark.parametrize("how", ["unknown op id", "ack refused as a caller error"])
 async def test_an_ack_that_cannot_be_applied_fails_the_runtime_instead_of_vanishing(how):
     """Behaviour 8: a TransferAck the tree cannot apply has no caller to refuse: the runtime fails.
