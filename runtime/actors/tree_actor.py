@@ -267,7 +267,7 @@ class TreeActor(Actor[TreeMessage]):
     def _release_waiters(self, pf: Any) -> None:
         """Admit the requests that waited on `pf` (landed, failed or timed out). A waiter whose
         caller was cancelled is dropped, not admitted: its retry may be waiting behind it."""
-        waiters, pf.waiters = pf.waiters, []
+        waiters = pf.take_waiters()
         phase = self.phase
         for w in waiters:
             if w.reply.future.done():

@@ -401,7 +401,7 @@ class CacheCore:
         if storage is not None:
             pf = storage.cancel(rid)
             if pf is not None:
-                waiters, pf.waiters = pf.waiters, []
+                waiters = pf.take_waiters()
             if (pf is not None or storage.forget(rid)) and rid not in self.requests:
                 return waiters  # only a prefetch (prepare without admit): cancelled (slots freed at its ack) or landed
         rec = self._record(rid)
