@@ -291,8 +291,6 @@ def test_step_rebuilds_token_items_keeping_every_other_field():
     (`runtime.validation.STEP_ITEMS`, the batch hot path): every field but `tokens` must come over
     as it was and `tokens` must be a new array, for every item type `step` takes. Checked against a
     rebuild of Admit that drops `session`: fails on that field."""
-    import dataclasses
-
     from runtime.messages import Abort, Commit
     from runtime.validation import STEP_ITEMS, step_tokens
 
@@ -300,7 +298,7 @@ def test_step_rebuilds_token_items_keeping_every_other_field():
              "session": "s1", "priority": 5, "num_tokens": 2, "committed_len": 4, "finished_len": 1, "reply": None}
     assert set(STEP_ITEMS) == {Admit, Extend, Commit, Cache, Finish, Abort}
     for cls, check in STEP_ITEMS.items():
-        values = {f.name: valid[f.name] for f in dataclasses.fields(cls)}
+        values = {name: valid[name] for name in cls.__struct_fields__}
         new = check(cls(**values), step_tokens(1 << 31, 64))
         assert type(new) is cls
         for name, value in values.items():
