@@ -410,8 +410,8 @@ async def test_a_cancel_while_open_is_starting_stops_every_actor():
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.05)
-    assert not entered and hicache_tasks() == []
+    await until(lambda: hicache_tasks() == [])  # (raises if they run on)
+    assert not entered
 
 
 async def test_a_cancelled_owner_with_copies_in_flight_waits_for_them_then_stops():
@@ -431,10 +431,10 @@ async def test_a_cancelled_owner_with_copies_in_flight_waits_for_them_then_stops
     await until(lambda: bool(holder) and bool(holder[0].engine.pending()))
     rt = holder[0]
     task.cancel()
-    await asyncio.sleep(0.02)
+    await until(lambda: task.done() or bool(rt._tree.quiesce_waiters))  # the close holds a drain...
     task.cancel()
-    await asyncio.sleep(0.02)
-    assert not task.done() and "hicache-tree" in hicache_tasks()  # the close waits for the copy
+    await asyncio.sleep(0.02)  # (a close broken off by the second cancel would end now)
+    assert not task.done() and "hicache-tree" in hicache_tasks()  # ...and waits for the copy
     for op in rt.engine.pending():
         rt.engine.release(op)
     with pytest.raises(asyncio.CancelledError):
@@ -482,8 +482,7 @@ async def test_a_timeout_around_the_whole_async_with_stops_the_actors_when_copie
                 # leaving the body: the close waits for the held copy until the deadline
     rt = holder[0]
     assert rt.engine.pending()  # the copy never landed
-    await asyncio.sleep(0.05)
-    assert hicache_tasks() == []
+    await until(lambda: hicache_tasks() == [])
     assert rt.failed
     with pytest.raises(RuntimeFailed):
         await rt.available()

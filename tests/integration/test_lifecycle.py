@@ -191,7 +191,9 @@ async def test_close_waits_for_copies_in_flight():
         await serve(rt, "a", toks(24, 14))
         await until(lambda: bool(engine.pending()))  # write-through backup held in flight
         closing = asyncio.ensure_future(rt.close())
-        await asyncio.sleep(0.02)
+        # the close waits for the copy once the tree actor holds its drain: "not done" is checked
+        # there (a close that did not wait would be done by then, or never hold a drain)
+        await until(lambda: closing.done() or bool(rt._tree.quiesce_waiters))
         assert not closing.done()
         for op in engine.pending():
             engine.release(op)
