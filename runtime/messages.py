@@ -2,7 +2,9 @@
 
 Index tensors in a message belong to that message (never a view of a node's or a request's
 array: seed 001). An operation that must keep its meaning while the tree changes carries a
-snapshot of what it covers (seed 002). Acks carry an op id and an outcome, never a live object.
+snapshot of what it covers (seed 002). Acks carry an op id and an outcome, never a live object
+of the tree (a node, a record); `StorageCleared` carries the clear's caller `Reply` back to the
+tree actor, which completes it.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the parts that own the rest, each written only by itself (calls go one way: down
 No event loop, no streams: the tree actor turns messages into calls on it and sends what it
 issued (`take_effects`): transfer plans, storage calls, notes for the offload actor.
 
-Ownership rules it keeps (DESIGN.md, "Invariants"):
+Ownership rules it keeps (checked by `runtime.invariants`):
 - a request's slots are `slots[:cached_len]` (held by tree nodes, locked through
   `last_node`) followed by pages it owns itself; every slot `admit`/`extend` gave a live
   request stays its own until it is released (the slot contract);

@@ -1,4 +1,4 @@
-"""Storage controls through the runtime (issue 16, part 4): `clear_storage`, `attach_storage` /
+"""Storage controls through the runtime: `clear_storage`, `attach_storage` /
 `detach_storage` at run time, each while storage ops are in flight and under a concurrent load
 with fingerprinted KV and the invariant checker on; and `admit(..., priority=)` with the
 `priority` eviction policy."""

@@ -1,6 +1,6 @@
 """Actor core: ask/tell, batches, validation errors, fail-whole, cancellation, close, back-pressure.
 
-The fail-whole tests of issue 13 (behaviour 8) say how they failed on 3a097f5."""
+The fail-whole tests say how they failed before the fix."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ class LogRecorder:
 
 async def test_a_caller_error_of_a_message_without_reply_fails_the_runtime():
     """Nobody can be told of a refused one-way message (an ack): the runtime fails with it as the
-    cause. On 3a097f5 the ValidationError was dropped and the next call returned 1."""
+    cause. Before the fix the ValidationError was dropped and the next call returned 1."""
     actor = Counter()
     sup = await started(actor)
     sup.tell(actor.mailbox, Add(-1))
@@ -253,7 +253,7 @@ INTERNAL = [lambda: TreeError("tree"), lambda: OwnershipError("ledger"), lambda:
 async def test_internal_structures_errors_fail_the_runtime_even_for_a_call_with_a_reply(make, batched):
     """TreeError, OwnershipError and PinnedSlotError are ValidationErrors of the tree and the
     ledgers, which only the actors call: raised inside a handler they fail the runtime, for an ask
-    and for a batch item alike. On 3a097f5 they went back to the caller (raised by the ask, or in
+    and for a batch item alike. Before the fix they went back to the caller (raised by the ask, or in
     the batch's tuple) and the actor went on."""
     actor = Counter()
     sup = await started(actor)
@@ -283,7 +283,7 @@ async def test_a_caller_error_with_a_reply_still_goes_to_its_caller():
 
 async def test_a_failure_is_logged_once_with_its_cause(monkeypatch):
     """One crash, one `actor_failed` error event naming the actor and the cause; the other actors
-    stop quietly. On 3a097f5 the idle second actor met its aborted mailbox (ClosedResourceError)
+    stop quietly. Before the fix the idle second actor met its aborted mailbox (ClosedResourceError)
     and a second `actor_failed` error was logged."""
     recorder = LogRecorder()
     monkeypatch.setattr(supervisor_module, "log", recorder)
