@@ -235,9 +235,12 @@ class CacheCore:
         the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`)."""
         storage = self.storage
         if storage is not None:
+            fresh = session is None and rid not in self.requests
+            if fresh:  # checked before the first change: bad tokens leave the rid prepared
+                tokens = self._check_tokens(tokens)
             storage.prefetched.discard(rid)
-            if session is None and rid not in self.requests:
-                wait = storage.wait_for(rid, self._check_tokens(tokens), extra_key, waiter)
+            if fresh:
+                wait = storage.wait_for(rid, tokens, extra_key, waiter)
                 if wait is not None:
                     return wait
         return self.admit(rid, tokens, extra_key, session, priority)
