@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtime.transfer",),  # copy engines
     ("runtime.tree", "runtime.events", "runtime.invariants"),  # the synchronous core, KV events
     ("runtime.actors", "runtime.supervisor"),  # actors over the core
-    ("runtime.runtime", "runtime.metrics", "runtime.audit"),  # the façade, its exporter, tools
+    ("runtime.runtime", "runtime.assembly", "runtime.metrics", "runtime.audit"),  # the façade, its assembly, exporter, tools
     ("runtime.integrations",),  # engines and frameworks on the façade or the core
     ("runtime",),  # the package's public names (runtime/__init__.py)
 )
