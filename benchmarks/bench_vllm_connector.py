@@ -42,7 +42,6 @@ and the connector's time per request. Targets: this connector's share <= 0.5x th
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile

@@ -15,7 +15,6 @@ import pytest
 
 from runtime.errors import ConfigError
 from runtime.integrations.vllm_config import ConnectorConfig, model_digest, open_storage
-from runtime.storage.file_backend import TRAILER
 
 LAYERS, PAGE = 2, 4096  # a vLLM block of one layer: 4 KiB
 BLOCK_BYTES = LAYERS * PAGE
