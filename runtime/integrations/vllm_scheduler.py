@@ -87,6 +87,9 @@ class HiCacheConnectorScheduler:
         # live requests' token ids as checked arrays, from their lookup to their finish: a
         # request's list is converted once, and only the tokens vLLM appends after it later
         self._token_ids: dict[str, np.ndarray] = {}
+        # their page keys (storage) as far as hashed, kept with their tokens: each page is hashed
+        # once per request, from its lookup to its backup's storage write
+        self._keys: dict[str, list[bytes]] = {}
         self._loads: list[LoadJob] = []
         # requests whose load the workers have not reported received yet: vLLM frees a finished
         # request's blocks at the first report naming it, so such a request is never backed up too
@@ -119,7 +122,7 @@ class HiCacheConnectorScheduler:
             tokens, keys = asked.tokens, asked.keys
         else:
             tokens = self._tokens_of(request)
-            keys = self.core.page_keys(tokens, namespace)
+            keys = self._keys[rid] = self.core.page_keys(tokens, namespace, self._keys.get(rid))
         reached = self._reached.get(rid)
         if reached is not None and reached <= num_computed_tokens:  # (promised nothing past it again)
             self.core.release(rid)
@@ -209,16 +212,17 @@ class HiCacheConnectorScheduler:
         self._reached.pop(rid, None)
         self._held.pop(rid, None)  # (its hold, if any, goes with `finish`)
         if rid in self._awaiting:  # (its blocks do not hold their KV yet; the load's report frees them)
-            self._token_ids.pop(rid, None)
+            self._forget_tokens(rid)
             self.core.finish(rid)
             return True, None
         if request.status is RequestStatus.FINISHED_ERROR:  # (e.g. a failed load under vLLM's `fail` policy)
-            self._token_ids.pop(rid, None)
+            self._forget_tokens(rid)
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
         tokens = self._tokens_of(request)
-        del self._token_ids[rid]
+        keys = self._keys.get(rid)
+        self._forget_tokens(rid)
         namespace = self._namespace(request)
-        plan = self.core.backup(rid, tokens, namespace, request.num_computed_tokens, block_ids)
+        plan = self.core.backup(rid, tokens, namespace, request.num_computed_tokens, block_ids, keys)
         if plan is not None:
             self._backups.append((rid, plan))
             if self.events is not None:  # (its pages join the tier at its ack)
@@ -264,6 +268,10 @@ class HiCacheConnectorScheduler:
             self.storage.close()
 
     # -- helpers -----------------------------------------------------------------------
+    def _forget_tokens(self, rid: str) -> None:
+        self._token_ids.pop(rid, None)
+        self._keys.pop(rid, None)
+
     def _tokens_of(self, request: Request) -> np.ndarray:
         """The request's token ids as a checked array, kept until it finishes. vLLM only appends
         to a request's tokens, so a kept array is extended by the new tail; a kept array that is
@@ -274,6 +282,7 @@ class HiCacheConnectorScheduler:
         n = 0 if known is None else len(known)
         if n == 0 or n > len(ids) or ids[n - 1] != known[-1]:  # (a cheap check of that contract)
             tokens = checked_tokens(np.asarray(ids))
+            self._keys.pop(rid, None)  # (hashed from tokens it no longer has)
         elif n == len(ids):
             tokens = known
         else:

@@ -107,16 +107,18 @@ class StorageTier:
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
 
     # -- writes ------------------------------------------------------------------
-    def write(self, node: Node, length: int, host: np.ndarray) -> None:
+    def write(self, node: Node, length: int, host: np.ndarray, hashes: Sequence[bytes] | None = None) -> None:
         """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
-        (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
+        (a landed backup's or offload's snapshot), to storage: those not known stored yet.
+        `hashes`: the page hashes of the whole path, if the caller has them (not hashed again)."""
         res = self.residency
         if self.paused or not storage_key_ok(node.extra_key) or res.host is None:
             return
         ps = res.page_size
         path = res.tree.path_tokens(node)
         first = (len(path) - length) // ps
-        every = self._hashes(path, node.extra_key)
+        every = list(hashes) if hashes is not None and len(hashes) == len(path) // ps \
+            else self._hashes(path, node.extra_key)
         hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
         blobs = self._state_writes(node, length, every)
@@ -138,12 +140,13 @@ class StorageTier:
         self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys))
         self.stats["storage_writes_issued"] += 1
 
-    def write_chain(self, node: Node, length: int) -> None:
+    def write_chain(self, node: Node, length: int, hashes: Sequence[bytes] | None = None) -> None:
         """Write the last `length` tokens of `node`'s path, just handed to the tree as host copies,
-        to storage (skipped while a node of it has no host copy yet: its backup's ack writes it)."""
+        to storage (skipped while a node of it has no host copy yet: its backup's ack writes it).
+        `hashes`: as `write`'s."""
         chain = self.residency.tree.split_chain(node, length)
         if all(n.host is not None for n in chain):
-            self.write(node, length, np.concatenate([n.host for n in chain]))
+            self.write(node, length, np.concatenate([n.host for n in chain]), hashes)
 
     # -- prefetch ----------------------------------------------------------------
     def prepare(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable) -> int:

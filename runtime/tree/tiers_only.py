@@ -66,6 +66,7 @@ class TierCopy:
     start: int = 0
     extra_key: Hashable = None
     owner: Owner | None = None  # backup: the owner of its host pages until its ack
+    keys: list[bytes] | None = None  # backup: the page keys of `tokens`, if the caller had them (its write's)
     read: int = 0  # load: the storage read it copies from first (an asynchronous load), else 0
 
 
@@ -163,11 +164,20 @@ class TiersOnlyCore:
         config = RuntimeConfig(page_size=self.page_size, tp_ranks=tp_ranks, tp_size=tp_ranks)
         self.storage = StorageTier(config, self.residency, self._op_ids, identity)
         self._exists = exists_prefix
+        # the page hash is compiled code (`runtime.storage.hash_chain`): compiled, or loaded from
+        # numba's cache, at its first call, a quarter to a whole second of CPU; here, at the
+        # engine's start, rather than inside the scheduler step of the first request it serves
+        self._page_keys(np.zeros(self.page_size + 1, dtype=np.int32), None)
 
-    def page_keys(self, tokens: Any, extra_key: Hashable) -> list[bytes]:
+    def page_keys(self, tokens: Any, extra_key: Hashable, known: list[bytes] | None = None) -> list[bytes]:
         """Storage addresses of the whole pages of `tokens` but the last token's (what a lookup
-        and a load of them ask storage for); the engine's scheduler may keep them per request."""
-        return self._page_keys(_tokens(tokens), extra_key)
+        and a load of them ask storage for); the engine's scheduler may keep them per request.
+        `known`: this call's answer for a prefix of `tokens` (a request's tokens only grow): only
+        the pages after it are hashed, chained from its last key."""
+        tokens = _tokens(tokens)
+        if not known:
+            return self._page_keys(tokens, extra_key)
+        return self._more_keys(tokens, extra_key, known, aligned(len(tokens) - 1, self.page_size))
 
     # -- the engine's scheduler ----------------------------------------------------
     def lookup(self, tokens: Any, extra_key: Hashable, computed: int, keys: list[bytes] | None = None) -> TierHit:
@@ -290,10 +300,11 @@ class TiersOnlyCore:
         return TierLoad(plan, top - computed, read, (first - computed) // ps, (first - host_end) // ps), used
 
     def backup(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
-               block_ids: Sequence[int]) -> TransferPlan | None:
+               block_ids: Sequence[int], keys: list[bytes] | None = None) -> TransferPlan | None:
         """Back up the whole pages of the first `computed` tokens (their KV is in `block_ids`)
         that the host tier lacks, into host pages evicted for them if need be. None when it holds
-        them all already, or no host room can be had (nothing changed)."""
+        them all already, or no host room can be had (nothing changed). `keys`: `page_keys` of a
+        prefix of `tokens`, if the caller kept them (its storage write hashes only the rest)."""
         tokens = _tokens(tokens)
         if type(computed) is not int or not 0 <= computed <= len(tokens):
             raise LengthError(f"computed must be an int in [0, {len(tokens)}], got {computed!r}")
@@ -318,8 +329,10 @@ class TiersOnlyCore:
                 res.tree.unlock(prefix)
             self.stats["tokens_backup_skipped"] += n - start
             return None
+        if self.storage is not None and keys:  # (the write at its ack: keys of its whole path)
+            keys = self._more_keys(tokens, extra_key, keys, n)
         op = self._issue(rid, Direction.BACKUP, host, prefix, tokens=tokens[:n], start=start,
-                         extra_key=extra_key, owner=owner)
+                         extra_key=extra_key, owner=owner, keys=keys or None)
         self.stats["tokens_backed_up"] += n - start
         return make_plan(op.op_id, Direction.BACKUP, device[start:], host)
 
@@ -359,7 +372,7 @@ class TiersOnlyCore:
             if error is None:  # (under its lock: the prefix it extends is still there)
                 _, node = res.adopt_host_run(op.tokens, op.extra_key, op.start, op.host, op.owner, op.rid, ())
                 if self.storage is not None and node is not None:  # write-through of the path's
-                    self.storage.write_chain(node, len(op.tokens))  # pages not known stored (healing)
+                    self.storage.write_chain(node, len(op.tokens), op.keys)  # pages not known stored (healing)
             else:
                 self.stats["backup_errors"] += 1
                 res.host.free(op.host, op.owner, rid=op.rid, reason="backup_failed")
@@ -475,6 +488,18 @@ class TiersOnlyCore:
             return []
         return page_hashes(tokens[:aligned(len(tokens) - 1, self.page_size)], self.page_size, extra_key,
                            self.storage.identity)
+
+    def _more_keys(self, tokens: np.ndarray, extra_key: Hashable, known: list[bytes], n: int) -> list[bytes]:
+        """The page keys of `tokens[:n]` (whole pages), `known` being those of a prefix: the rest
+        hashed on from its last key (none hashed when it covers them)."""
+        ps = self.page_size
+        have = min(len(known), n // ps)
+        if have * ps >= n:
+            return known[:have]
+        if self.storage is None or not storage_key_ok(extra_key):
+            return []
+        return known[:have] + page_hashes(tokens[have * ps:n], ps, extra_key, self.storage.identity,
+                                          parent=known[have - 1] if have else None)
 
     def _stored_pages(self, tokens: np.ndarray, extra_key: Hashable, wanted: list[bytes], first: int) -> int:
         """The leading pages of `wanted` (the keys of pages `first`.. of `tokens`) that storage
