@@ -107,6 +107,7 @@ class HiCacheConnectorScheduler:
         self._sources: dict[str, dict[CacheHitSource, int]] = {}
         self._reported: dict[str, int] = {}  # the counters of the last stats report (vLLM's metrics)
         self._reported_health: int | None = None
+        self._reported_total = -1  # the sum of the tiers' counters at the last report
         # KV events of the host tier and storage (`take_events`): on with vLLM's own
         self.events: ConnectorEvents | None = None
         kv_events = vllm_config.kv_events_config
@@ -241,10 +242,15 @@ class HiCacheConnectorScheduler:
 
     def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
         """What changed since the last report (`runtime.integrations.vllm_metrics`)."""
+        health = self.storage.state.level if self.storage is not None else None
+        # (asked every step; the tiers' counters only grow, so an unchanged sum is nothing new)
+        total = sum(self.core.stats.values())
+        if total == self._reported_total and health == self._reported_health and not health:
+            return None
+        self._reported_total = total
         now = self._counters()
         counters = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         self._reported = now
-        health = self.storage.state.level if self.storage is not None else None
         stats = report(counters, "storage_health_scheduler", health, self._reported_health)
         if stats is not None:
             self._reported_health = health
