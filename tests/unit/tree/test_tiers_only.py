@@ -232,8 +232,8 @@ def test_a_held_hit_is_cut_to_the_host_room_and_released_on_every_path():
 def test_a_lookup_asks_storage_only_from_the_last_page_known_stored_and_heals():
     """With a backend that evicts a chain's tail first, a lookup asks for the last of the leading
     pages known stored and the pages after it; when that page is gone (the directory wiped),
-    nothing known is trusted and every page is asked for. (Checked against a variant that skips
-    the known pages without asking for the last one: the wiped lookup then reports 24 tokens.)"""
+    nothing known is trusted and every page is asked for. (Checked against a variant that counts
+    the last known page as found whatever storage answers: the wiped lookup then reports 24 tokens.)"""
     from runtime.storage.hashing import KVIdentity
 
     c = core()
