@@ -140,26 +140,26 @@ class Probe:
         self._read_started()
         return self.inner.exists_prefix(keys)
 
-    def _read(self, call, keys, dests):
+    def _read(self, call, keys, dests, tags):
         self._read_started()
         try:
-            return call(keys, dests)
+            return call(keys, dests, tags)
         finally:
             self.t_get_end = time.perf_counter()
 
-    def get_prefix(self, keys, dests):
-        return self._read(self.inner.get_prefix, keys, dests)
+    def get_prefix(self, keys, dests, tags=None):
+        return self._read(self.inner.get_prefix, keys, dests, tags)
 
-    def get_batch(self, keys, dests):
-        return self._read(self.inner.get_batch, keys, dests)
+    def get_batch(self, keys, dests, tags=None):
+        return self._read(self.inner.get_batch, keys, dests, tags)
 
-    def set_batch(self, keys, srcs):
+    def set_batch(self, keys, srcs, tags=None):
         if self.t_set is None:
             self.t_set = time.perf_counter()
         with self._lock:
             self.active += 1
         try:
-            return self.inner.set_batch(keys, srcs)
+            return self.inner.set_batch(keys, srcs, tags)
         finally:
             self.t_set_end = time.perf_counter()
             with self._lock:

@@ -17,6 +17,7 @@ import torch
 from runtime.config_sources import config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
 from runtime.memory.state_pool import StateComponent, StateShape
+from runtime.storage.integrity import MIN_KEY_BYTES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
@@ -118,6 +119,10 @@ class RuntimeConfig:
     prefetch_timeout_per_1k_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
     storage_timeout_s: float = 5.0  # deadline of one backend call; past it the op is overdue (docs/STORAGE.md)
+    # Keyed page tags (docs/STORAGE.md, "Page integrity"): with a key (>= 16 bytes; HICACHE_STORAGE_KEY),
+    # a page read from storage must carry a MAC made with it, so pages written without it are refused.
+    # Never shown: not in repr, logs, stats or error messages
+    storage_key: str | None = dataclasses.field(default=None, repr=False)
     # KV cache events in vLLM's wire format (docs/EVENTS.md): recorded when on, for in-process
     # subscribers (`Runtime.kv_events()`), and published over ZMQ when an endpoint is given
     kv_events: bool = False
@@ -208,6 +213,9 @@ class RuntimeConfig:
         need(isinstance(self.storage_timeout_s, (int, float)) and not isinstance(self.storage_timeout_s, bool)
              and 0 < self.storage_timeout_s < float("inf"),
              f"storage_timeout_s must be a positive number of seconds, got {self.storage_timeout_s!r}")
+        if self.storage_key is not None:  # (the value is never put in a message)
+            need(isinstance(self.storage_key, str) and len(self.storage_key.encode()) >= MIN_KEY_BYTES,
+                 f"storage_key must be a string of at least {MIN_KEY_BYTES} bytes (a MAC key; its value is not shown)")
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)

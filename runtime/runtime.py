@@ -48,6 +48,7 @@ from runtime.events.publisher import ZmqEventPublisher
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.memory.state_pool import StatePool
 from runtime.memory.swa import SWA_POOL
+from runtime.storage.integrity import PageSeal
 from runtime.storage.state_blobs import StateBlobFormat
 from runtime.transfer.state_io import StateBlobIO
 from runtime.messages import (
@@ -279,6 +280,7 @@ class CacheRuntime:
                 (self.swa_pool, self.host_swa_pool) if self.host_swa_pool is not None else None)
         else:
             self.engine = make_rank_engines(config, self.device_pools, self.host_pools, engine_factory)
+        seal = PageSeal(config.storage_key)  # (one per runtime: tags every page stored, checks every page read)
         self._transfer = TransferActor(
             self.engine, max_inflight_loads=config.max_inflight_loads,
             max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
@@ -290,8 +292,10 @@ class CacheRuntime:
                              {SWA_POOL: self.swa_pool.shape.bytes_per_token} if self.swa_pool is not None else None),
             rank_host_pools=self.host_pools if config.tp_ranks > 1 else (),
             state_io=(StateBlobIO(self.host_state_pool, StateBlobFormat.of(config.state_shape,
-                                                                           config.page_size * config.bytes_per_token))
-                      if self.host_state_pool is not None and config.state_shape is not None else None))
+                                                                           config.page_size * config.bytes_per_token),
+                                        seal)
+                      if self.host_state_pool is not None and config.state_shape is not None else None),
+            seal=seal)
         readiness = (LayerReadiness.pending if config.tp_ranks == 1
                      else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
         self._core = CacheCore(config, self.tracer, readiness_factory=readiness)

@@ -41,6 +41,7 @@ nothing to do; a CUDA worker would start the loads on a side stream and wait per
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,9 +63,10 @@ from vllm.v1.request import RequestStatus
 from runtime.errors import ConfigError
 from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.messages import TransferPlan
-from runtime.storage.backend import checked_flags, read_prefix
+from runtime.storage.backend import read_prefix, write_pages
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, tp_shard
+from runtime.storage.integrity import PageSeal
 from runtime.trace import get_logger
 from runtime.transfer.block_copier import PagedKVCopier
 from runtime.tree.storage_tier import StorageRequest
@@ -191,7 +193,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                               f"got {type(spec).__name__}")
         self.block_size = vllm_config.cache_config.block_size
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        unknown = set(extra) - {"host_blocks", "storage_dir", "storage_cap_bytes", "model_id", "weight_version"}
+        unknown = set(extra) - {"host_blocks", "storage_dir", "storage_cap_bytes", "model_id", "weight_version",
+                                "storage_key"}
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown options {sorted(unknown)}")
         host_blocks = extra.get("host_blocks", kv_cache_config.num_blocks)
@@ -208,6 +211,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._partial_acks = CopyAcks()  # ops some workers reported, not all yet
         self.identity = _identity(vllm_config, kv_cache_config, extra)
         self.storage = _open_storage(vllm_config, kv_cache_config, extra)
+        # page tags written and checked by every worker (keyed: the option, else HICACHE_STORAGE_KEY)
+        self.seal = PageSeal(extra.get("storage_key", os.environ.get("HICACHE_STORAGE_KEY")))
         # scheduler side
         self.core: TiersOnlyCore | None = None
         self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
@@ -480,7 +485,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         if load.read is not None:
             op_id, keys, pages = load.read.op_id, self._own_keys(load.read), load.read.pages
             try:
-                got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages]), None
+                got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages], self.seal), None
             except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
                 got, err = 0, repr(exc)
                 log.warning("vllm_storage_read_failed", op=op_id, rid=job.rid, error=err)
@@ -511,8 +516,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         op_id, keys, pages = request.op_id, self._own_keys(request), request.pages
         copier = self._copier()
         try:
-            ok = checked_flags("set_batch", self.storage.set_batch(list(keys), [copier.page_buffer(p) for p in pages]),
-                               len(keys))
+            ok = write_pages(self.storage, keys, [copier.page_buffer(p) for p in pages], self.seal)
             return {}, {op_id: (0, None, ok)}, set()
         except Exception as exc:  # noqa: BLE001
             log.warning("vllm_storage_write_failed", op=op_id, error=repr(exc))
