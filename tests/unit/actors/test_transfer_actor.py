@@ -565,12 +565,18 @@ class LyingBackend:
     def exists_prefix(self, keys):
         return self.lies.get("exists_prefix", lambda n: n)(len(keys))
 
+    @staticmethod
+    def _fill(keys, dests, tags) -> None:
+        for i, (k, d) in enumerate(zip(keys, dests)):
+            d[:] = 7  # a read writes the destination pages (page_first: pool rows), with their true tags
+            tags[i] = PageSeal().tag(k, d)
+
     def get_prefix(self, keys, dests, tags=None):  # noqa: F811 - shadowed per instance when not lied about
-        for d in dests:
-            d[:] = 7  # a read writes the destination pages (page_first: pool rows)
+        self._fill(keys, dests, tags)
         return self.lies["get_prefix"](len(keys))
 
     def get_batch(self, keys, dests, tags=None):
+        self._fill(keys, dests, tags)
         return self.lies.get("get_batch", lambda n: [True] * n)(len(keys))
 
     def set_batch(self, keys, srcs, tags=None):
@@ -779,6 +785,7 @@ class KeyedBackend:
 
     def __init__(self, refuse: set[bytes] = frozenset()) -> None:
         self.pages: dict[bytes, bytes] = {}
+        self.tags: dict[bytes, bytes | None] = {}  # stored with each page (the storage tier's)
         self.refuse = refuse
         self.calls: list[tuple[str, tuple[bytes, ...]]] = []
 
@@ -790,16 +797,16 @@ class KeyedBackend:
         self.calls.append(("get_batch", tuple(keys)))
         for i, (k, d) in enumerate(zip(keys, dests)):
             if k in self.pages:
-                np.asarray(memoryview(d).cast("B"))[:] = np.frombuffer(self.pages[k][0], np.uint8)
+                np.asarray(memoryview(d).cast("B"))[:] = np.frombuffer(self.pages[k], np.uint8)
                 if tags is not None:
-                    tags[i] = self.pages[k][1]
+                    tags[i] = self.tags[k]
         return [k in self.pages for k in keys]
 
     def set_batch(self, keys, srcs, tags=None):
         self.calls.append(("set_batch", tuple(keys)))
         for k, s, t in zip(keys, srcs, tags or [None] * len(keys)):
             if k not in self.refuse:
-                self.pages[k] = (bytes(memoryview(s).cast("B")), t)
+                self.pages[k], self.tags[k] = bytes(memoryview(s).cast("B")), t
         return [k not in self.refuse for k in keys]
 
     def close(self) -> None:
