@@ -376,17 +376,14 @@ class FileBackend:
                 continue
             seen[key] = i
             hx, d, final = self._path(key)
-            try:
-                if os.stat(final).st_size == self.file_bytes:
-                    result[i] = True
-                    present += 1
-                    try:
-                        os.utime(final, ns=(now + (n - i), now + (n - i)))
-                    except OSError:
-                        pass
-                    continue
-            except OSError:
-                pass
+            if self._stored_tag(final) == tags[i]:  # present: the same page (else replaced: corrupt, forged)
+                result[i] = True
+                present += 1
+                try:
+                    os.utime(final, ns=(now + (n - i), now + (n - i)))
+                except OSError:
+                    pass
+                continue
             todo.append((i, key, hx, d, final))
         written = errors = no_room = 0
         if todo:
@@ -419,6 +416,22 @@ class FileBackend:
         self._count(set_calls=1, pages_written=written, pages_present=present, write_errors=errors,
                     write_no_room=no_room, bytes_written=written * self.page_bytes)
         return result
+
+    def _stored_tag(self, path: str) -> bytes | None:
+        """The tag in the trailer of page file `path` (None: no such page file of this format)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size != self.file_bytes:
+                return None
+            magic, length, tag = TRAILER.unpack(os.pread(fd, TRAILER.size, self.page_bytes))
+            return tag if magic == TRAILER_MAGIC and length == self.page_bytes else None
+        except (OSError, struct.error):
+            return None
+        finally:
+            os.close(fd)
 
     def _reserve(self, todo: list[tuple[int, bytes, str, str, str]]) -> list[tuple[str, int]]:
         """Create the temporary files for as many leading pages of ``todo`` as the cap allows,
@@ -465,14 +478,24 @@ class FileBackend:
         renamed: set[str] = set()
         failed: list[str] = []
         if filled:
-            with self._lock():
+            with self._lock() as fd:
+                replaced = 0  # bytes of page files a rename replaced (another page's, refused or older)
                 for _i, tmp, final in filled:
+                    try:
+                        size = os.stat(final).st_size
+                    except OSError:
+                        size = 0
                     try:
                         os.rename(tmp, final)
                         renamed.add(tmp)
+                        replaced += size
                     except OSError as exc:
                         _log.warning("storage_write_error", path=final, error=str(exc))
                         failed.append(tmp)
+                if replaced:
+                    used, epoch = self._read_state(fd)
+                    if used >= 0:
+                        self._write_state(fd, used - replaced, epoch)
         for tmp in failed:
             self._drop_temp(tmp)
         return renamed

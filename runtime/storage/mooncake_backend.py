@@ -395,6 +395,17 @@ class MooncakeBackend:
         self._check_open()
         check_batch(keys, srcs, "set_batch")
         tags = check_tags(tags, len(keys))
+        out, foreign = self._set_batch(keys, srcs, tags)
+        if foreign:  # objects of another page were there, now removed: store this page once more
+            again, _ = self._set_batch([keys[i] for i in foreign], [srcs[i] for i in foreign],
+                                       [tags[i] for i in foreign])
+            for i, ok in zip(foreign, again):
+                out[i] = ok
+        return out
+
+    def _set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer], tags: list[bytes]) -> tuple[list[bool], list[int]]:
+        """One put of the pages and their tags: per page stored, and the indices of pages whose
+        key held another page's objects (removed, not stored: `_put_tags`)."""
         zc_all, zc_addr_all, plain_all = self._split(srcs, writable=False)
         addr_of = dict(zip(zc_all, zc_addr_all))
         skeys = self._keys(keys)
@@ -435,33 +446,41 @@ class MooncakeBackend:
                         out[i] = e == 1
             except Exception as exc:  # noqa: BLE001
                 self._error("put_batch", exc)
-        self._put_tags(skeys, tags, [i for i in first.values() if out[i]], out)
+        foreign = self._put_tags(skeys, tags, [i for i in first.values() if out[i]], out)
         for i, j in dup:
             out[i] = out[j]
         ok = sum(out[i] for i in first.values())
-        self._count(set_calls=1, pages_written=ok, write_failures=len(first) - ok, zero_copy_pages_written=zc_ok,
-                    bytes_written=ok * pb)
-        return out
+        self._count(set_calls=1, pages_written=ok, write_failures=len(first) - ok - len(foreign),
+                    zero_copy_pages_written=zc_ok, bytes_written=ok * pb)
+        return out, [i for i, _k in enumerate(skeys) if first[_k] in foreign]
 
-    def _put_tags(self, skeys: list[str], tags: list[bytes], stored: list[int], out: list[bool]) -> None:
-        """Store the tag of every page stored (``stored``: indices); a page whose tag could not be
-        stored is not stored (``out[i] = False``: a reader would miss it). A tag already present
-        counts as stored, like a page."""
+    def _put_tags(self, skeys: list[str], tags: list[bytes], stored: list[int], out: list[bool]) -> list[int]:
+        """Store the tag of every page stored (``stored``: indices), then read the tags back: a put
+        of an existing object is a silent no-op in Mooncake (the first write wins), so only the
+        read-back tells whether the tag there is this one. This tag: the page is stored. None: not
+        stored (``out[i] = False``: a reader would miss it). Another tag: the objects there are
+        not this page (corrupt, forged, another key's): both are removed and the page counts as
+        not stored (returned: `set_batch` stores them again)."""
         if not stored:
-            return
+            return []
         sum_keys = [skeys[i] + TAG_SUFFIX for i in stored]
-        vals = [tags[i] for i in stored]
         try:
-            rc = self._store.put_batch(sum_keys, vals, self._rconf)
-            if rc == 0:
-                return
-            self._error("put_batch", rc)
-            present = self._store.batch_is_exist(sum_keys)
+            rc = self._store.put_batch(sum_keys, [tags[i] for i in stored], self._rconf)
+            if rc != 0:
+                self._error("put_batch", rc)
+            found = self._store.get_batch(sum_keys)
         except Exception as exc:  # noqa: BLE001
             self._error("put_batch", exc)
-            present = [0] * len(stored)
-        for i, e in zip(stored, present):
-            out[i] = out[i] and e == 1
+            found = [None] * len(stored)
+        foreign = [i for i, raw in zip(stored, found) if raw is not None and bytes(raw) != tags[i]]
+        if foreign:
+            try:
+                self._store.batch_remove([skeys[i] for i in foreign] + [skeys[i] + TAG_SUFFIX for i in foreign], True)
+            except Exception as exc:  # noqa: BLE001 - stays a page no read accepts
+                self._error("remove", exc)
+        for i, raw in zip(stored, found):
+            out[i] = out[i] and raw is not None and bytes(raw) == tags[i]
+        return foreign
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove pages and their tags (`clear_storage`, and pages the storage tier's check refused);
