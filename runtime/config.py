@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.config_sources import config_from_dict, config_from_env, config_from_file
+from runtime.config_sources import check_types, config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
 from runtime.memory.state_pool import StateComponent, StateShape
 from runtime.storage.integrity import MIN_KEY_BYTES
@@ -149,6 +149,11 @@ class RuntimeConfig:
             if not cond:
                 raise ConfigError(msg)
 
+        spec = self.sliding_layers
+        if isinstance(spec, (tuple, list)) and all(type(x) is int for x in spec):
+            object.__setattr__(self, "sliding_layers", ",".join(map(str, spec)))  # one form: the string
+        check_types(self)  # every field its type (ints, finite floats, real bools), then the ranges
+
         for name in ("num_layers", "num_kv_heads", "head_dim", "device_slots", "mailbox_capacity", "copy_workers",
                      "max_inflight_loads", "max_queued_backups", "write_through_threshold"):
             value = getattr(self, name)
@@ -273,9 +278,6 @@ class RuntimeConfig:
         need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
 
     def _check_sliding(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
-        spec = self.sliding_layers
-        if isinstance(spec, (tuple, list)) and all(type(x) is int for x in spec):
-            object.__setattr__(self, "sliding_layers", ",".join(map(str, spec)))  # one form: the string
         layers = self.sliding_layer_set  # parses sliding_layers (ConfigError naming the field)
         if not layers:
             need(self.sliding_window == 0 and self.swa_tokens is None,
