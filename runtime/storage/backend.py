@@ -99,6 +99,9 @@ class StorageBackend(Protocol):
 #   (``dests`` past that point: content undefined). One pass instead of `exists_prefix` + `get_batch`
 #   (the file backend skips its stat pass, Mooncake its existence RPC); ``tags`` as for `get_batch`.
 #   `read_prefix` uses it.
+# - ``read_chunk_bytes = n``: calls are local and cheap (no round trip): `read_prefix` splits a read
+#   into calls of at most ``n`` bytes (at least one page) and checks each chunk's tags as its call
+#   returns, while its pages are still in the CPU cache.
 # - ``exists_is_local = True``: `exists_prefix` of a key or two is a local metadata lookup
 #   (microseconds, no network), cheap enough to run on the event loop; the transfer actor then
 #   answers a read whose first page is absent without a worker thread.
@@ -142,20 +145,33 @@ def read_prefix(backend: Any, keys: Sequence[bytes], dests: Sequence[Buffer], se
     """How many leading pages of ``keys`` were read whole into ``dests`` and verified there:
     ``backend.get_prefix`` when the backend has one, else `exists_prefix` then `get_batch` of the
     leading existing pages (a page found missing or unreadable ends the prefix: presence is only a
-    hint); then each page's tag is checked against the bytes in its destination, and the first
-    that fails ends the prefix too (`verified`). Every result is checked (`ContractViolation`), so
-    the count returned is always in ``[0, len(keys)]``."""
+    hint); then each page's tag is checked against the bytes in its destination, after the call
+    returned, and the first that fails ends the prefix too (`verified`). Every result is checked
+    (`ContractViolation`), so the count returned is always in ``[0, len(keys)]``."""
     get_prefix = getattr(backend, "get_prefix", None)
-    if get_prefix is not None:
-        tags: list[bytes | None] = [None] * len(keys)
-        n = checked_count("get_prefix", get_prefix(keys, dests, tags), len(keys))
-    else:
+    if get_prefix is None:
         n = checked_count("exists_prefix", backend.exists_prefix(keys), len(keys))
         if n == 0:
             return 0
-        tags = [None] * n
+        tags: list[bytes | None] = [None] * n
         n = leading_hits(checked_flags("get_batch", backend.get_batch(keys[:n], dests[:n], tags), n))
-    return leading_hits(verified(backend, seal, keys[:n], dests[:n], tags[:n], prefix=True))
+        return leading_hits(verified(backend, seal, keys[:n], dests[:n], tags[:n], prefix=True))
+    # a local backend's calls cost little: read a chunk at a time and check it while its pages are
+    # still in the CPU cache (one more pass over a whole batch's bytes from memory ran at ~0.6x of
+    # the unchecked read here; chunk by chunk, ~0.9x), each chunk after its call returned
+    chunk = getattr(backend, "read_chunk_bytes", 0)
+    step = max(1, chunk // backend.page_bytes) if chunk else max(1, len(keys))
+    done = 0
+    while done < len(keys):
+        part = slice(done, done + step)
+        want = len(keys[part])
+        tags = [None] * want
+        n = checked_count("get_prefix", get_prefix(keys[part], dests[part], tags), want)
+        got = leading_hits(verified(backend, seal, keys[part][:n], dests[part][:n], tags[:n], prefix=True))
+        done += got
+        if got < want:
+            break
+    return done
 
 
 def read_pages(backend: Any, keys: Sequence[bytes], dests: Sequence[Buffer], seal: PageSeal) -> tuple[bool, ...]:
