@@ -117,7 +117,7 @@ class TestMooncakeBackend:
         assert np.array_equal(dests[3], page(13))
 
     def test_remove(self, backend):
-        """`clear_storage`'s call: the named pages and their checksums go, at once after a read (a
+        """`clear_storage`'s call: the named pages and their tags go, at once after a read (a
         read lease does not keep them: the removal is forced); others stay."""
         keys = [key(i, "rm") for i in range(4)]
         assert backend.set_batch(keys, [page(30 + i) for i in range(4)]) == [True] * 4
