@@ -102,7 +102,7 @@ class NoCheck(PageSeal):
 
 def integrity_mode(mode: str) -> None:
     """Make the runtimes opened from here on use `mode`'s seal (``keyed``: via the config)."""
-    import runtime.runtime as rt_module
+    import runtime.assembly as rt_module
 
     rt_module.PageSeal = NoCheck if mode == "off" else PageSeal
 
