@@ -107,7 +107,7 @@ def test_a_read_only_directory_is_degraded_once_and_reads_keep_serving():
 
 def test_a_write_that_stores_some_pages_is_no_failure():
     b, fake, _, changes = tracked()
-    fake.set_batch = lambda keys, srcs: [True] + [False] * (len(keys) - 1)  # (a cap: room for one)
+    fake.set_batch = lambda keys, srcs, tags=None: [True] + [False] * (len(keys) - 1)  # (a cap: room for one)
     for _ in range(5):
         write(b, 3)
     assert b.state is Health.HEALTHY and not changes
