@@ -17,7 +17,6 @@ import torch
 from runtime.config_sources import check_types, config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
 from runtime.memory.state_pool import StateComponent, StateShape
-from runtime.storage.integrity import MIN_KEY_BYTES
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
@@ -32,6 +31,7 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 # per-token KV parts: "mha" K and V (MHA / GQA); "mla" one latent vector (DeepSeek's MLA: the
 # normalized c_kv and the rotated k_pe, written num_kv_heads=1, head_dim = their width)
 KV_LAYOUTS = {"mha": 2, "mla": 1}
+MIN_KEY_BYTES = 16  # a storage_key (a MAC key, runtime.storage.integrity) shorter than this is guessable
 
 
 def parse_state_components(spec: str) -> tuple[StateComponent, ...]:

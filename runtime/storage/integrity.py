@@ -34,12 +34,12 @@ import numpy as np
 import torch
 import xxhash
 
+from runtime.config import MIN_KEY_BYTES
 from runtime.errors import ConfigError
 
 __all__ = ["TAG_BYTES", "MIN_KEY_BYTES", "PageSeal"]
 
 TAG_BYTES = 16
-MIN_KEY_BYTES = 16  # a MAC key shorter than this is guessable
 # BLAKE3 hashes one page on this many threads (its tree splits a page into 1 KiB chunks): 2 threads
 # ran keyed tags of 1.4 MiB pages at ~5.3 GiB/s against ~3.1 on one on this project's 2-core
 # machine, and blake3.AUTO (one per CPU the host has, not per CPU this process may use) at ~2.2
