@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny random-weight Llama instead of SmolLM2 (seconds)")
     p.add_argument("--quick", action="store_true", help="short setting: fewer users, turns and tokens")
-    p.add_argument("--users", type=int, help="concurrent users (default 4, --quick 3)")
+    p.add_argument("--users", type=int, help="concurrent users (default 4)")
     p.add_argument("--turns", type=int, help="turns per user in the live part (default 3, --quick 2)")
     p.add_argument("--restart-turns", type=int,
                    help="turns per user after the restart, served by a new process (default 2, --quick 1; 0: none)")
@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume:
         return args
     args.storage_dir = args.storage_dir or tempfile.mkdtemp(prefix="hicache-demo-storage-")
-    args.users = args.users or (3 if args.quick else 4)
+    args.users = args.users or 4
     args.turns = args.turns or (2 if args.quick else 3)
     if args.restart_turns is None:
         args.restart_turns = 1 if args.quick else 2
@@ -185,7 +185,7 @@ def runtime_config(model: Any, tok: Any, args: argparse.Namespace, *, trace: boo
     """The embedded default configuration: CPU device pool, host tier, KV in the model's dtype.
 
     The device pool defaults to a quarter of the working set (all conversations at their
-    longest; never less than two of the longest requests plus two pages), so the users keep pushing
+    longest; never less than the longest request plus two pages), so the users keep pushing
     each other's history to the host tier while they think, and later turns load it back. The
     host tier is twice the device pool; every host backup is also written to local file
     storage (`--storage-dir`; a fresh temporary directory by default), which the restarted
@@ -194,7 +194,7 @@ def runtime_config(model: Any, tok: Any, args: argparse.Namespace, *, trace: boo
     layers, kv_heads, head_dim = kv_geometry(model.config)
     page = 16
     lengths = conversation_lengths(tok, args)
-    device = args.device_slots or max(2 * max(lengths) + 2 * page, sum(lengths) // 4)
+    device = args.device_slots or max(max(lengths) + 2 * page, sum(lengths) // 4)
     device = -(-device // page) * page
     return RuntimeConfig(
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,

@@ -18,7 +18,7 @@ What it does, per scheduling step (one task, `ServingLoop._run`):
    it queues again at the tail, so a waiting turn whose prompt is mostly cached starts within
    a step or two instead of waiting for a whole reply to finish; the yielded request resumes
    from its cached KV (one yield per step, so the copies the first one started can settle).
-   New turns queue ahead of yielded requests.
+   New turns queue ahead of yielded requests; only a new turn makes a decode yield.
 3. **Extend** (one ``rt.step`` message): each decoding request commits its computed length and
    gets one more slot. A request whose extend finds no room is *preempted*: ``finish`` caches
    its computed KV and it goes back to the head of the queue to resume later (greedy decoding
@@ -348,7 +348,7 @@ class ServingLoop:
         while self._waiting and budget > 0:
             req = self._waiting[0]
             if len(self._running) >= self.max_running:
-                if not yielded and await self._yield_to_prefill(admitted):
+                if not yielded and await self._yield_to_prefill(req, admitted):
                     yielded = True
                     continue
                 break
@@ -358,7 +358,7 @@ class ServingLoop:
             probe = np.asarray(ctx + [0] * reserve, dtype=np.int32)
             try:
                 if not await self.rt.can_admit(probe, req.extra_key):
-                    if not yielded and await self._yield_to_prefill(admitted):
+                    if not yielded and await self._yield_to_prefill(req, admitted):
                         yielded = True
                         continue
                     break
@@ -394,10 +394,12 @@ class ServingLoop:
             budget -= len(ctx) - cached
         return admitted
 
-    async def _yield_to_prefill(self, admitted: list[_Request]) -> bool:
-        """Make room for the head of the queue: the running decode that has run longest since its
-        admission (at least `yield_after` tokens) goes back to the tail with its KV cached."""
-        if self.yield_after is None:
+    async def _yield_to_prefill(self, head: _Request, admitted: list[_Request]) -> bool:
+        """Make room for a new turn at the head of the queue: the running decode that has run
+        longest since its admission (at least `yield_after` tokens) goes back to the tail with
+        its KV cached. A request resuming (after a yield or a preemption) waits for room instead:
+        resumes making each other yield would only move KV back and forth."""
+        if self.yield_after is None or head.admissions:
             return False
         ready = [r for r in self._running if r not in admitted
                  and len(r.generated) - r.generated_at_admission >= self.yield_after]
