@@ -42,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+# torch's OpenMP threads would spin after every parallel op on the cores the event loop, the copy
+# threads and the other forward need (docs/API.md, "CPU copy engine note"); set before torch loads
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
@@ -134,8 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["write_through", "write_through_selective", "write_back"],
                    help="when the device KV is backed up to host (default write_through)")
     p.add_argument("--max-running", type=int, default=4, help="requests decoding at once (default 4)")
-    p.add_argument("--yield-after", type=int, default=4,
-                   help="decode tokens a request runs before it yields its room to a waiting turn (default 4)")
+    p.add_argument("--yield-after", type=int, default=2,
+                   help="decode tokens a request runs before it yields its room to a waiting turn (default 2)")
     p.add_argument("--model-cache", default=os.path.expanduser("~/.cache/hicache"),
                    help="where the converted SmolLM2 weights are kept (default ~/.cache/hicache)")
     p.add_argument("--trace", default=os.path.join(tempfile.gettempdir(), "hicache-demo-trace.jsonl"),

@@ -203,7 +203,7 @@ class ServingLoop:
         record_logits: bool = False,
         admit_timeout_s: float = 10.0,
         snapshot_every: int | None = None,
-        yield_after: int | None = 4,
+        yield_after: int | None = 2,
     ) -> None:
         if max_running < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running and max_prefill_tokens must be >= 1")
@@ -344,12 +344,12 @@ class ServingLoop:
     async def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens
-        yielded = False
+        made_room = False  # one yield per step (its copies settle before the next)
         while self._waiting and budget > 0:
             req = self._waiting[0]
             if len(self._running) >= self.max_running:
-                if not yielded and await self._yield_to_prefill(req, admitted):
-                    yielded = True
+                if not made_room and await self._yield_to_prefill(req, admitted):
+                    made_room = True
                     continue
                 break
             ctx = req.context
@@ -358,8 +358,8 @@ class ServingLoop:
             probe = np.asarray(ctx + [0] * reserve, dtype=np.int32)
             try:
                 if not await self.rt.can_admit(probe, req.extra_key):
-                    if not yielded and await self._yield_to_prefill(req, admitted):
-                        yielded = True
+                    if not made_room and await self._yield_to_prefill(req, admitted):
+                        made_room = True
                         continue
                     break
                 res = await self.rt.admit(req.rid, np.asarray(ctx, dtype=np.int32), req.extra_key)

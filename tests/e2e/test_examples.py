@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.trace_events import format_problems
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,3 +54,4 @@ def test_example_runs(script: Path, tmp_path: Path):
         assert (tmp_path / "trace.jsonl").stat().st_size > 0
         timeline = json.loads((tmp_path / "trace.timeline.json").read_text())
         assert {e["pid"] for e in timeline["traceEvents"]} == {1, 2}  # the live run and the restarted one
+        assert format_problems(timeline) == []
