@@ -366,10 +366,12 @@ class ServingLoop:
             except CapacityError:
                 break
             except ValidationError as exc:
-                self._waiting.popleft()
+                self._waiting.remove(req)
                 self._fail(req, exc)
                 continue
-            self._waiting.popleft()
+            # by identity, not popleft: a turn submitted while this one was being admitted may
+            # have gone ahead of it (new turns queue before yielded ones)
+            self._waiting.remove(req)
             m = req.metrics
             storage = res.loaded_storage  # part of loaded_host that this request's prefetch read from storage
             cached = res.cached_device + res.loaded_host
