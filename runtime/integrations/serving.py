@@ -7,7 +7,8 @@
 
 What it does, per scheduling step (one task, `ServingLoop._run`):
 
-1. **Arrival** (`submit`): the request joins a FIFO waiting queue; ``rt.prepare`` is called
+1. **Arrival** (`submit`): the request joins the waiting queue (first come, first served, but
+   ahead of requests that yielded: see 2); ``rt.prepare`` is called
    when the runtime has it (the storage-prefetch hook of DESIGN.md; absent for now).
 2. **Admission** (prefills first): head of the queue first, while ``rt.can_admit(prompt +
    reserve)`` says yes (``reserve`` = room for ``max_new_tokens``, at most ``max_reserve``
