@@ -9,7 +9,7 @@ What it does, per scheduling step (one task, `ServingLoop._run`):
 
 1. **Arrival** (`submit`): the request joins the waiting queue (first come, first served, but
    ahead of requests that yielded: see 2); ``rt.prepare`` is called
-   when the runtime has it (the storage-prefetch hook of DESIGN.md; absent for now).
+   when the runtime has it (a storage prefetch while the request waits).
 2. **Admission** (prefills first): head of the queue first, while ``rt.can_admit(prompt +
    reserve)`` says yes (``reserve`` = room for ``max_new_tokens``, at most ``max_reserve``
    tokens), up to ``max_running`` requests and ``max_prefill_tokens`` recomputed tokens per
@@ -300,7 +300,7 @@ class ServingLoop:
                        extra_key, fut, time.perf_counter(), TurnMetrics(rid, prompt_tokens=len(ids)),
                        logits=[] if self.record_logits else None)
         prepare = getattr(self.rt, "prepare", None)
-        if prepare is not None:  # storage prefetch while the request waits (DESIGN.md, lifecycle 0)
+        if prepare is not None:  # storage prefetch while the request waits
             await prepare(rid, np.asarray(ids, dtype=np.int32), extra_key)
         # a new turn goes ahead of requests that yielded (they resume from cached KV in any case)
         at = next((i for i, r in enumerate(self._waiting) if r.yielded), len(self._waiting))
