@@ -150,7 +150,7 @@ class Residency:
         if self.states is not None:
             self.states.drop(node)
         slots = self.tree.detach_device(node)
-        self.device.free(slots, node_owner(node), node=node.id, reason="evict")
+        self.device.free(slots, node_owner(node), trusted=True, node=node.id, reason="evict")
         if self.events is not None:
             self.events.removed(node, GPU)
         self.emit("evict", Tier.DEVICE, slots, node=node.id)
@@ -172,10 +172,10 @@ class Residency:
                 self.sliding.forget_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
-                self.device.free(device, node_owner(node), node=node.id, reason="evict")
+                self.device.free(device, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["device_evicted_tokens"] += len(device)
             if host is not None and self.host is not None:
-                self.host.free(host, node_owner(node), node=node.id, reason="evict")
+                self.host.free(host, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["host_evicted_tokens"] += len(host)
             if (parent is None or parent.parent is None or parent.children or parent.device is not None
                     or parent.host is not None or parent.lock_ref > 0):
@@ -270,7 +270,7 @@ class Residency:
             part = host[offset: offset + node.num_tokens].copy()
             offset += node.num_tokens
             if node is not deepest:
-                self.host.assign(part, host_owner, node_owner(node), node=node.id)  # type: ignore[union-attr]
+                self.host.assign(part, host_owner, node_owner(node), trusted=True, node=node.id)  # type: ignore[union-attr]
             self.tree.attach_host(node, part)
             if self.events is not None:
                 self.events.stored(node, CPU)
