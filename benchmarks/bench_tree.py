@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks._common import ROOT, emit_json  # noqa: E402
-from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.config import HASH_ALGOS, RuntimeConfig  # noqa: E402
 from runtime.errors import CapacityError  # noqa: E402
 from runtime.messages import Admit, Cache, Extend, Finish  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
@@ -247,17 +247,24 @@ async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]
                   "backups": stats["copies"]["backups_issued"], "loads": stats["copies"]["loads_issued"], "capacity_retries": retries}
 
 
-def host_bench(w: Workload, pages: list[int], pool: int, repeats: int) -> list[dict[str, Any]]:
-    """Every write policy against no host tier, alternating, median of `repeats`; the loop's cost
-    per copy = (wall with the policy - wall without a host tier) / (backups + loads)."""
+def host_bench(w: Workload, pages: list[int], pool: int, repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """Every write policy against no host tier, alternating, median of `repeats` after `warmup`
+    untimed runs of each (the first run in a process pays one-off costs: the copy kernel's
+    compilation, during which write-throughs pile up and admits are refused for capacity); the
+    loop's cost per copy = (wall with the policy - wall without a host tier) / (backups + loads).
+    Every timed run's figures are kept (`runs`); the row's counts are the median run's."""
     walls: dict[tuple[int, str], list[float]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
-    info: dict[tuple[int, str], dict[str, Any]] = {}
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
+    for ps in pages:
+        for policy in HOST_POLICIES:
+            for _ in range(warmup):
+                _loop_run(_host(make_host_config(ps, pool, policy), w))
     for rep in range(repeats):
         for ps in pages:
             for policy in HOST_POLICIES[rep % 4:] + HOST_POLICIES[:rep % 4]:
                 wall, d = _loop_run(_host(make_host_config(ps, pool, policy), w))
                 walls[ps, policy].append(wall)
-                info[ps, policy] = d
+                runs[ps, policy].append({"req_per_s": round(w.num_requests / wall), **d})
                 print(f"# rep {rep} page {ps} {policy:24s} {w.num_requests / wall:8.0f} req/s  hit {d['hit_rate']:.4f}"
                       f" (host {d['host_hit_rate']:.4f})  backups {d['backups']} loads {d['loads']}"
                       f" retries {d['capacity_retries']}", flush=True)
@@ -265,12 +272,14 @@ def host_bench(w: Workload, pages: list[int], pool: int, repeats: int) -> list[d
     for ps in pages:
         base = statistics.median(walls[ps, "none"])
         for policy in HOST_POLICIES:
-            wall = statistics.median(walls[ps, policy])
-            d = info[ps, policy]
+            ws = walls[ps, policy]
+            wall = statistics.median(ws)
+            d = runs[ps, policy][sorted(range(len(ws)), key=ws.__getitem__)[len(ws) // 2]]
             ops = d["backups"] + d["loads"]
             rows.append({"page_size": ps, "policy": policy, "req_per_s": round(w.num_requests / wall, 1),
-                         "req_per_s_runs": [round(w.num_requests / x) for x in walls[ps, policy]],
-                         "vs_no_host": round(base / wall, 3), **d,
+                         "req_per_s_runs": [round(w.num_requests / x) for x in ws],
+                         "vs_no_host": round(base / wall, 3), **{k: v for k, v in d.items() if k != "req_per_s"},
+                         "runs": runs[ps, policy],
                          "loop_us_per_copy": round((wall - base) / ops * 1e6, 1) if ops else None})
     print(f"{'page':>4} {'policy':24s} {'req/s':>8} {'vs none':>8} {'backups':>8} {'loads':>6} {'hit':>7} "
           f"{'host hit':>8} {'us/copy':>8}")
@@ -293,11 +302,16 @@ MODES = {
     "sync": run_sync,
     "actor": lambda cfg, w: _loop_run(_actor(cfg, w)),
     "batched": lambda cfg, w: _loop_run(_batched(cfg, w)),
-    # KV events on (docs/EVENTS.md): recorded and batched per turn, nobody subscribed...
+    # KV events on (docs/EVENTS.md): recorded and batched per turn, nobody subscribed, pages
+    # hashed with each `hash_algo` (`batched+events` is `batched+events-sha256`, the default)...
     "batched+events": lambda cfg, w: _loop_run(_batched(cfg.replace(kv_events=True), w)),
+    **{f"batched+events-{algo}": (lambda cfg, w, algo=algo: _loop_run(_batched(
+        cfg.replace(kv_events=True, hash_algo=algo), w))) for algo in HASH_ALGOS},
     # ...and published over ZMQ on 127.0.0.1 (encoding and sending on the publisher's thread)
     "batched+zmq": lambda cfg, w: _loop_run(_batched(
         cfg.replace(kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*"), w)),
+    **{f"batched+zmq-{algo}": (lambda cfg, w, algo=algo: _loop_run(_batched(
+        cfg.replace(kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*", hash_algo=algo), w))) for algo in HASH_ALGOS},
 }
 
 
@@ -339,8 +353,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller trace (no hit-rate cross-check)")
     ap.add_argument("--deep", action="store_true", help="deep conversations: 80 turns, ~17k-token contexts")
     ap.add_argument("--repeats", type=int, default=5, help="repeats per mode (median; >= 5)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of each mode (and page size) first, to leave one-off costs out")
     ap.add_argument("--page-sizes", default="1,16")
-    ap.add_argument("--modes", default="sync,actor,batched")
+    ap.add_argument("--modes", default="sync,actor,batched",
+                    help="comma-separated, of: " + ", ".join(MODES))
     ap.add_argument("--peers", default=None, metavar="PYTHON", help="python of the peer venv: also run the peers")
     ap.add_argument("--peer-repeats", type=int, default=3)
     ap.add_argument("--host", action="store_true",
@@ -374,14 +391,19 @@ def main() -> None:
         emit_json({"bench": "tree_host", "trace": params, "requests": w.num_requests, "repeats": a.repeats,
                    "measured": "batched actor API with a host tier (CPU copy engine), requests/s",
                    "baseline": "the same without a host tier", "loop": "uvloop",
-                   "results": host_bench(w, pages, params["pool"], a.repeats)})
+                   "warmup_runs": a.warmup, "results": host_bench(w, pages, params["pool"], a.repeats, a.warmup)})
         return
     cfgs = {ps: make_config(ps, params["pool"]) for ps in pages}
     walls: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     hits: dict[tuple[int, str], set[float]] = {(ps, m): set() for ps in pages for m in modes}
+    run_hits: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     peer_res: dict[str, dict[int, list[dict[str, Any]]]] = {}
     vllm_pages = [int(x) for x in a.vllm_page_sizes.split(",") if x]
     peer_cmds = peer_commands(a.peers, peerbench, params, pages, vllm_pages) if a.peers else {}
+    for ps in pages:
+        for m in modes:
+            for _ in range(a.warmup):
+                MODES[m](cfgs[ps], w)
     for rep in range(a.repeats):
         # interleave: every repeat runs every mode at every page size, order rotated
         order = [(ps, m) for ps in pages for m in modes]
@@ -390,6 +412,7 @@ def main() -> None:
             wall, hit = MODES[m](cfgs[ps], w)
             walls[ps, m].append(wall)
             hits[ps, m].add(round(hit, 6))
+            run_hits[ps, m].append(round(hit, 6))
             print(f"# rep {rep} page {ps} {m:8s} {w.num_requests / wall:10.0f} req/s  hit {hit:.4f}", flush=True)
         if rep < a.peer_repeats:
             for name, cmd in peer_cmds.items():
@@ -406,7 +429,8 @@ def main() -> None:
             ws = walls[ps, m]
             (hit,) = hits[ps, m] if len(hits[ps, m]) == 1 else (sorted(hits[ps, m]),)
             row[m] = {"req_per_s": round(w.num_requests / statistics.median(ws), 1),
-                      "req_per_s_runs": [round(w.num_requests / x) for x in ws], "hit_rate": hit}
+                      "req_per_s_runs": [round(w.num_requests / x) for x in ws], "hit_rate": hit,
+                      "hit_rate_runs": run_hits[ps, m]}
         if "sync" in modes:
             base = row["sync"]["req_per_s"]
             for m in ("actor", "batched"):
@@ -444,6 +468,7 @@ def main() -> None:
         "requests": w.num_requests,
         "waves": len(w.waves),
         "repeats": a.repeats,
+        "warmup_runs": a.warmup,
         "peer_repeats": min(a.peer_repeats, a.repeats) if a.peers else 0,
         "measured": "batched actor API (CacheRuntime.step, 2 messages per wave), requests/s",
         "baseline": "synchronous CacheCore in the same process, requests/s",

@@ -98,7 +98,8 @@ class CacheCore:
 
     def enable_events(self) -> None:
         """Record KV cache events of every tier change (`take_events` hands them over)."""
-        self.residency.enable_events(KVEventRecorder(self.page_size, KVIdentity.from_config(self.config)))
+        identity = KVIdentity.from_config(self.config)
+        self.residency.enable_events(KVEventRecorder(self.page_size, identity, self.residency.use_hasher(identity)))
 
     def take_events(self) -> list[Any]:
         """The KV event records made since the last call (none while events are off; the wire
