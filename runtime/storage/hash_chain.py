@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import numba
 import numpy as np
-import xxhash
 
 __all__ = ["chain_hashes", "chain_hashes_xxh3", "chain_function"]
 
@@ -108,6 +107,8 @@ def chain_hashes(prev: bytes, data: bytes, page_bytes: int) -> bytes:
 def chain_hashes_xxh3(prev: bytes, data: bytes, page_bytes: int) -> bytes:
     """`chain_hashes` with ``h(i) = XXH3-128(h(i-1) || page i's tokens)`` (its whole 16-byte digest):
     one C call a page (~0.1 µs at 1-token pages, a third of the compiled SHA-256's)."""
+    import xxhash  # (a dependency; imported where chosen, so a SHA-256 runtime never needs it loaded)
+
     digest = xxhash.xxh3_128_digest
     out = []
     for i in range(0, len(data) - page_bytes + 1, page_bytes):
