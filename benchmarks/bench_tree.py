@@ -31,7 +31,11 @@ on this trace that never changes a match, since every prompt ends with >= 1 new 
 `--peers PYTHON` (e.g. ../peer-venv/bin/python, set up per ../shared/peerbench/README.md)
 also runs SGLang's RadixCache, UnifiedRadixCache (Rust core) and vLLM's KVCacheManager in
 subprocesses on the same trace, alternating with our repeats (median of `--peer-repeats`);
-vLLM at block size 16 only unless `--vllm-page-sizes 1,16` (at 1 it hashes every token).
+vLLM at block size 16 only unless `--vllm-page-sizes 1,16` (at 1 it hashes every token). They
+run through `benchmarks/peers/tree_peers.py`: the peers' own protocol and helpers, with their
+inputs (prompt + reply, keys, token lists) built before their timer, as ours are before ours.
+Every mode (and page size) first runs `--warmup` untimed times (default 1): one-off costs (the
+first trace through a fresh process, the copy kernel's compilation with a host tier) stay out.
 
 Tree shape note: a request that grows its own unshared leaf (prompt, then reply, turn after
 turn) keeps it one node (`RadixTree.insert(extend_leaf=True)`), where the peers add a node per
@@ -318,19 +322,21 @@ MODES = {
 # -- peers --------------------------------------------------------------------------------
 def peer_commands(py: str, peerbench: Path, p: dict[str, int], pages: list[int],
                   vllm_pages: list[int]) -> dict[str, list[str]]:
-    common = ["--sessions", str(p["sessions"]), "--turns", str(p["turns"]), "--sys-len", str(p["sys_len"]),
-              "--turn-len", str(p["turn_len"]), "--vocab", str(p["vocab"]), "--conc", str(p["conc"]),
-              "--pool", str(p["pool"]), "--seed", str(p["seed"])]
+    """The peers through `benchmarks/peers/tree_peers.py`: the peers' protocol and helpers, their
+    inputs built before the timer as ours are (their own drivers build them inside it)."""
+    common = ["--peerbench", str(peerbench), "--sessions", str(p["sessions"]), "--turns", str(p["turns"]),
+              "--sys-len", str(p["sys_len"]), "--turn-len", str(p["turn_len"]), "--vocab", str(p["vocab"]),
+              "--conc", str(p["conc"]), "--pool", str(p["pool"]), "--seed", str(p["seed"])]
     ps = ",".join(map(str, pages))
-    sg = str(peerbench / "sglang_radix_bench.py")
+    driver = str(ROOT / "benchmarks" / "peers" / "tree_peers.py")
     cmds = {
-        "sglang_radix": [py, sg, "--backend", "radix", "--page-sizes", ps, *common],
-        "sglang_unified_rust": [py, sg, "--backend", "unified", "--core", "rust", "--page-sizes", ps, *common],
+        "sglang_radix": [py, driver, "--backend", "radix", "--page-sizes", ps, *common],
+        "sglang_unified_rust": [py, driver, "--backend", "unified", "--page-sizes", ps, *common],
     }
     vps = [x for x in vllm_pages if x in pages]
     if vps:
-        cmds["vllm"] = [py, str(peerbench / "vllm_prefix_bench.py"), "--block-sizes", ",".join(map(str, vps)),
-                        "--hash", "sha256", *common]
+        cmds["vllm"] = [py, driver, "--backend", "vllm", "--page-sizes", ",".join(map(str, vps)), "--hash", "sha256",
+                        *common]
     return cmds
 
 
