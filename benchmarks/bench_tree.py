@@ -126,12 +126,12 @@ def _hit(stats: dict[str, int]) -> float:
 
 
 # -- the three drivers ----------------------------------------------------------------
-def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, float]:
     core = CacheCore(cfg, SlotTracer(cfg.page_size))
     assert core.residency.tracer is not None and not core.residency.tracer.active, "tracing must be at its production default"
     admit, cache, extend, finish = core.admit, core.cache, core.extend, core.finish
     gc.collect()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for wave in w.waves:
         for rid, prompt, _full, _n in wave:
             admit(rid, prompt)
@@ -139,17 +139,17 @@ def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
         for rid, _prompt, full, n in wave:
             extend(rid, n)
             finish(rid, full)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert not core.requests
-    return wall, _hit(core.stats)
+    return wall, cpu, _hit(core.stats)
 
 
-async def _actor(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+async def _actor(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, float]:
     async with CacheRuntime.open(cfg) as rt:
         assert not rt.tracer.active, "tracing must be at its production default"
         admit, cache, extend, finish = rt.admit, rt.cache, rt.extend, rt.finish
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for wave in w.waves:
             for rid, prompt, _full, _n in wave:
                 await admit(rid, prompt)
@@ -157,10 +157,10 @@ async def _actor(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
             for rid, _prompt, full, n in wave:
                 await extend(rid, n)
                 await finish(rid, full)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = await rt.stats()
         assert stats["requests"]["live"] == 0
-    return wall, stats["requests"]["hit_rate"]
+    return wall, cpu, stats["requests"]["hit_rate"]
 
 
 def _check(results: tuple[Any, ...]) -> None:
@@ -169,12 +169,12 @@ def _check(results: tuple[Any, ...]) -> None:
             raise r
 
 
-async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, float]:
     async with CacheRuntime.open(cfg) as rt:
         assert not rt.tracer.active, "tracing must be at its production default"
         step = rt.step
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for wave in w.waves:
             items: list[Any] = []
             for rid, prompt, _full, _n in wave:
@@ -186,10 +186,10 @@ async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
                 items.append(Extend(rid, n))
                 items.append(Finish(rid, full))
             _check(await step(items))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = await rt.stats()
         assert stats["requests"]["live"] == 0
-    return wall, stats["requests"]["hit_rate"]
+    return wall, cpu, stats["requests"]["hit_rate"]
 
 
 # -- the host tier (--host) ----------------------------------------------------------
@@ -205,7 +205,7 @@ def make_host_config(page_size: int, pool: int, policy: str) -> RuntimeConfig:
                          write_policy="write_through_selective" if policy == "none" else policy)
 
 
-async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]:
+async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, dict[str, Any]]:
     """The batched driver as a scheduler with a host tier must run it, four steps per wave:
     admits, then (once their host loads are ready) the prompts' caches, extends, finishes; an
     item refused for capacity (write-backs still copying) is retried after the loop turns."""
@@ -235,7 +235,7 @@ async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]
 
     async with CacheRuntime.open(cfg) as rt:
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for wave in w.waves:
             admitted = await run(lambda r: [Admit(r[0], r[1])], wave)
             for res in admitted:
@@ -244,10 +244,10 @@ async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]
             await run(lambda r: [Cache(r[0], r[1])], wave)
             await run(lambda r: [Extend(r[0], r[3])], wave)
             await run(lambda r: [Finish(r[0], r[2])], wave)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = await rt.stats()
         assert stats["requests"]["live"] == 0
-    return wall, {"hit_rate": stats["requests"]["hit_rate"], "host_hit_rate": stats["host"]["hit_rate"],
+    return wall, cpu, {"hit_rate": stats["requests"]["hit_rate"], "host_hit_rate": stats["host"]["hit_rate"],
                   "backups": stats["copies"]["backups_issued"], "loads": stats["copies"]["loads_issued"], "capacity_retries": retries}
 
 
@@ -258,6 +258,7 @@ def host_bench(w: Workload, pages: list[int], pool: int, repeats: int, warmup: i
     loop's cost per copy = (wall with the policy - wall without a host tier) / (backups + loads).
     Every timed run's figures are kept (`runs`); the row's counts are the median run's."""
     walls: dict[tuple[int, str], list[float]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
+    cpus: dict[tuple[int, str], list[float]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
     for ps in pages:
         for policy in HOST_POLICIES:
@@ -266,15 +267,17 @@ def host_bench(w: Workload, pages: list[int], pool: int, repeats: int, warmup: i
     for rep in range(repeats):
         for ps in pages:
             for policy in HOST_POLICIES[rep % 4:] + HOST_POLICIES[:rep % 4]:
-                wall, d = _loop_run(_host(make_host_config(ps, pool, policy), w))
+                wall, cpu, d = _loop_run(_host(make_host_config(ps, pool, policy), w))
                 walls[ps, policy].append(wall)
-                runs[ps, policy].append({"req_per_s": round(w.num_requests / wall), **d})
+                cpus[ps, policy].append(cpu)
+                runs[ps, policy].append({"req_per_s": round(w.num_requests / wall), "cpu_s": round(cpu, 4), **d})
                 print(f"# rep {rep} page {ps} {policy:24s} {w.num_requests / wall:8.0f} req/s  hit {d['hit_rate']:.4f}"
                       f" (host {d['host_hit_rate']:.4f})  backups {d['backups']} loads {d['loads']}"
                       f" retries {d['capacity_retries']}", flush=True)
     rows = []
     for ps in pages:
         base = statistics.median(walls[ps, "none"])
+        base_cpu = statistics.median(cpus[ps, "none"])
         for policy in HOST_POLICIES:
             ws = walls[ps, policy]
             wall = statistics.median(ws)
@@ -282,14 +285,17 @@ def host_bench(w: Workload, pages: list[int], pool: int, repeats: int, warmup: i
             ops = d["backups"] + d["loads"]
             rows.append({"page_size": ps, "policy": policy, "req_per_s": round(w.num_requests / wall, 1),
                          "req_per_s_runs": [round(w.num_requests / x) for x in ws],
-                         "vs_no_host": round(base / wall, 3), **{k: v for k, v in d.items() if k != "req_per_s"},
+                         "vs_no_host": round(base / wall, 3),
+                         "cpu_vs_no_host": round(base_cpu / statistics.median(cpus[ps, policy]), 3),
+                         **{k: v for k, v in d.items() if k not in ("req_per_s", "cpu_s")},
                          "runs": runs[ps, policy],
                          "loop_us_per_copy": round((wall - base) / ops * 1e6, 1) if ops else None})
-    print(f"{'page':>4} {'policy':24s} {'req/s':>8} {'vs none':>8} {'backups':>8} {'loads':>6} {'hit':>7} "
+    print(f"{'page':>4} {'policy':24s} {'req/s':>8} {'vs none':>8} {'cpu vs':>7} {'backups':>8} {'loads':>6} {'hit':>7} "
           f"{'host hit':>8} {'us/copy':>8}")
     for r in rows:
         per = "" if r["loop_us_per_copy"] is None else f"{r['loop_us_per_copy']:8.1f}"
-        print(f"{r['page_size']:4d} {r['policy']:24s} {r['req_per_s']:8.0f} {r['vs_no_host']:7.2f}x {r['backups']:8d} "
+        print(f"{r['page_size']:4d} {r['policy']:24s} {r['req_per_s']:8.0f} {r['vs_no_host']:7.2f}x "
+              f"{r['cpu_vs_no_host']:6.2f}x {r['backups']:8d} "
               f"{r['loads']:6d} {r['hit_rate']:7.4f} {r['host_hit_rate']:8.4f} {per:>8}")
     return rows
 
@@ -403,6 +409,7 @@ def main() -> None:
     walls: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     hits: dict[tuple[int, str], set[float]] = {(ps, m): set() for ps in pages for m in modes}
     run_hits: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
+    cpus: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     peer_res: dict[str, dict[int, list[dict[str, Any]]]] = {}
     vllm_pages = [int(x) for x in a.vllm_page_sizes.split(",") if x]
     peer_cmds = peer_commands(a.peers, peerbench, params, pages, vllm_pages) if a.peers else {}
@@ -415,8 +422,9 @@ def main() -> None:
         order = [(ps, m) for ps in pages for m in modes]
         k = rep % len(order)
         for ps, m in order[k:] + order[:k]:
-            wall, hit = MODES[m](cfgs[ps], w)
+            wall, cpu, hit = MODES[m](cfgs[ps], w)
             walls[ps, m].append(wall)
+            cpus[ps, m].append(cpu)
             hits[ps, m].add(round(hit, 6))
             run_hits[ps, m].append(round(hit, 6))
             print(f"# rep {rep} page {ps} {m:8s} {w.num_requests / wall:10.0f} req/s  hit {hit:.4f}", flush=True)
@@ -436,7 +444,15 @@ def main() -> None:
             (hit,) = hits[ps, m] if len(hits[ps, m]) == 1 else (sorted(hits[ps, m]),)
             row[m] = {"req_per_s": round(w.num_requests / statistics.median(ws), 1),
                       "req_per_s_runs": [round(w.num_requests / x) for x in ws], "hit_rate": hit,
-                      "hit_rate_runs": run_hits[ps, m]}
+                      "hit_rate_runs": run_hits[ps, m],
+                      # process CPU seconds per run (every thread): steadier than wall on a shared machine
+                      "cpu_s_runs": [round(x, 4) for x in cpus[ps, m]],
+                      "req_per_cpu_s": round(w.num_requests / statistics.median(cpus[ps, m]), 1)}
+        if "batched" in modes:
+            for m in modes:
+                if m.startswith("batched+"):
+                    row[f"ratio_{m}_vs_batched"] = round(row[m]["req_per_s"] / row["batched"]["req_per_s"], 3)
+                    row[f"cpu_ratio_{m}_vs_batched"] = round(row[m]["req_per_cpu_s"] / row["batched"]["req_per_cpu_s"], 3)
         if "sync" in modes:
             base = row["sync"]["req_per_s"]
             for m in ("actor", "batched"):
