@@ -54,6 +54,13 @@ class StateError(ValidationError):
     """The call is not allowed in the object's current state (double finish, busy session...)."""
 
 
+class ForeignLoopError(ValidationError):
+    """A call from a thread or event loop other than the one the runtime was opened in. The
+    runtime's actors, mailboxes and replies belong to that loop (asyncio objects are not
+    thread-safe: a message from elsewhere would not wake it), so nothing was sent. From another
+    thread, hand the call to the runtime's loop: ``asyncio.run_coroutine_threadsafe(rt.stats(), loop)``."""
+
+
 class CapacityError(ValidationError):
     """Not enough free (or evictable) pages; nothing was allocated."""
 

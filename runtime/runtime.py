@@ -325,7 +325,6 @@ class CacheRuntime:
     # flight, then stops the actors without them (the runtime fails). Copies take milliseconds; a
     # hung storage backend must not hold a cancelled owner forever.
     close_grace_s: float = 5.0
-    _abandoned_copies = False  # set when a cancelled close stopped the actors with copies in flight
 
     def _tokens(self, value: Any) -> np.ndarray:
         """The call's own int32 copy of `value`, every id checked (`runtime.validation.tokens`)."""
@@ -359,7 +358,9 @@ class CacheRuntime:
         The close runs in a task of its own, shielded from the caller's cancellation: a cancelled
         caller (`task.cancel()`, `asyncio.timeout`, `anyio.fail_after`) still waits for it, at most
         `close_grace_s` longer; past that the actors are stopped without the copies still in
-        flight (the runtime fails, one `runtime_terminated` event). Then the cancellation goes on."""
+        flight (the runtime fails, one `runtime_terminated` event). Then the cancellation goes on.
+        `ForeignLoopError` from another loop or thread (the close must run in the runtime's loop)."""
+        self._sup.check_loop()
         closer = self._closer
         if closer is None:
             closer = self._closer = asyncio.get_running_loop().create_task(self._close(), name="hicache-close")
@@ -386,20 +387,17 @@ class CacheRuntime:
         self.tracer.close()
         if self._events is not None:
             self._events.close()
-        owned = self._owned_storage
-        if owned is not None and owned is self.storage and not self._abandoned_copies:
-            if self._transfer.storage_inflight:
-                # overdue calls still run in worker threads and use the backend: leave it open
-                log.warning("storage_left_open", ops=sorted(self._transfer.storage_inflight))
-            else:
-                owned.close()
+        owned, self._owned_storage = self._owned_storage, None
+        if owned is not None:
+            # safe with abandoned calls still inside it: it tears down once they return, and waits
+            # for them at most its own close timeout (`CallGate`); off the loop, as that wait blocks
+            await asyncio.to_thread(owned.close)
 
     async def _close_cancelled(self, closer: asyncio.Task[None]) -> None:
         """The caller of `close` was cancelled: finish the close anyway, bounded by `close_grace_s`."""
         if not await wait_shielded(closer, self.close_grace_s):
-            # copies still in flight: stop without them. The copy engine and an owned storage
-            # backend are left open (a copy may still be writing to them); nothing is freed.
-            self._abandoned_copies = True
+            # copies still in flight: stop without them; nothing of theirs is freed. (An owned storage
+            # backend still closes: its teardown waits for its own calls.)
             await self._sup.terminate(TimeoutError(
                 f"close was cancelled and copies were still in flight after {self.close_grace_s} s"))
             await wait_shielded(closer, 1.0)  # its asks failed and the actors' task ended: it returns
@@ -549,6 +547,7 @@ class CacheRuntime:
         """Every KV event batch from now on, in order (`async for batch in rt.kv_events()`), until
         the runtime closes; more than `maxsize` batches unread ends it with `EventsLostError`.
         Needs `kv_events=True` (docs/EVENTS.md)."""
+        self._sup.check_loop()
         if type(maxsize) is not int or maxsize <= 0:
             raise ArgumentError(f"maxsize must be a positive int, got {maxsize!r}")
         if self._events is None:
@@ -592,6 +591,7 @@ class CacheRuntime:
     async def refresh_metrics(self) -> dict[str, dict[str, Any]]:
         """Take a `stats()` snapshot and make it what the metrics export now (they are refreshed
         every `metrics_interval_s` anyway); returns a copy of it. `StateError` when metrics are off."""
+        self._sup.check_loop()
         if self._metrics is None:
             raise StateError("metrics are off: open the runtime with metrics_registry= or config.metrics_port")
         return copy.deepcopy(await self._snapshot_metrics())
@@ -617,6 +617,7 @@ class CacheRuntime:
         backups are written through and `prepare`/`admit` read from it. `ConfigError` (nothing
         changed): not a backend of this config's page size, or no host tier; `StateError`: one is
         attached already."""
+        self._sup.check_loop()
         if self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
         check_backend(self.config, backend)
@@ -630,7 +631,7 @@ class CacheRuntime:
         old = await self._sup.ask(self._tree.mailbox, DetachStorage(Reply()))
         if old is not None and old is self._owned_storage:
             self._owned_storage = None
-            old.close()
+            await asyncio.to_thread(old.close)  # (a Mooncake teardown talks to its master: off the loop)
 
     async def clear_storage(self) -> int:
         """Remove from storage every page this runtime knows stored (wrote, or found by a lookup or

@@ -17,7 +17,7 @@ import anyio
 
 from runtime.actors.base import Actor, Mailbox, Reply
 from runtime.messages import Batch
-from runtime.errors import RuntimeClosed, RuntimeFailed
+from runtime.errors import ForeignLoopError, RuntimeClosed, RuntimeFailed
 from runtime.trace import get_logger
 
 T = TypeVar("T")
@@ -60,6 +60,7 @@ class Supervisor:
         self._pending: set[Reply[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop the actors run in (set by start)
 
     # -- lifecycle ---------------------------------------------------------------
     @property
@@ -70,6 +71,7 @@ class Supervisor:
     async def start(self) -> None:
         """Start the actors' task. A caller cancelled here must still stop it (`CacheRuntime.open`
         closes in a `finally`): the task exists from the first step on."""
+        self.loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="hicache-supervisor")
         await self._started.wait()
 
@@ -140,7 +142,20 @@ class Supervisor:
             raise RuntimeFailed(self.failure)
 
     # -- calls -----------------------------------------------------------------
+    def check_loop(self) -> None:
+        """`ForeignLoopError` unless called in the actors' loop (its thread, while it runs)."""
+        if self.loop is None:
+            return
+        try:
+            current = asyncio.get_running_loop()
+        except RuntimeError:  # a thread with no running loop
+            current = None
+        if current is not self.loop:
+            raise ForeignLoopError("the runtime was opened in another event loop (or thread): call it from that loop, "
+                                   "e.g. asyncio.run_coroutine_threadsafe(coro, loop) from another thread")
+
     def check_open(self) -> None:
+        self.check_loop()
         if self.state is State.OPEN:
             return
         if self.state is State.FAILED:
@@ -154,6 +169,7 @@ class Supervisor:
 
     async def ask_internal(self, mailbox: Mailbox[Any], msg: Any, *, wait_for_space: bool = False) -> Any:
         """As `ask`, also while closing (the façade's own shutdown messages)."""
+        self.check_loop()
         if self.failure is not None:
             raise RuntimeFailed(self.failure)
         reply: Reply[Any] = msg.reply

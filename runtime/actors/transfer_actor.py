@@ -133,6 +133,9 @@ class TransferActor(Actor[TransferMessage]):
         self.storage_timeout_s = storage_timeout_s
         self._storage_timers: dict[int, asyncio.TimerHandle] = {}
         self.storage_overdue: set[int] = set()  # in flight past their deadline (a subset of storage_inflight)
+        # in flight when this actor stopped: settled as abandoned (counted once); a call that returns
+        # later is dropped here (nobody to ack)
+        self.storage_abandoned: set[int] = set()
         self._storage_pool: ThreadPoolExecutor | None = None
         # every rank's host pool with its page rows (page_first: page p is one contiguous row, read
         # and written in place; else None); one rank: the host pool's
@@ -144,7 +147,7 @@ class TransferActor(Actor[TransferMessage]):
         self._removals = 0  # clear_storage removals running in worker threads
         self.counters.update({"storage_ops_done": 0, "storage_ops_failed": 0, "storage_bytes_written": 0,
                               "storage_bytes_read": 0, "storage_errors": 0, "storage_backend_errors": 0,
-                              "storage_ops_overdue": 0})
+                              "storage_ops_overdue": 0, "storage_ops_submitted": 0, "storage_ops_abandoned": 0})
         # latency per kind of operation, observed where it completes (stats() and metrics read them)
         self.latency = {name: LatencyHistogram() for name in LATENCIES}
         self._storage_started: dict[int, float] = {}  # op id -> perf_counter() at submit
@@ -169,6 +172,7 @@ class TransferActor(Actor[TransferMessage]):
             for timer in self._storage_timers.values():  # nobody to tell any more
                 timer.cancel()
             self._storage_timers.clear()
+            self._abandon_storage()
             self._abandon_queued()
             await self.bridge.aclose()
             await asyncio.to_thread(self.engine.close)
@@ -194,8 +198,8 @@ class TransferActor(Actor[TransferMessage]):
 
     def _unregister_host_pool(self) -> None:
         if self._registered:
-            if self.storage_inflight:  # stopping after a failure with a worker maybe still moving
-                return                 # pool pages: keep it registered (the backend holds the tensor)
+            if self.storage_inflight or self.storage_abandoned:  # a worker may still move pool pages:
+                return  # keep it registered (the backend holds the tensor; its teardown unregisters it)
             buffers, self._registered = self._registered, []
             for buffer in buffers:
                 try:
@@ -223,6 +227,7 @@ class TransferActor(Actor[TransferMessage]):
         self._maybe_drained()
 
     def on_submit_storage(self, msg: SubmitStorage) -> None:
+        self.counters["storage_ops_submitted"] += 1
         self.storage_inflight[msg.op_id] = msg
         self._storage_started[msg.op_id] = time.perf_counter()
         if not msg.write and not msg.pages and msg.keys and self._probe_inline and self._absent(msg.keys[0]):
@@ -322,6 +327,10 @@ class TransferActor(Actor[TransferMessage]):
         its receive checkpoint when the tree replied, and submitted the load, ~0.5 ms of CPU engine
         work plus its threads' CPU, before the caller resumed.) Only storage bookkeeping is touched,
         between two of this actor's handlers (they are all synchronous, so never inside one)."""
+        if op_id in self.storage_abandoned:  # returned (or cancelled unstarted) after this actor stopped
+            self.storage_abandoned.discard(op_id)
+            log.debug("storage_op_returned_after_close", op=op_id)
+            return
         if fut.cancelled():
             done = _StorageDone(op_id, 0, (), "cancelled")
         elif isinstance(fut.exception(), ContractViolation):
@@ -550,6 +559,21 @@ class TransferActor(Actor[TransferMessage]):
             except RuntimeClosed:  # the requester stopped first (close without a drain): nobody to ack
                 log.warning("ack_undeliverable", op=plan.op_id, direction=direction.value)
 
+    def _abandon_storage(self) -> None:
+        """Stopping with storage ops in flight (overdue ones: a drain does not wait for them, or any
+        after a failure): each is settled as abandoned, counted once; nobody is acked. Their calls
+        may still run in worker threads (into pinned host pages that nothing reuses now); the
+        backend's close waits for them before it tears anything down (`CallGate`)."""
+        if not self.storage_inflight:
+            return
+        ops = sorted(self.storage_inflight)
+        self.counters["storage_ops_abandoned"] += len(ops)
+        log.warning("storage_ops_abandoned_at_close", count=len(ops), ops=ops)
+        self.storage_abandoned.update(ops)
+        self.storage_inflight.clear()
+        self.storage_overdue.clear()
+        self._storage_started.clear()
+
     def _abandon_queued(self) -> None:
         """Stopping with copies still queued (close drains first, so normally none): they will
         never start; fail their readiness so that no waiter hangs."""
@@ -565,9 +589,6 @@ class TransferActor(Actor[TransferMessage]):
         # flight; their pages stay pinned, and their acks still go out if the calls come back)
         if self.drain_waiters and not self.inflight and len(self.storage_overdue) == len(self.storage_inflight) \
                 and not self._removals:
-            if self.storage_inflight:
-                log.warning("storage_ops_abandoned_at_close", count=len(self.storage_inflight),
-                            ops=sorted(self.storage_inflight))
             for reply in self.drain_waiters:
                 reply.set_result(None)
             self.drain_waiters.clear()

@@ -18,19 +18,22 @@ whose transport failed as a whole. The caller treats any exception as a miss for
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 import reprlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, TypeVar, Union, runtime_checkable
 
 import numpy as np
 import torch
 
 from runtime.errors import HiCacheError, StateError, ValidationError
+from runtime.trace import get_logger
 
+_log = get_logger("hicache.storage")
 Buffer = Union[memoryview, bytearray, bytes, np.ndarray, torch.Tensor]
 MAX_KEY_BYTES = 64
 
@@ -72,7 +75,9 @@ class StorageBackend(Protocol):
         ...
 
     def close(self) -> None:
-        """Release resources; later calls raise `StateError`. Idempotent."""
+        """No call starts any more (later calls raise `StateError`); resources are released once
+        the calls in flight have left, and close waits for that at most a bounded time
+        (`CallGate`). Idempotent."""
         ...
 
     def stats(self) -> dict[str, Any]:
@@ -409,3 +414,98 @@ class FaultyBackend:
 
 def closed_error(name: str) -> StateError:
     return StateError(f"{name} is closed")
+
+
+# -- closing with calls in flight ---------------------------------------------------------------
+
+class CallGate:
+    """A backend's calls in flight, and how it closes while some are still inside it.
+
+    Every public call runs inside the gate (`gated`). `close(teardown, timeout_s)` shuts the gate
+    (a call that starts later raises `StateError`) and hands `teardown` (what frees the backend's
+    resources: a store handle, registered memory, file descriptors) to a thread of its own that
+    first waits until the last call in flight has left: a resource is never freed under a running
+    call, however long that call takes (a Mooncake call to a dead master returns after its RPC
+    timeout). `close` waits for that thread at most `timeout_s`; past it, it returns and the
+    calls still inside are *abandoned* (`abandoned` counts them): the teardown runs when they
+    return. The thread is not a daemon, so the process waits for it at exit instead of unloading
+    the backend's library under it. (A thread held in a call is not killed: Python cannot.)"""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._running = 0
+        self._closed = False
+        self._torn_down = threading.Event()
+        self.abandoned = 0  # calls still in flight when close() returned
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def torn_down(self) -> bool:
+        return self._torn_down.is_set()
+
+    def enter(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise closed_error(self.name)
+            self._running += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if self._running == 0:
+                self._cond.notify_all()
+
+    def close(self, teardown: Callable[[], None], timeout_s: float) -> bool:
+        """Shut the gate and tear down once no call is inside; True when the teardown finished
+        within `timeout_s`. A second close waits for nothing and returns whether it is done."""
+        with self._cond:
+            if self._closed:
+                return self.torn_down
+            self._closed = True
+        worker = threading.Thread(target=self._teardown_when_idle, args=(teardown,),
+                                  name=f"hicache-{self.name}-close", daemon=False)
+        worker.start()
+        if self._torn_down.wait(timeout_s):
+            return True
+        with self._cond:
+            self.abandoned = self._running
+        return False
+
+    def _teardown_when_idle(self, teardown: Callable[[], None]) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._running == 0)
+        try:
+            teardown()
+        except Exception as exc:  # noqa: BLE001 - nobody to raise to: the close returned already
+            _log.warning("storage_teardown_failed", backend=self.name, error=repr(exc))
+        finally:
+            self._torn_down.set()
+
+    def stats(self) -> dict[str, Any]:
+        return {"calls_running": self.running, "calls_abandoned_at_close": self.abandoned,
+                "torn_down": self.torn_down}
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def gated(method: _F) -> _F:
+    """Run a backend method inside its `CallGate` (``self._gate``): `StateError` once closed."""
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        gate: CallGate = self._gate
+        gate.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            gate.leave()
+    return call  # type: ignore[return-value]

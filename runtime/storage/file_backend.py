@@ -55,8 +55,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.errors import ConfigError
-from runtime.storage.backend import Buffer, byte_view, check_batch, check_keys, closed_error
+from runtime.errors import ConfigError, StateError
+from runtime.storage.backend import Buffer, CallGate, byte_view, check_batch, check_keys, gated
 from runtime.storage.checksum import page_checksum
 from runtime.trace import get_logger
 
@@ -107,6 +107,7 @@ class FileBackend:
         touch_interval_s: float = 1.0,
         stale_tmp_s: float = 600.0,
         cleanup_on_open: bool = True,
+        close_timeout_s: float = 5.0,
     ) -> None:
         if not isinstance(page_bytes, int) or isinstance(page_bytes, bool) or page_bytes <= 0:
             raise ConfigError(f"page_bytes must be a positive int, got {page_bytes!r}")
@@ -132,7 +133,8 @@ class FileBackend:
         self._slock = threading.Lock()  # stats
         self._pid = os.getpid()
         self._state_fd: int | None = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._closed = False
+        self._gate = CallGate("FileBackend")
+        self.close_timeout_s = close_timeout_s
         self._nonce = 0
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "read_errors",
@@ -151,10 +153,6 @@ class FileBackend:
         with self._slock:
             for k, v in inc.items():
                 self._s[k] += v
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise closed_error("FileBackend")
 
     # -- the directory lock and state ------------------------------------------------------------
     def _fd(self) -> int:
@@ -246,24 +244,24 @@ class FileBackend:
             self._count(evicted_pages=evicted, evicted_bytes=evicted_bytes)
         return used
 
+    @gated
     def cleanup(self) -> int:
         """Delete stale temporary files (killed writers) and recount ``used``. Returns ``used``."""
-        self._check_open()
         with self._lock() as fd:
             used, _ = self._scan()
             _, epoch = self._read_state(fd)
             self._write_state(fd, used, epoch + 1)
         return used
 
+    @gated
     def used_bytes(self) -> int:
         """The directory's accounted bytes (page files + in-flight reservations), as last recorded."""
-        self._check_open()
         used, _ = self._read_state(self._fd())
         return max(used, 0)
 
     # -- protocol --------------------------------------------------------------------------------
+    @gated
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
-        self._check_open()
         check_keys(keys)
         self._count(exists_calls=1)
         n = 0
@@ -276,8 +274,8 @@ class FileBackend:
             n += 1
         return n
 
+    @gated
     def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
-        self._check_open()
         check_batch(keys, dests, "get_batch")
         views = [byte_view(d, self.page_bytes, writable=True) for d in dests]
         now = time.time_ns()
@@ -299,11 +297,11 @@ class FileBackend:
                     bytes_read=hits * self.page_bytes)
         return out
 
+    @gated
     def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
         """Read the leading present pages into ``dests``, stopping at the first page that is missing
         or unreadable; returns how many were read whole. `exists_prefix` + `get_batch` in one pass
         (no stat pass; each page's size and trailer are checked as `get_batch` does)."""
-        self._check_open()
         check_batch(keys, dests, "get_prefix")
         pb = self.page_bytes
         views = [byte_view(d, pb, writable=True) for d in dests]  # validate every buffer before any I/O
@@ -385,8 +383,8 @@ class FileBackend:
             pass  # gone already, or not ours to delete: the page stays a miss
         _log.warning("storage_page_corrupt", key=key.hex(), path=path, reason=reason, deleted=deleted)
 
+    @gated
     def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
-        self._check_open()
         check_batch(keys, srcs, "set_batch")
         views = [byte_view(s, self.page_bytes, writable=False) for s in srcs]
         n = len(keys)
@@ -540,12 +538,12 @@ class FileBackend:
             if used >= 0:
                 self._write_state(fd, used - self.file_bytes, epoch)
 
+    @gated
     def remove(self, keys: Sequence[bytes]) -> int:
         """Delete the page files of ``keys`` (`clear_storage`: a runtime removes the pages it knows it
         stored, never a file it cannot name); returns how many were there. Under the directory lock,
         so that ``used`` stays exact and a rename (also under it) is never half undone. A write of
         the same key by another process that lands after this stores the page again."""
-        self._check_open()
         check_keys(keys)
         removed = freed = 0
         with self._lock() as fd:
@@ -568,9 +566,12 @@ class FileBackend:
         return removed
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """No call starts any more; the directory's state descriptor is closed once the calls in
+        flight have left (never under one: its number could be reused by another open), waiting at
+        most ``close_timeout_s`` (`CallGate`)."""
+        self._gate.close(self._release_fd, self.close_timeout_s)
+
+    def _release_fd(self) -> None:
         if self._state_fd is not None and self._pid == os.getpid():
             os.close(self._state_fd)
         self._state_fd = None
@@ -579,9 +580,11 @@ class FileBackend:
         with self._slock:
             s: dict[str, Any] = dict(self._s)
         s.update(backend="file", directory=self.directory, page_bytes=self.page_bytes,
-                 file_bytes=self.file_bytes, cap_bytes=self.cap_bytes, fsync=self.fsync)
-        if not self._closed:
+                 file_bytes=self.file_bytes, cap_bytes=self.cap_bytes, fsync=self.fsync, **self._gate.stats())
+        try:
             s["used_bytes"] = self.used_bytes()
+        except StateError:  # closed
+            pass
         return s
 
     def __enter__(self) -> "FileBackend":

@@ -30,7 +30,10 @@ a single-machine deployment). See docs/STORAGE.md for pointing the backend at a 
 
 from __future__ import annotations
 
+import atexit
 import bisect
+import ctypes
+import functools
 import json
 import os
 import shutil
@@ -52,12 +55,13 @@ import torch
 from runtime.errors import ConfigError
 from runtime.storage.backend import (
     Buffer,
+    CallGate,
     StorageError,
     buffer_address,
     byte_view,
     check_batch,
     check_keys,
-    closed_error,
+    gated,
     leading_hits,
 )
 from runtime.storage.checksum import page_checksum
@@ -65,6 +69,10 @@ from runtime.trace import get_logger
 
 _log = get_logger("hicache.storage.mooncake")
 
+_PR_SET_PDEATHSIG = 1
+# looked up here, not in the forked child (a dlopen there could wait on a lock another thread held)
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+MASTER_PROBE_S = 0.5  # a master that accepts no connection within this long is gone (teardown at exit)
 SUM_SUFFIX = "/xxh64"  # companion object of a page: its checksum, 8 bytes little-endian
 _SUM = struct.Struct("<Q")
 INSTALL_HINT = "install it with scripts/install_mooncake.sh (Debian libibverbs1 libnl-3-200 libnl-route-3-200 + " \
@@ -99,6 +107,7 @@ class MooncakeConfig:
     key_prefix: str = "hicache/"
     tcp_bind_address: str | None = None        # exported as MC_TCP_BIND_ADDRESS before setup
     env: dict[str, str] = field(default_factory=dict)  # other MC_* variables to export before setup
+    close_timeout_s: float = 5.0               # how long close() waits for calls in flight (then abandons them)
 
     def __post_init__(self) -> None:
         for name in ("global_segment_size", "local_buffer_size"):
@@ -113,6 +122,9 @@ class MooncakeConfig:
             raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
         if not isinstance(self.replica_num, int) or self.replica_num < 1:
             raise ConfigError(f"replica_num must be >= 1, got {self.replica_num!r}")
+        if isinstance(self.close_timeout_s, bool) or not isinstance(self.close_timeout_s, (int, float)) \
+                or not 0 <= self.close_timeout_s < float("inf"):
+            raise ConfigError(f"close_timeout_s must be a finite number >= 0, got {self.close_timeout_s!r}")
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "MooncakeConfig":
@@ -192,7 +204,8 @@ class MooncakeBackend:
         self._reg_starts: list[int] = []
         self._reg_ends: list[int] = []
         self._reg_objs: list[Any] = []
-        self._closed = False
+        self._gate = CallGate("MooncakeBackend")
+        self._teardown_deferred = False  # the master was gone at close: torn down at process exit
         self._staging: np.ndarray | None = None
         self._staging_lock = threading.Lock()
         self._staging_pages = max(1, staging_bytes // page_bytes) if staging_bytes > 0 else 0
@@ -211,11 +224,11 @@ class MooncakeBackend:
             "errors", "corrupt_pages", "removed_pages"), 0)
 
     # -- registration --------------------------------------------------------------------------
+    @gated
     def register_buffer(self, buf: Buffer) -> None:
         """Register a contiguous CPU buffer (e.g. the host pool's page-first tensor) for zero-copy
         I/O. Pages whose buffers lie inside it skip the copies. Keep ``buf`` alive; the backend
         holds a reference until `unregister_buffer` or `close`."""
-        self._check_open()
         addr, n = buffer_address(buf), _nbytes(buf)
         if n <= 0:
             raise ConfigError("cannot register an empty buffer")
@@ -230,6 +243,7 @@ class MooncakeBackend:
             self._reg_ends.insert(i, addr + n)
             self._reg_objs.insert(i, buf)
 
+    @gated
     def unregister_buffer(self, buf: Buffer) -> None:
         addr = buffer_address(buf)
         with self._reg_lock:
@@ -277,17 +291,13 @@ class MooncakeBackend:
             for k, v in inc.items():
                 self._s[k] += v
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise closed_error("MooncakeBackend")
-
     def _error(self, op: str, exc: BaseException | int) -> None:
         self._count(errors=1)
         _log.warning("mooncake_error", op=op, error=str(exc))
 
     # -- protocol ------------------------------------------------------------------------------
+    @gated
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
-        self._check_open()
         check_keys(keys)
         self._count(exists_calls=1)
         if not keys:
@@ -306,8 +316,8 @@ class MooncakeBackend:
             n += 1
         return n
 
+    @gated
     def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
-        self._check_open()
         check_batch(keys, dests, "get_batch")
         zc_i, zc_a, plain = self._split(dests, writable=True)
         skeys = self._keys(keys)
@@ -395,8 +405,8 @@ class MooncakeBackend:
                 views[i][:] = data
                 out[i] = True
 
+    @gated
     def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
-        self._check_open()
         check_batch(keys, srcs, "set_batch")
         zc_all, zc_addr_all, plain_all = self._split(srcs, writable=False)
         addr_of = dict(zip(zc_all, zc_addr_all))
@@ -468,11 +478,11 @@ class MooncakeBackend:
         for i, e in zip(stored, present):
             out[i] = out[i] and e == 1
 
+    @gated
     def remove(self, keys: Sequence[bytes]) -> int:
         """Remove pages and their checksums (`clear_storage`); returns how many pages went. Forced:
         our own reads have drained, and a recent one's lease would otherwise keep the page; a read
         of another client racing it fails the checksum check and is a miss."""
-        self._check_open()
         check_keys(keys)
         skeys = self._keys(list(dict.fromkeys(bytes(k) for k in keys)))
         try:
@@ -485,9 +495,37 @@ class MooncakeBackend:
         return removed
 
     def close(self) -> None:
-        if self._closed:
+        """No call starts any more (`StateError`). The store is torn down (buffers unregistered, the
+        client closed) by a thread of its own once every call in flight has returned, never under
+        one: Mooncake frees the client's memory at close, and a call still inside it (one waiting
+        on a dead master's RPC timeout) would run on freed memory. Waits for that at most
+        ``config.close_timeout_s``; past it returns, and the calls still inside are abandoned
+        (``calls_abandoned_at_close``): the teardown follows when they return, and the process
+        waits for it at exit (`CallGate`)."""
+        if not self._gate.close(self._teardown, self.config.close_timeout_s) and not self._gate.torn_down:
+            _log.warning("mooncake_close_abandoned", calls=self._gate.abandoned, timeout_s=self.config.close_timeout_s)
+
+    def _teardown(self) -> None:
+        """Unregister the buffers and close the client: at once when the master answers, else at
+        process exit. (Closing a client whose master is gone runs its unmount RPC's retries, ~10 s
+        here, inside one call that holds the interpreter lock: every thread, the event loop
+        included, would stop that long.)"""
+        if not self._master_reachable():
+            self._teardown_deferred = True
+            _log.warning("mooncake_teardown_deferred", master=self.config.master_server_address)
+            _defer_to_exit(self)
             return
-        self._closed = True
+        self._teardown_now()
+
+    def _master_reachable(self) -> bool:
+        host, _, port = self.config.master_server_address.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=MASTER_PROBE_S):
+                return True
+        except (OSError, ValueError):
+            return False
+
+    def _teardown_now(self) -> None:
         with self._reg_lock:
             for addr in self._reg_starts:
                 try:
@@ -511,7 +549,8 @@ class MooncakeBackend:
         with self._slock:
             s: dict[str, Any] = dict(self._s)
         s.update(backend="mooncake", page_bytes=self.page_bytes, master=self.config.master_server_address,
-                 registered_buffers=len(self._reg_starts))
+                 registered_buffers=len(self._reg_starts), teardown_deferred=self._teardown_deferred,
+                 **self._gate.stats())
         return s
 
     def __enter__(self) -> "MooncakeBackend":
@@ -519,6 +558,27 @@ class MooncakeBackend:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Backends whose teardown waits for process exit (their master was gone when they closed); closed
+# by an atexit hook, which runs after the interpreter has joined every worker thread.
+_AT_EXIT: list[MooncakeBackend] = []
+_AT_EXIT_LOCK = threading.Lock()
+
+
+def _defer_to_exit(backend: MooncakeBackend) -> None:
+    with _AT_EXIT_LOCK:
+        if not _AT_EXIT:
+            atexit.register(_teardown_at_exit)
+        _AT_EXIT.append(backend)
+
+
+def _teardown_at_exit() -> None:
+    with _AT_EXIT_LOCK:
+        backends = _AT_EXIT[:]
+        _AT_EXIT.clear()
+    for backend in backends:
+        backend._teardown_now()
 
 
 def _nbytes(buf: Buffer) -> int:
@@ -543,6 +603,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent(parent: int) -> None:
+    """In a spawned server, before it runs: SIGKILL it when the process that started it dies, even
+    by a crash that runs no `stop()` (Linux ``PR_SET_PDEATHSIG``; strictly, when the *thread* that
+    started it ends: start a cluster from a thread that outlives it, e.g. the main thread)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above: nobody would stop us
+        os._exit(1)
+
+
 def _wait_port(host: str, port: int, proc: subprocess.Popen, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -557,7 +627,9 @@ def _wait_port(host: str, port: int, proc: subprocess.Popen, deadline: float) ->
 
 class LocalMooncakeCluster:
     """A ``mooncake_master`` and a standalone ``mooncake_http_metadata_server``, both listening on
-    127.0.0.1 only (free ports), started and stopped by this object.
+    127.0.0.1 only (free ports), started and stopped (and reaped) by this object; both are killed
+    when the process that started them dies, so even a crash that runs no `stop()` leaves none
+    behind (Linux; `_die_with_parent`).
 
     The master's built-in metadata server is not used: it ignores its host flag. Note that
     Mooncake *clients* (`MooncakeBackend`) open their transfer listeners on all interfaces
@@ -584,6 +656,15 @@ class LocalMooncakeCluster:
     def metadata_url(self) -> str:
         return f"http://{self.HOST}:{self.metadata_port}/metadata"
 
+    @property
+    def pids(self) -> dict[str, int]:
+        """The running cluster's processes: ``{"metadata": pid, "master": pid}``."""
+        return {name: p.pid for name, p in zip(("metadata", "master"), self._procs)}
+
+    @property
+    def master_pid(self) -> int:
+        return self.pids["master"]
+
     def config(self, **overrides: Any) -> MooncakeConfig:
         base = MooncakeConfig(master_server_address=self.master_address, metadata_server=self.metadata_url,
                               local_hostname=self.HOST, tcp_bind_address=self.HOST)
@@ -595,7 +676,7 @@ class LocalMooncakeCluster:
         env = dict(os.environ)
         env.setdefault("MC_TCP_BIND_ADDRESS", self.HOST)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()))
         self._procs.append(p)
         return p
 

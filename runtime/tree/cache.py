@@ -82,6 +82,8 @@ class CacheCore:
         self.copies = CopyTracker(self.residency, op_ids, config.num_layers, readiness_factory)
         self.offload: DecodeOffload | None = DecodeOffload(self.residency, op_ids) if config.decode_offload else None
         self.storage: StorageTier | None = None  # enable_storage()
+        # the storage tier's counters: kept here, since detach/attach replaces the tier (they only grow)
+        self._storage_stats: dict[str, int] = dict.fromkeys(STORAGE_COUNTERS, 0)
         self._op_ids = op_ids
         self.table = RequestTable(config.page_size)
         self.requests: dict[Hashable, RequestRecord] = self.table.records  # read-only here: rows change in the table
@@ -112,7 +114,8 @@ class CacheCore:
         when it detached the same backend."""
         if self.residency.host is None:
             raise StateError("a storage tier needs the host tier")
-        self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config))
+        self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config),
+                                   self._storage_stats)
         if kept is not None:
             self.storage.known, self.storage.doubtful, self.storage.rank_keys = kept.known, kept.doubtful, kept.rank_keys
             self.storage.known_states = kept.states
@@ -511,7 +514,7 @@ class CacheCore:
         out = dict(self._stats)
         parts = [self.residency.stats, self.copies.stats]
         parts.append(self.offload.stats if self.offload is not None else dict.fromkeys(OFFLOAD_COUNTERS, 0))
-        parts.append(self.storage.stats if self.storage is not None else dict.fromkeys(STORAGE_COUNTERS, 0))
+        parts.append(self._storage_stats)
         states = self.residency.states
         parts.append(states.stats if states is not None else dict.fromkeys(STATE_COUNTERS, 0))
         sliding = self.residency.sliding

@@ -77,7 +77,9 @@ def storage_key_ok(extra_key: Hashable) -> bool:
 class StorageTier:
     # -- state -------------------------------------------------------------------
     def __init__(self, config: RuntimeConfig, residency: Residency, op_ids: Iterator[int],
-                 identity: KVIdentity) -> None:
+                 identity: KVIdentity, stats: dict[str, int] | None = None) -> None:
+        """`stats`: the counters to add to (`COUNTERS`), kept by the owner so that they outlive this
+        tier (a detach and attach replaces the tier, never the counters: they only grow)."""
         self.config = config  # (its prefetch policy; tiers-only mode issues its own reads: `read`)
         self.residency = residency
         self._op_ids = op_ids
@@ -103,7 +105,7 @@ class StorageTier:
         self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
         self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
-        self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
 
     # -- writes ------------------------------------------------------------------
     def write(self, node: Node, length: int, host: np.ndarray) -> None:

@@ -39,6 +39,9 @@ call:
   stored, holds in doubt or is writing (what a clear would leave otherwise), and every page it
   knows stored is there unless the harness deleted it (every `TREE_EVERY` calls, after each
   clear and at the end).
+- counters only grow: every counter (and histogram count) of every `stats()` the episode calls,
+  the teardown's included, is at least what the one before said (storage controls among the
+  steps: a detach and attach must not reset the storage counters).
 - recurrent state (*hybrid* episodes, about 1 in 5: `FuzzConfig.state_slots` > 0, a few state
   slots, half with a host tier and a quarter with storage too, no decode offload or sessions; a
   snapshot prefetched from storage is checked like any other): the harness is the model's recurrent
@@ -732,6 +735,7 @@ class Driver:
         self._vocab_chains: list[tuple[np.ndarray, Hashable, list[bytes]]] | None = None
         self.state_pool = rt.state_pool  # hybrid: the harness is the recurrent layers, as it is the attention
         self.final_stats: dict[str, dict[str, Any]] | None = None  # stats() at the end of the teardown
+        self.counters_seen: dict[tuple[str, str], int] = {}  # the last stats()'s counters (they only grow)
         self.layers = tuple(range(cfg.num_layers))
         self.swa: SwaView | None = None  # sliding: the harness writes and reads those layers through rt.swa_map
         if cfg.sliding:
@@ -1767,7 +1771,18 @@ class Driver:
         if res["requests"]["live"] != len(self.reqs) or res["copies"]["inflight"] < 0:
             raise self.fail("stats-result", f"stats() says {res['requests']['live']} live requests; the caller holds "
                             f"{len(self.reqs)}")
+        self.check_counters("stats()", res)
         await self.check("stats()", exc)
+
+    def check_counters(self, what: str, st: dict[str, dict[str, Any]]) -> None:
+        """No counter of `st` is below what the last stats() said (docs/API.md: counters only grow)."""
+        now = {(s.group, s.key): st[s.group][s.key]["count"] if s.kind is Kind.HISTOGRAM else st[s.group][s.key]
+               for s in STATS if s.kind in (Kind.COUNTER, Kind.HISTOGRAM)}
+        back = {f"{g}.{k}": (self.counters_seen[g, k], v) for (g, k), v in now.items()
+                if v < self.counters_seen.get((g, k), 0)}
+        if back:
+            raise self.fail("counter-decreased", f"{what}: counters went back (before, now): {back}")
+        self.counters_seen = now
 
     async def x_flush(self) -> None:
         def quiet(core: Any) -> bool:
@@ -2441,6 +2456,7 @@ class Driver:
         st, exc = await self.call("stats()", self.rt.stats)
         self.outcome("stats()", OK, exc)
         self.final_stats = st
+        self.check_counters("teardown stats()", st)
         busy = {f"{g}.{k}": st[g][k] for g, k in (("requests", "live"), ("copies", "inflight"), ("storage", "inflight"),
                                                    ("storage", "calls_running"), ("offload", "inflight"),
                                                    ("offload", "retired_requests"))}

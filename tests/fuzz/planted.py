@@ -21,6 +21,9 @@ Each plant wraps or replaces one function of the core the way a regression would
   finds them (only the fuzzer's model of what storage may hold can tell).
 - `detach_forgets_stored`: `detach_storage` keeps none of the page hashes known stored for a
   re-attach of the same backend: the KV events still announce them, a later clear leaves them.
+- `attach_resets_counters`: the storage counters live in the `StorageTier` that `attach_storage`
+  creates, so they restart from zero after a detach and attach (found by the oracle that every
+  counter of stats() only grows over an episode).
 - `gone_forgets_doubtful`: a lookup or read that stops at a missing page forgets it and the pages
   after it outright, holding none in doubt (the behaviour before `StorageTier.doubtful`): those
   after it stay on disk, and a clear leaves them (found with the fuzzer's `evict_pages`).
@@ -199,6 +202,21 @@ def _detach_forgets_stored() -> Callable[[], None]:
     return lambda: setattr(CacheCore, "disable_storage", disable)
 
 
+def _attach_resets_counters() -> Callable[[], None]:
+    from runtime.tree.cache import CacheCore
+    from runtime.tree.storage_tier import COUNTERS
+
+    enable = CacheCore.enable_storage
+
+    def broken(self: CacheCore, kept=None) -> None:
+        enable(self, kept)
+        # the old way: the counters belong to the tier, and a new tier starts them from zero
+        self.storage.stats = self._storage_stats = dict.fromkeys(COUNTERS, 0)
+
+    CacheCore.enable_storage = broken
+    return lambda: setattr(CacheCore, "enable_storage", enable)
+
+
 def _gone_forgets_doubtful() -> Callable[[], None]:
     from runtime.tree.storage_tier import StorageTier
 
@@ -342,6 +360,7 @@ PLANTS: dict[str, Plant] = {
     "split_keeps_page_hashes": Plant(_split_keeps_page_hashes, frozenset({"kv-events"})),
     "clear_leaves_pages": Plant(_clear_leaves_pages, frozenset({"storage-content"}), episodes="file"),
     "detach_forgets_stored": Plant(_detach_forgets_stored, frozenset({"kv-events", "storage-content"}), episodes="storage"),
+    "attach_resets_counters": Plant(_attach_resets_counters, frozenset({"counter-decreased"}), episodes="storage"),
     "gone_forgets_doubtful": Plant(_gone_forgets_doubtful, frozenset({"storage-content"}), episodes="file"),
     "state_match_not_cut": Plant(_state_match_not_cut, frozenset({"state-hit", "state-content"}), episodes="hybrid"),
     "state_leaf_grows": Plant(_state_leaf_grows, frozenset({"invariant", "runtime-failed"}),

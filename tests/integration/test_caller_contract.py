@@ -517,3 +517,86 @@ async def test_a_cancelled_step_releases_its_admissions():
         assert [r.rid for r in out] == ["a", "b"]
         await rt.step([Abort("a"), Abort("b")])
         await quiescent_check(rt)
+
+
+def _foreign_calls(rt: CacheRuntime) -> dict[str, Any]:
+    """Every public call with valid arguments (coroutine factories; `kv_events` is synchronous)."""
+    t = toks(9, 77)
+    return {
+        "admit": lambda: rt.admit("f", t), "prepare": lambda: rt.prepare("f", t), "extend": lambda: rt.extend("f", 1),
+        "decode_step": lambda: rt.decode_step(["f"]), "commit": lambda: rt.commit("f", 1),
+        "cache": lambda: rt.cache("f", t), "finish": lambda: rt.finish("f", t), "rewind": lambda: rt.rewind("f", 1),
+        "snapshot": lambda: rt.snapshot("f", 4), "open_session": lambda: rt.open_session("s"),
+        "close_session": lambda: rt.close_session("s"), "abort": lambda: rt.abort("f"),
+        "step": lambda: rt.step([Abort("f")]), "match_prefix": lambda: rt.match_prefix(t),
+        "can_admit": lambda: rt.can_admit(t), "available": rt.available, "flush": rt.flush, "stats": rt.stats,
+        "refresh_metrics": rt.refresh_metrics, "attach_storage": lambda: rt.attach_storage(object()),
+        "detach_storage": rt.detach_storage, "clear_storage": rt.clear_storage,
+        "inspect": lambda: rt.inspect(lambda core: None), "close": rt.close,
+    }
+
+
+def _call_from_another_thread(rt: CacheRuntime) -> dict[str, str]:
+    """Each public call from a thread of its own with its own event loop (and `kv_events` from a
+    thread with none): what each raised, and how long it took."""
+    import time
+
+    out: dict[str, str] = {}
+
+    async def each() -> None:
+        for name, make in _foreign_calls(rt).items():
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(make(), 2.0)
+                out[name] = "returned"
+            except asyncio.TimeoutError:
+                out[name] = "hung"
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                out[name] = type(exc).__name__
+            if time.monotonic() - t0 > 0.5:
+                out[name] += " (slow)"
+
+    def thread() -> None:
+        asyncio.run(each())
+        try:
+            rt.kv_events()
+            out["kv_events"] = "returned"
+        except Exception as exc:  # noqa: BLE001
+            out["kv_events"] = type(exc).__name__
+
+    import threading
+
+    th = threading.Thread(target=thread)
+    th.start()
+    th.join(120)
+    return out
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+async def test_a_call_from_another_threads_loop_fails_at_once(busy):
+    """Every public call made from another thread's event loop (and the synchronous `kv_events`
+    from a thread with none) raises `ForeignLoopError` at once, whether the runtime is idle or
+    serving on its own loop meanwhile, and the runtime carries on. Checked failing without the loop
+    check: on the idle runtime every call hung (the mailbox's wake-up is not thread-safe: the
+    runtime's loop never woke), and a foreign `close()` broke the close ("attached to a different
+    loop")."""
+    config = small_config(copy_engine="cpu", host_tokens=64, kv_events=True)
+    async with CacheRuntime.open(config) as rt:
+        stop = asyncio.Event()
+
+        async def load() -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                await serve(rt, f"busy{i}", toks(9, i))
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(load()) if busy else None
+        got = await asyncio.to_thread(_call_from_another_thread, rt)
+        stop.set()
+        if task is not None:
+            await task
+        assert got == dict.fromkeys([*_foreign_calls(rt), "kv_events"], "ForeignLoopError"), got
+        assert issubclass(errors.ForeignLoopError, ValidationError)
+        await serve(rt, "after", toks(9, 1))  # the runtime carries on
+        assert (await rt.stats())["requests"]["live"] == 0

@@ -148,3 +148,33 @@ async def test_an_admit_waiting_on_a_hung_lookup_goes_on_at_the_deadline(tmp_pat
     finally:
         fb.release()
         fb.close()
+
+
+async def test_ops_in_flight_at_close_are_settled_as_abandoned(tmp_path):
+    """Writes held in the backend past their deadline when the runtime closes: close returns (the
+    drain does not wait for overdue ops), every op submitted is settled (done + failed + abandoned),
+    none is left in flight, and a held call that returns after the close changes no counter and
+    acks nobody. Checked failing without the transfer actor's abandonment (ops stayed in
+    `storage_inflight` after close, and their late return counted them done too)."""
+    config = cfg(storage_timeout_s=0.2, prefetch_policy="timeout")
+    page_bytes = config.page_size * config.bytes_per_token
+    fb = FaultyBackend(FileBackend(tmp_path, page_bytes), FaultPlan(hold_at=frozenset(range(1, 10_000)),
+                                                                    methods=frozenset({"set_batch"})))
+    try:
+        async with CacheRuntime.open(config, storage=fb) as rt:
+            for i in range(3):
+                a = toks(N + 1, 20 + i)
+                res = await rt.admit(f"r{i}", a)
+                compute(rt, res.slots, a)
+                await rt.finish(f"r{i}", a[:N])
+            assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
+        transfer = rt._transfer
+        c = dict(transfer.counters)
+        assert c["storage_ops_abandoned"] >= 1 and not transfer.storage_inflight
+        assert c["storage_ops_submitted"] == c["storage_ops_done"] + c["storage_ops_failed"] + c["storage_ops_abandoned"]
+        fb.release()  # the held calls return now, after the close
+        await asyncio.sleep(0.3)
+        assert transfer.counters == c and not transfer.storage_abandoned
+    finally:
+        fb.release()
+        fb.close()
