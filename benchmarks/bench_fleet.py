@@ -20,7 +20,7 @@ every whole page of its prompt (at most len - 1 tokens) that a request finished 
 sent held in its prompt or reply (`ideal`). With a trace's conversations running at once, two
 requests on one system prompt sent together both compute it, on one instance as on many; the
 stricter `ideal_sequential` lets a request find the pages of every request sent before it (as if
-none ran at once). Target (issue 16): cache-aware routing recomputes <= 1.1x the ideal, round
+none ran at once). Target: cache-aware routing recomputes <= 1.1x the ideal, round
 robin far above it. The last stdout line is one JSON object.
 """
 

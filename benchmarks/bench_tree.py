@@ -43,7 +43,7 @@ insert; evicting such a leaf frees the whole session chain at once. Hit rates ar
 
     .venv/bin/python benchmarks/bench_tree.py [--quick] [--deep] [--peers ../peer-venv/bin/python]
 
-Last stdout line: one JSON object (DESIGN.md, "Benchmarks"): per page size the batched
+Last stdout line: one JSON object (docs/BENCHMARKS.md): per page size the batched
 actor req/s (measured), the sync core req/s (baseline), their ratio, the single-call actor
 figures, hit rates, and the peers' medians when run.
 """

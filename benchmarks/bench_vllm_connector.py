@@ -22,7 +22,7 @@ and the connector's scheduler-side time (all its methods vLLM's scheduler calls:
 `get_num_new_matched_tokens`, `update_state_after_alloc`, `build_connector_meta`,
 `request_finished`, `update_connector_output`, `has_pending_push_work`), means over the steps
 with at least `--busy` running requests and their ratio, and the ratio of the sums over all
-steps (admission and finish steps, where the connector's work is, included). Targets (issue 15): computed <= 1.1x
+steps (admission and finish steps, where the connector's work is, included). Targets: computed <= 1.1x
 ideal; connector time <= 10% of `schedule()` at 256 running requests.
 
     .venv/bin/python benchmarks/bench_vllm_connector.py [--sessions 256] [--turns 4] [--quick]

@@ -1,4 +1,4 @@
-"""Cache-aware routing across runtime instances, by their KV events (issue 16, part 5).
+"""Cache-aware routing across runtime instances, by their KV events.
 
 N instances run as separate processes, each a `CacheRuntime` with a simulated forward (the time
 a GPU would take: per computed token, per token loaded from host or storage) and one shared

@@ -1,10 +1,12 @@
 """Typed errors of the runtime.
 
-`ValidationError` and its subclasses are raised *before* any state change: they go back to
-the caller and the actor that raised them lives on. Any other exception inside an actor
-fails the whole runtime (`RuntimeFailed`), and so do the errors of internal structures (the
-radix tree's `TreeError`, a ledger's `OwnershipError` / `PinnedSlotError`) and any
-`CallerError` raised for a message that has no caller to take it (an ack).
+`ValidationError` and its subclasses are raised *before* any state change, in a handler's
+check phase: they go back to the caller and the actor that raised them lives on. Inside an
+actor, anything raised after the check phase (a `ValidationError` included: it would claim
+that nothing changed) fails the whole runtime (`RuntimeFailed`), and so does any error that is
+not a `CallerError` (the internal structures' own: the radix tree's `TreeError`, a ledger's
+`OwnershipError` / `PinnedSlotError`) and any `CallerError` raised for a message that has no
+caller to take it (an ack). `runtime.actors.base` says how a handler marks its phases.
 """
 
 from __future__ import annotations
@@ -65,18 +67,6 @@ class CapacityError(ValidationError):
     """Not enough free (or evictable) pages; nothing was allocated."""
 
 
-class OwnershipError(ValidationError):
-    """A slot is not owned by the owner that tried to free or hand it over.
-
-    Raised by a slot ledger, which no caller talks to: inside an actor it fails the runtime
-    (`runtime.actors.base.INTERNAL_ERRORS`)."""
-
-
-class PinnedSlotError(ValidationError):
-    """A slot with copies in flight (pinned) cannot be freed or reused (a ledger's error: inside an
-    actor it fails the runtime, as `OwnershipError`)."""
-
-
 class MailboxFull(HiCacheError):
     """Explicit back-pressure: the actor's mailbox is full; the message was not sent."""
 
@@ -104,5 +94,15 @@ class InternalError(HiCacheError, RuntimeError):
     never a caller's input. Fails the runtime whole; never sent to a caller as a refusal."""
 
 
+class OwnershipError(InternalError):
+    """A slot is not owned by the owner that tried to free or hand it over. Raised by a slot
+    ledger, which no caller talks to: its arguments are the runtime's own."""
+
+
+class PinnedSlotError(InternalError):
+    """A slot with copies in flight (pinned) cannot be freed or reused (a ledger's error, as
+    `OwnershipError`)."""
+
+
 class InvariantViolation(AssertionError):
-    """The debug invariant checker found a broken DESIGN.md invariant (fails the runtime)."""
+    """The debug invariant checker found a broken invariant (`runtime.invariants`; fails the runtime)."""

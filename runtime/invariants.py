@@ -1,4 +1,4 @@
-"""The invariant checker (DESIGN.md, "Invariants"), run over a `CacheCore`.
+"""The invariant checker, run over a `CacheCore` (docs/ARCHITECTURE.md, "Rules").
 
 It recomputes every expected owner, pin count, lock count and derived set from raw fields
 (node slots and counters, request records, in-flight copy snapshots, ledger arrays) with

@@ -1,17 +1,20 @@
-"""Every message type of the runtime: frozen, slotted dataclasses (`message`).
+"""Every message type of the runtime: frozen, slotted `msgspec.Struct`s (`Message`).
 
 Index tensors in a message belong to that message (never a view of a node's or a request's
 array: seed 001). An operation that must keep its meaning while the tree changes carries a
-snapshot of what it covers (seed 002). Acks carry an op id and an outcome, never a live object.
+snapshot of what it covers (seed 002). Acks carry an op id and an outcome, never a live object
+of the tree (a node, a record); `StorageCleared` carries the clear's caller `Reply` back to the
+tree actor, which completes it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -20,28 +23,10 @@ if TYPE_CHECKING:
     from runtime.completion import LayerReadiness
 
 
-_M = TypeVar("_M")
-
-
-def message(cls: type[_M]) -> type[_M]:
-    """A message type: `@dataclass(frozen=True, slots=True)`, quicker to build.
-
-    The frozen dataclass's own `__init__` stores each field with `object.__setattr__`
-    (a frozen class refuses plain assignment); this one stores through each slot's descriptor,
-    the same effect at about 60% of the cost. The hot path builds several messages per request
-    (a step's items, the façade's copies of them, the results). Equality, repr, hash, field
-    order, defaults and frozenness stay the dataclass's."""
-    cls = dataclass(frozen=True, slots=True)(cls)
-    fs = fields(cls)
-    params = ", ".join(f.name if f.default is MISSING else f"{f.name}=_default_{f.name}" for f in fs)
-    body = "".join(f"\n    _set_{f.name}(self, {f.name})" for f in fs) or "\n    pass"
-    namespace: dict[str, Any] = {f"_set_{f.name}": getattr(cls, f.name).__set__ for f in fs}
-    namespace.update({f"_default_{f.name}": f.default for f in fs if f.default is not MISSING})
-    exec(f"def __init__(self, {params}):{body}", namespace)
-    init = namespace["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    cls.__init__ = init  # type: ignore[misc]
-    return cls
+class Message(msgspec.Struct, frozen=True):
+    """Base of every message type: a frozen, slotted `msgspec.Struct` (msgspec builds `__init__`
+    in C: several messages are built per request on the hot path). Equality, hash and repr cover
+    every field (the reply too: no message is compared on the hot path)."""
 
 
 class Direction(str, Enum):
@@ -49,8 +34,7 @@ class Direction(str, Enum):
     LOAD = "host_to_device"
 
 
-@message
-class PoolTransfer:
+class PoolTransfer(Message):
     """One pool's part of a copy: slot indices (int64, CPU, page-aligned, equal length) owned by this message."""
 
     pool: str
@@ -58,8 +42,7 @@ class PoolTransfer:
     dst: torch.Tensor
 
 
-@message
-class TransferPlan:
+class TransferPlan(Message):
     """A device->host backup or host->device load of whole pages, one `PoolTransfer` per pool."""
 
     op_id: int
@@ -71,8 +54,7 @@ class TransferPlan:
         return int(self.transfers[0].src.numel()) if self.transfers else 0
 
 
-@message
-class TransferAck:
+class TransferAck(Message):
     """Outcome of one copy: `error` is None when it succeeded (a description otherwise)."""
 
     op_id: int
@@ -88,8 +70,7 @@ class TransferAck:
 # -- results returned to the framework ---------------------------------------------------
 
 
-@message
-class AdmitResult:
+class AdmitResult(Message):
     """What `admit` gives the framework; `slots` is a new tensor owned by the caller."""
 
     rid: Hashable
@@ -113,89 +94,77 @@ class AdmitResult:
 # Items of a `Batch` carry reply=None; single asks carry their own reply.
 
 
-@message
-class Admit:
+class Admit(Message):
     rid: Hashable
     tokens: np.ndarray
     extra_key: Hashable = None
     session: Hashable = None
     priority: int = 0  # raised onto the tree nodes the request inserts (eviction_policy="priority")
-    reply: "Reply[AdmitResult] | None" = field(default=None, compare=False)
+    reply: "Reply[AdmitResult] | None" = None
 
 
-@message
-class Extend:
+class Extend(Message):
     rid: Hashable
     num_tokens: int
-    reply: "Reply[torch.Tensor] | None" = field(default=None, compare=False)
+    reply: "Reply[torch.Tensor] | None" = None
 
 
-@message
-class DecodeStep:
+class DecodeStep(Message):
     """One decode step of running requests: each commits what it has and gets one new slot."""
 
     rids: tuple
-    reply: "Reply[torch.Tensor] | None" = field(default=None, compare=False)
+    reply: "Reply[torch.Tensor] | None" = None
 
 
-@message
-class Commit:
+class Commit(Message):
     rid: Hashable
     committed_len: int
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class Cache:
+class Cache(Message):
     rid: Hashable
     tokens: np.ndarray
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class Finish:
+class Finish(Message):
     rid: Hashable
     tokens: np.ndarray
     finished_len: int | None = None
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class Abort:
+class Abort(Message):
     rid: Hashable
-    reply: "Reply[None] | None" = field(default=None, compare=False)
+    reply: "Reply[None] | None" = None
 
 
-@message
-class Rewind:
+class Rewind(Message):
     rid: Hashable
     new_len: int
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class Snapshot:
+class Snapshot(Message):
     rid: Hashable
     position: int
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class OpenSession:
+class OpenSession(Message):
     sid: Hashable
     extra_key: Hashable = None
-    reply: "Reply[None] | None" = field(default=None, compare=False)
+    reply: "Reply[None] | None" = None
 
 
-@message
-class CloseSession:
+class CloseSession(Message):
     sid: Hashable
     insert: bool = False
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class ReleaseAbandoned:
+class ReleaseAbandoned(Message):
     """Internal: a caller was cancelled after its admit took effect; release that admission."""
 
     rid: Hashable
@@ -203,87 +172,75 @@ class ReleaseAbandoned:
     reply: None = None
 
 
-@message
-class MatchPrefix:
+class MatchPrefix(Message):
     tokens: np.ndarray
     extra_key: Hashable = None
-    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+    reply: "Reply[dict[str, int]] | None" = None
 
 
-@message
-class CanAdmit:
+class CanAdmit(Message):
     tokens: np.ndarray
     extra_key: Hashable = None
-    reply: "Reply[bool] | None" = field(default=None, compare=False)
+    reply: "Reply[bool] | None" = None
 
 
-@message
-class Available:
-    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+class Available(Message):
+    reply: "Reply[dict[str, int]] | None" = None
 
 
-@message
-class Flush:
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+class Flush(Message):
+    reply: "Reply[int] | None" = None
 
 
-@message
-class TreeStats:
-    reply: "Reply[dict[str, Any]] | None" = field(default=None, compare=False)
+class TreeStats(Message):
+    reply: "Reply[dict[str, Any]] | None" = None
 
 
-@message
-class DrainTree:
+class DrainTree(Message):
     """Reply once no copy issued by the tree actor is in flight (close waits on it)."""
 
-    reply: "Reply[None] | None" = field(default=None, compare=False)
+    reply: "Reply[None] | None" = None
 
 
-@message
-class Inspect:
+class Inspect(Message):
     """Debug/test: run `fn(core)` inside the tree actor and reply with its result."""
 
     fn: Any
-    reply: "Reply[Any] | None" = field(default=None, compare=False)
+    reply: "Reply[Any] | None" = None
 
 
-@message
-class Prepare:
+class Prepare(Message):
     """Start reading from storage what it holds of `tokens` beyond the device and host hit."""
 
     rid: Hashable
     tokens: np.ndarray
     extra_key: Hashable = None
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class AttachStorage:
+class AttachStorage(Message):
     """Storage controls (`attach_storage`): put a storage tier behind the host tier, on `backend`
     (checked by the façade)."""
 
     backend: Any
-    reply: "Reply[Any] | None" = field(default=None, compare=False)
+    reply: "Reply[Any] | None" = None
 
 
-@message
-class DetachStorage:
+class DetachStorage(Message):
     """Storage controls (`detach_storage`): drain the storage ops, then turn the tier off. Replies
     with the detached backend."""
 
-    reply: "Reply[Any] | None" = field(default=None, compare=False)
+    reply: "Reply[Any] | None" = None
 
 
-@message
-class ClearStorage:
+class ClearStorage(Message):
     """Storage controls (`clear_storage`): drain the storage ops, forget the known-stored hints and
     remove those pages from the backend. Replies with the pages removed."""
 
-    reply: "Reply[int] | None" = field(default=None, compare=False)
+    reply: "Reply[int] | None" = None
 
 
-@message
-class StorageCleared:
+class StorageCleared(Message):
     """The transfer actor removed a clear's pages (`removed`; `error`: the backend call failed)."""
 
     removed: int
@@ -292,8 +249,7 @@ class StorageCleared:
     reply: None = None
 
 
-@message
-class StorageAck:
+class StorageAck(Message):
     """Outcome of one storage op: `pages` leading pages written or read (0 on `error`)."""
 
     op_id: int
@@ -306,8 +262,7 @@ class StorageAck:
     reply: None = None
 
 
-@message
-class StorageOverdue:
+class StorageOverdue(Message):
     """A storage op's backend call has run past `storage_timeout_s` (sent once). The op is still in
     flight: its worker may still write into the op's pinned host pages, so its `StorageAck` follows
     when the call returns; until then nothing of it may be freed."""
@@ -321,8 +276,7 @@ class StorageOverdue:
 # holder are in flight is never confused with it.
 
 
-@message
-class OffloadCommit:
+class OffloadCommit(Message):
     """Tree -> offload: a running request's committed length grew (decode_offload on).
 
     `base` is where its offload starts (its cached prefix, page-aligned)."""
@@ -334,8 +288,7 @@ class OffloadCommit:
     reply: None = None
 
 
-@message
-class OffloadFinish:
+class OffloadFinish(Message):
     """Tree -> offload: the request finished (`final_len` = tokens with valid KV) or was
     aborted (`final_len` None). Its device slots wait for `ReleaseOffloaded`."""
 
@@ -346,8 +299,7 @@ class OffloadFinish:
     reply: None = None
 
 
-@message
-class OffloadStarted:
+class OffloadStarted(Message):
     """Reply to `StartOffload`: the copy of tokens [start, end) is in flight as `op_id`."""
 
     op_id: int
@@ -355,8 +307,7 @@ class OffloadStarted:
     end: int
 
 
-@message
-class StartOffload:
+class StartOffload(Message):
     """Offload -> tree: copy the page-aligned tokens [start, end) of the request to host.
 
     Reply: `OffloadStarted`, or None when nothing was started (host pool full, request gone)."""
@@ -365,11 +316,10 @@ class StartOffload:
     generation: int
     start: int
     end: int
-    reply: "Reply[OffloadStarted | None] | None" = field(default=None, compare=False)
+    reply: "Reply[OffloadStarted | None] | None" = None
 
 
-@message
-class OffloadAck:
+class OffloadAck(Message):
     """Tree -> offload: the offload copy `op_id` completed (its pins are released)."""
 
     rid: Hashable
@@ -379,8 +329,7 @@ class OffloadAck:
     reply: None = None
 
 
-@message
-class ReleaseOffloaded:
+class ReleaseOffloaded(Message):
     """Offload -> tree: the request finished and has no offload in flight: free its device
     slots now (idempotent: a second one changes nothing)."""
 
@@ -389,16 +338,14 @@ class ReleaseOffloaded:
     reply: None = None
 
 
-@message
-class DrainOffload:
+class DrainOffload(Message):
     """Façade -> offload (close): start no more offloads; reply once none is in flight."""
 
-    reply: "Reply[None] | None" = field(default=None, compare=False)
+    reply: "Reply[None] | None" = None
 
 
-@message
-class OffloadStats:
-    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+class OffloadStats(Message):
+    reply: "Reply[dict[str, int]] | None" = None
 
 
 OffloadMessage = OffloadCommit | OffloadFinish | OffloadAck | DrainOffload | OffloadStats
@@ -406,8 +353,7 @@ OffloadMessage = OffloadCommit | OffloadFinish | OffloadAck | DrainOffload | Off
 
 # -- transfer actor (tree -> transfer, and its own completions) --------------------------------
 
-@message
-class SubmitCopy:
+class SubmitCopy(Message):
     """Run `plan`; ack to `ack_to`. A load's `readiness` resolves layer by layer."""
 
     plan: "TransferPlan"
@@ -416,28 +362,24 @@ class SubmitCopy:
     reply: None = None
 
 
-@message
-class DrainTransfer:
+class DrainTransfer(Message):
     """Reply once no copy is queued or in flight and every storage op still in flight is overdue
     (used by close: a backend call that never returns must not hold close forever)."""
 
-    reply: "Reply[None] | None" = field(default=None, compare=False)
+    reply: "Reply[None] | None" = None
 
 
-@message
-class TransferStats:
-    reply: "Reply[dict[str, int]] | None" = field(default=None, compare=False)
+class TransferStats(Message):
+    reply: "Reply[dict[str, int]] | None" = None
 
 
-@message
-class CopyDone:
+class CopyDone(Message):
     op_id: int
     error: str | None
     reply: None = None
 
 
-@message
-class SubmitStorage:
+class SubmitStorage(Message):
     """A storage op: write host pages the requester pinned under `keys`; read the leading `keys`
     that storage holds into them; or, a lookup (a read with no `pages`), count the leading `keys`
     storage holds. Acked to `ack_to` with a `StorageAck` (`pages`: written, read or found)."""
@@ -471,25 +413,22 @@ class StateBlob:
     page: bytes = b""
 
 
-@message
-class StorageCallbackFailed:
+class StorageCallbackFailed(Message):
     """Applying a storage completion raised (a bug): fail the runtime from inside the actor."""
 
     error: BaseException
     reply: None = None
 
 
-@message
-class SetStorageBackend:
+class SetStorageBackend(Message):
     """Storage controls: from now on storage ops go to `backend` (None: no storage tier). Sent by the
     tree actor with no storage op in flight; the reply (the caller's) gets the previous backend."""
 
     backend: Any
-    reply: "Reply[Any] | None" = field(default=None, compare=False)
+    reply: "Reply[Any] | None" = None
 
 
-@message
-class RemoveStoragePages:
+class RemoveStoragePages(Message):
     """`clear_storage`: remove `keys` from the backend (in a worker thread); `StorageCleared` to
     `ack_to`, carrying the caller's reply."""
 
@@ -505,17 +444,15 @@ TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | Submi
 
 # -- tree actor: a batch of requests (one scheduling step), the prefetch deadline ----------------
 
-@message
-class Batch:
+class Batch(Message):
     """Many requests in one message (a scheduling step); the reply is a tuple with, per item,
     its result or its `ValidationError` (a failed item changes nothing)."""
 
     items: tuple[Any, ...]
-    reply: "Reply[tuple[Any, ...]] | None" = field(default=None, compare=False)
+    reply: "Reply[tuple[Any, ...]] | None" = None
 
 
-@message
-class PrefetchDeadline:
+class PrefetchDeadline(Message):
     """The `timeout` policy's deadline for the admits waiting on `prefetch`."""
 
     prefetch: Any  # the tree core's Prefetch record

@@ -14,7 +14,8 @@ unless the embedder passes that one), and unregistered at close.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from runtime.errors import ConfigError, HiCacheError
 from runtime.stats import STATS, Kind, Stat
 from runtime.trace import get_logger
 
@@ -113,3 +115,72 @@ class MetricsEndpoint:
         self._thread.join()
         log.info("metrics_endpoint_stopped", addr=self.addr, port=self.port)
 
+
+Snapshot = dict[str, dict[str, Any]]
+
+
+class MetricsExporter:
+    """A runtime's metrics from open to close: its collector registered on `registry`, the first
+    snapshot, the endpoint (with `metrics_port`), the refresh every `metrics_interval_s`, and their
+    teardown. `take_snapshot` is the runtime's `stats()`."""
+
+    def __init__(self, registry: CollectorRegistry, take_snapshot: Callable[[], Awaitable[Snapshot]], *,
+                 interval_s: float, addr: str, port: int | None) -> None:
+        self.registry = registry
+        self.collector = StatsCollector()
+        self.endpoint: MetricsEndpoint | None = None
+        self._take_snapshot = take_snapshot
+        self._interval_s = interval_s
+        self._addr, self._port = addr, port
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int | None:
+        """The port the endpoint is bound to (None without one)."""
+        return self.endpoint.port if self.endpoint is not None else None
+
+    def register(self) -> None:
+        try:
+            self.registry.register(self.collector)
+        except ValueError as exc:  # names taken: another runtime (or anything) exports hicache_* there
+            raise ConfigError(f"metrics_registry already has these metrics ({exc}); "
+                              f"give each runtime a registry of its own") from None
+
+    async def refresh(self) -> Snapshot:
+        """A snapshot handed to the collector (nobody changes it again)."""
+        snapshot = await self._take_snapshot()
+        self.collector.update(snapshot)
+        return snapshot
+
+    async def start(self) -> None:
+        """The first snapshot, the endpoint (if asked for), then the periodic refresh."""
+        await self.refresh()
+        if self._port is not None:
+            self.endpoint = MetricsEndpoint(self.registry, self._addr, self._port)
+        self._task = asyncio.get_running_loop().create_task(self._refresh_every(), name="hicache-metrics")
+
+    async def _refresh_every(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                await self.refresh()  # (no copy: nobody reads it here)
+            except HiCacheError:  # closing or failed: the last snapshot stays until close unregisters
+                return
+
+    async def stop(self) -> None:
+        """At close, first: no refresh asks a closing actor; the endpoint and registration go."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled():  # our caller was cancelled, not the task
+                    raise
+        endpoint, self.endpoint = self.endpoint, None
+        if endpoint is not None:
+            await asyncio.to_thread(endpoint.stop)  # shutdown() waits for the server's poll loop
+        try:
+            self.registry.unregister(self.collector)
+        except KeyError:  # never registered (open refused it), or already gone
+            pass

@@ -17,39 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
-import functools
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import zmq
 
-from runtime.actors.base import Mailbox, Reply
-from runtime.actors.offload_actor import OffloadActor
-from runtime.actors.transfer_actor import TransferActor
-from runtime.actors.tree_actor import TreeActor
-from runtime.completion import LayerReadiness
+from runtime.actors.base import Reply
+from runtime.assembly import EngineFactory, assemble, check_backend
+from runtime.assembly import make_engine, make_storage  # noqa: F401 - public helpers, imported from here too
 from runtime.config import RuntimeConfig
 from runtime.errors import (
     ArgumentError,
     ConfigError,
-    HiCacheError,
     LengthError,
     RuntimeFailed,
     StateError,
-    TransferError,
     ValidationError,
 )
-from runtime.events.hub import EventHub, EventSubscription
-from runtime.events.publisher import ZmqEventPublisher
-from runtime.memory.pools import DevicePool, HostPool, KVShape
-from runtime.memory.state_pool import StatePool
-from runtime.memory.swa import SWA_POOL
-from runtime.storage.state_blobs import StateBlobFormat
-from runtime.transfer.state_io import StateBlobIO
+from runtime.events.hub import EventSubscription
 from runtime.messages import (
     Abort,
     Admit,
@@ -77,16 +64,12 @@ from runtime.messages import (
     Rewind,
     Snapshot,
     TransferStats,
-    TreeMessage,
     TreeStats,
 )
 from runtime.messages import DrainOffload, OffloadStats  # decode offload
 from runtime.stats import nest
-from runtime.supervisor import State, Supervisor, wait_shielded
-from runtime.trace import JsonlSink, SlotTracer, get_logger
-from runtime.transfer.engine import CopyEngine
-from runtime.transfer.sharded import ShardedCopyEngine, pool_geometry
-from runtime.tree.cache import CacheCore
+from runtime.supervisor import State, wait_shielded
+from runtime.trace import get_logger
 from runtime.validation import (
     TOKEN_LIMIT,
     check_count,
@@ -104,121 +87,9 @@ from runtime.validation import tokens as _checked_tokens
 if TYPE_CHECKING:  # prometheus_client is imported only when metrics are on
     from prometheus_client.registry import CollectorRegistry
 
-    from runtime.metrics import MetricsEndpoint, StatsCollector
+    from runtime.metrics import MetricsExporter
 
 log = get_logger("hicache.runtime")
-
-
-EngineFactory = Callable[[Mapping[str, tuple[DevicePool, HostPool]]], CopyEngine]
-
-
-class _NoHostTier:
-    """The engine of a runtime without a host tier: it is never given a plan."""
-
-    def submit(self, plan: Any) -> Any:
-        raise TransferError("no host tier configured")
-
-    def close(self) -> None:
-        pass
-
-
-def make_engine(config: RuntimeConfig, device_pool: DevicePool, host_pool: HostPool | None,
-                factory: EngineFactory | None = None,
-                states: tuple[StatePool, StatePool] | None = None,
-                swa: tuple[DevicePool, HostPool] | None = None) -> CopyEngine:
-    """The copy engine over the KV pools and, for a hybrid model, the state pools' components
-    (plan pools ``state.<component>``); with sliding layers, their pools (plan pool ``swa``)."""
-    if host_pool is None:
-        return _NoHostTier()
-    pools: dict[str, Any] = {"kv": (device_pool, host_pool)}
-    if swa is not None:
-        pools[SWA_POOL] = swa
-    if states is not None:
-        device_states, host_states = states
-        for (name, dev), (_, host) in zip(device_states.component_pools(), host_states.component_pools(), strict=True):
-            pools[name] = (dev, host)
-    if factory is not None:
-        return factory(pools)
-    kind = config.copy_engine
-    if kind == "auto":
-        kind = "cuda" if torch.device(config.device).type == "cuda" else "cpu"
-    if kind == "cuda":
-        from runtime.transfer.cuda_engine import CudaCopyEngine
-
-        return CudaCopyEngine(pools)
-    if kind == "fake":
-        from runtime.transfer.fake_engine import FakeCopyEngine
-
-        return FakeCopyEngine(pools)
-    from runtime.transfer.cpu_engine import CpuCopyEngine
-
-    return CpuCopyEngine(pools, workers_per_direction=config.copy_workers)
-
-
-def make_rank_engines(config: RuntimeConfig, device_pools: Sequence[DevicePool], host_pools: Sequence[HostPool],
-                      factory: EngineFactory | None = None) -> CopyEngine:
-    """The copy engine of one control plane over `config.tp_ranks` ranks: an engine per rank over
-    that rank's pools (`factory(pools)` each, or the config's kind), all behind one
-    `ShardedCopyEngine` (every rank runs every plan; an op completes when every rank's did)."""
-    if not host_pools:
-        return _NoHostTier()
-    engines = [make_engine(config, device, host, factory) for device, host in zip(device_pools, host_pools, strict=True)]
-    return ShardedCopyEngine(engines, [pool_geometry({"kv": pair}) for pair in zip(device_pools, host_pools)])
-
-
-def check_backend(config: RuntimeConfig, storage: Any) -> None:
-    """A storage backend given by the caller (`open(storage=)`, `attach_storage`): it has the
-    protocol's methods and pages of this config's size (a hybrid model's state snapshots are
-    stored in the same pages: `runtime.storage.state_blobs`), and no sliding layers (their dropped
-    pages have no storage rule yet); `ConfigError` otherwise."""
-    if config.sliding_layer_set:
-        raise ConfigError("sliding_layers has no storage tier yet")
-    if config.state_shape is not None and config.host_slots > 0 and config.host_state_slot_count == 0:
-        raise ConfigError("host_state_slots: a storage tier with recurrent state needs host state slots "
-                          "(snapshots reach storage through their host copies)")
-    missing = [name for name in ("exists_prefix", "get_batch", "set_batch", "close", "stats")
-               if not callable(getattr(storage, name, None))]
-    if missing:
-        raise ConfigError(f"storage backend {type(storage).__name__} lacks {', '.join(missing)} (see StorageBackend)")
-    want = config.page_size * config.bytes_per_token
-    if getattr(storage, "page_bytes", None) != want:
-        raise ConfigError(f"storage backend pages are {getattr(storage, 'page_bytes', None)} bytes; "
-                          f"this config's pages are {want}")
-
-
-def make_event_hub(config: RuntimeConfig) -> EventHub | None:
-    """The event hub of `config` (None: events off), its ZMQ publisher bound when an endpoint is set."""
-    if not config.kv_events:
-        return None
-    publisher = None
-    if config.kv_events_endpoint is not None:
-        try:
-            publisher = ZmqEventPublisher(config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
-                                          topic=config.kv_events_topic, buffer_steps=config.kv_events_buffer_steps)
-        except zmq.ZMQError as exc:
-            raise ConfigError(f"kv_events_endpoint {config.kv_events_endpoint!r} / kv_events_replay_endpoint "
-                              f"{config.kv_events_replay_endpoint!r}: cannot bind: {exc}") from None
-    return EventHub(config.page_size, config.data_parallel_rank, publisher)
-
-
-def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]:
-    """The storage backend (given, or built from the config) and whether the runtime owns it."""
-    if storage is not None:
-        check_backend(config, storage)
-        return storage, False
-    if config.storage_backend == "none":
-        return None, False
-    page_bytes = config.page_size * config.bytes_per_token
-    if config.storage_backend == "file":
-        from runtime.storage.file_backend import FileBackend
-
-        assert config.storage_dir is not None
-        return FileBackend(config.storage_dir, page_bytes, cap_bytes=config.storage_cap_bytes), True
-    # mooncake: the cluster comes from the environment (MOONCAKE_MASTER, ... or MOONCAKE_CONFIG_PATH,
-    # see docs/STORAGE.md); or pass storage=MooncakeBackend(page_bytes, MooncakeConfig(...))
-    from runtime.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
-
-    return MooncakeBackend(page_bytes, MooncakeConfig.from_env()), True
 
 
 class CacheRuntime:
@@ -230,96 +101,30 @@ class CacheRuntime:
         if metrics_on:
             from prometheus_client.registry import CollectorRegistry
 
-            from runtime.metrics import StatsCollector
+            from runtime.metrics import MetricsExporter
 
             if metrics_registry is not None and not isinstance(metrics_registry, CollectorRegistry):
                 raise ConfigError(f"metrics_registry must be a prometheus_client CollectorRegistry, "
                                   f"got {type(metrics_registry).__name__}")
         self.config = config
-        shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype,
-                        parts=config.kv_parts)
-        sliding = len(config.sliding_layer_set)
-        # sliding layers: the full pool holds the other layers, in order; the sliding ones are in
-        # `swa_pool`, addressed through `swa_map` (set below, from the tree's ledger)
-        full = dataclasses.replace(shape, num_layers=config.num_layers - sliding) if sliding else shape
-        self.device_pool = DevicePool(full, config.device_slots, config.page_size, torch.device(config.device))
-        self.swa_pool = (DevicePool(dataclasses.replace(shape, num_layers=sliding), config.swa_slots, config.page_size,
-                                    torch.device(config.device)) if sliding else None)
-        self.swa_map: torch.Tensor | None = None
-        self.host_pool = (HostPool(full, config.host_slots, config.page_size, layout=config.host_layout)
-                          if config.host_slots > 0 else None)
-        # host copies keep every layer: the sliding ones at the same host slots as the full ones
-        self.host_swa_pool = (HostPool(self.swa_pool.shape, config.host_slots, config.page_size,
-                                       layout=config.host_layout)
-                              if self.swa_pool is not None and self.host_pool is not None else None)
-        # one control plane over `tp_ranks` tensor-parallel ranks: every rank's pools, one geometry
-        # (rank 0's the ones above); one rank: just those
-        self.device_pools: tuple[DevicePool, ...] = (self.device_pool,) + tuple(
-            DevicePool(full, config.device_slots, config.page_size, torch.device(config.device))
-            for _ in range(config.tp_ranks - 1))
-        self.host_pools: tuple[HostPool, ...] = () if self.host_pool is None else (self.host_pool,) + tuple(
-            HostPool(full, config.host_slots, config.page_size, layout=config.host_layout)
-            for _ in range(config.tp_ranks - 1))
-        # a hybrid model's recurrent states: running requests' and the tree's snapshots
-        self.state_pool = (StatePool(config.state_shape, config.state_slots, torch.device(config.device))
-                           if config.state_shape is not None else None)
-        self.host_state_pool = (StatePool(config.state_shape, config.host_state_slot_count,
-                                          pin_memory=torch.device(config.device).type == "cuda")
-                                if config.host_state_slot_count > 0 else None)
-        sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
-        self.tracer = SlotTracer(config.page_size, sinks)
-        storage, own = make_storage(config, storage)
-        if storage is not None and self.host_pool is None:
-            raise ConfigError("a storage tier needs the host tier")
-        self._owned_storage = storage if own else None  # closed by the runtime (built from the config)
-        if config.tp_ranks == 1:
-            self.engine = make_engine(
-                config, self.device_pool, self.host_pool, engine_factory,
-                (self.state_pool, self.host_state_pool) if self.host_state_pool is not None else None,
-                (self.swa_pool, self.host_swa_pool) if self.host_swa_pool is not None else None)
-        else:
-            self.engine = make_rank_engines(config, self.device_pools, self.host_pools, engine_factory)
-        self._transfer = TransferActor(
-            self.engine, max_inflight_loads=config.max_inflight_loads,
-            max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
-            bytes_per_slot=full.bytes_per_token, storage=storage, host_pool=self.host_pool,
-            storage_timeout_s=config.storage_timeout_s,
-            pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
-                              for name, pool in self.state_pool.component_pools()}
-                             if self.state_pool is not None else
-                             {SWA_POOL: self.swa_pool.shape.bytes_per_token} if self.swa_pool is not None else None),
-            rank_host_pools=self.host_pools if config.tp_ranks > 1 else (),
-            state_io=(StateBlobIO(self.host_state_pool, StateBlobFormat.of(config.state_shape,
-                                                                           config.page_size * config.bytes_per_token))
-                      if self.host_state_pool is not None and config.state_shape is not None else None))
-        readiness = (LayerReadiness.pending if config.tp_ranks == 1
-                     else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
-        self._core = CacheCore(config, self.tracer, readiness_factory=readiness)
-        if self._core.residency.sliding is not None:
-            # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
-            self.swa_map = torch.from_numpy(self._core.residency.sliding.swa.map)
-        if storage is not None:
-            self._core.enable_storage()
-        # decode offload: the offload actor and the tree actor know each other's mailbox
-        tree_mailbox: Mailbox[TreeMessage] = Mailbox(config.mailbox_capacity)
-        self._offload = OffloadActor(tree_mailbox, page_size=config.page_size, stride=config.stride,
-                                     mailbox_capacity=config.mailbox_capacity)
-        self._events = make_event_hub(config)
-        if self._events is not None:
-            self._core.enable_events()
-        self._tree = TreeActor(self._core, self._transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
-                               debug_invariants=config.debug_invariants, offload_mailbox=self._offload.mailbox,
-                               mailbox=tree_mailbox, storage=storage, events=self._events)
-        self._sup = Supervisor([self._tree, self._transfer, self._offload])
+        parts = assemble(config, engine_factory, storage)
+        self.device_pool, self.swa_pool, self.swa_map = parts.device_pool, parts.swa_pool, parts.swa_map
+        self.host_pool, self.host_swa_pool = parts.host_pool, parts.host_swa_pool
+        self.device_pools, self.host_pools = parts.device_pools, parts.host_pools
+        self.state_pool, self.host_state_pool = parts.state_pool, parts.host_state_pool
+        self.tracer, self.engine = parts.tracer, parts.engine
+        self._owned_storage = parts.owned_storage
+        self._transfer, self._core, self._offload, self._tree = parts.transfer, parts.core, parts.offload, parts.tree
+        self._events, self._sup = parts.events, parts.sup
         self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
         self._closer: asyncio.Task[None] | None = None
         # metrics: on with a registry given or an endpoint asked for (a private registry then)
         if metrics_on and metrics_registry is None:
             metrics_registry = CollectorRegistry()
         self.metrics_registry: CollectorRegistry | None = metrics_registry
-        self._metrics: StatsCollector | None = StatsCollector() if metrics_on else None
-        self._metrics_endpoint: MetricsEndpoint | None = None
-        self._metrics_task: asyncio.Task[None] | None = None
+        self._metrics: MetricsExporter | None = None if metrics_registry is None else MetricsExporter(
+            metrics_registry, self.stats, interval_s=config.metrics_interval_s, addr=config.metrics_addr,
+            port=config.metrics_port)
 
     # A close whose caller is cancelled (a shutdown deadline) still waits this long for the copies in
     # flight, then stops the actors without them (the runtime fails). Copies take milliseconds; a
@@ -594,19 +399,12 @@ class CacheRuntime:
         self._sup.check_loop()
         if self._metrics is None:
             raise StateError("metrics are off: open the runtime with metrics_registry= or config.metrics_port")
-        return copy.deepcopy(await self._snapshot_metrics())
-
-    async def _snapshot_metrics(self) -> dict[str, dict[str, Any]]:
-        """A `stats()` snapshot handed to the collector (nobody changes it again)."""
-        assert self._metrics is not None
-        snapshot = await self.stats()
-        self._metrics.update(snapshot)
-        return snapshot
+        return copy.deepcopy(await self._metrics.refresh())
 
     @property
     def metrics_port(self) -> int | None:
         """The port the `/metrics` endpoint is bound to (None without one)."""
-        return self._metrics_endpoint.port if self._metrics_endpoint is not None else None
+        return self._metrics.port if self._metrics is not None else None
 
     # -- storage controls -----------------------------------------------------------------
     # One at a time, in call order (the tree actor queues them). Cancelling the await of one does
@@ -648,56 +446,18 @@ class CacheRuntime:
 
     # -- helpers -------------------------------------------------------------------------
     def _register_metrics(self) -> None:
-        if self._metrics is None:
-            return
-        assert self.metrics_registry is not None
-        try:
-            self.metrics_registry.register(self._metrics)
-        except ValueError as exc:  # names taken: another runtime (or anything) exports hicache_* there
-            raise ConfigError(f"metrics_registry already has these metrics ({exc}); "
-                              f"give each runtime a registry of its own") from None
+        if self._metrics is not None:
+            self._metrics.register()
 
     async def _start_metrics(self) -> None:
-        """The first snapshot, the endpoint (if asked for), then the periodic refresh."""
-        if self._metrics is None:
-            return
-        await self._snapshot_metrics()
-        cfg = self.config
-        if cfg.metrics_port is not None:
-            from runtime.metrics import MetricsEndpoint
-
-            assert self.metrics_registry is not None
-            self._metrics_endpoint = MetricsEndpoint(self.metrics_registry, cfg.metrics_addr, cfg.metrics_port)
-        self._metrics_task = asyncio.get_running_loop().create_task(
-            self._refresh_metrics_every(cfg.metrics_interval_s), name="hicache-metrics")
-
-    async def _refresh_metrics_every(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self._snapshot_metrics()  # (no copy: nobody reads it here)
-            except HiCacheError:  # closing or failed: the last snapshot stays until close unregisters
-                return
+        if self._metrics is not None:
+            await self._metrics.start()
 
     async def _stop_metrics(self) -> None:
-        """At close, first: no refresh asks a closing actor; the endpoint and registration go."""
-        task, self._metrics_task = self._metrics_task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                if not task.cancelled():  # our caller was cancelled, not the task
-                    raise
-        endpoint, self._metrics_endpoint = self._metrics_endpoint, None
-        if endpoint is not None:
-            await asyncio.to_thread(endpoint.stop)  # shutdown() waits for the server's poll loop
-        if self._metrics is not None and self.metrics_registry is not None:
-            try:
-                self.metrics_registry.unregister(self._metrics)
-            except KeyError:  # never registered (open refused it), or already gone
-                pass
-            self._metrics = None
+        """At close, first (`MetricsExporter.stop`); metrics are off from then on."""
+        exporter, self._metrics = self._metrics, None
+        if exporter is not None:
+            await exporter.stop()
 
     def _release_abandoned(self, result: AdmitResult) -> None:
         """A caller cancelled while awaiting `admit`: release that admission (same path as abort)."""

@@ -162,21 +162,18 @@ class Supervisor:
             raise RuntimeFailed(self.failure)
         raise RuntimeClosed(f"runtime is {self.state.value}")
 
-    async def ask(self, mailbox: Mailbox[Any], msg: Any, *, wait_for_space: bool = False) -> Any:
+    async def ask(self, mailbox: Mailbox[Any], msg: Any) -> Any:
         """Send `msg` (which carries a `Reply`) and await the reply."""
         self.check_open()
-        return await self.ask_internal(mailbox, msg, wait_for_space=wait_for_space)
+        return await self.ask_internal(mailbox, msg)
 
-    async def ask_internal(self, mailbox: Mailbox[Any], msg: Any, *, wait_for_space: bool = False) -> Any:
+    async def ask_internal(self, mailbox: Mailbox[Any], msg: Any) -> Any:
         """As `ask`, also while closing (the façade's own shutdown messages)."""
         self.check_loop()
         if self.failure is not None:
             raise RuntimeFailed(self.failure)
         reply: Reply[Any] = msg.reply
-        if wait_for_space:
-            await mailbox.put(msg)
-        else:
-            mailbox.put_nowait(msg)
+        mailbox.put_nowait(msg)
         pending = self._pending
         pending.add(reply)
         try:

@@ -3,17 +3,23 @@
 An actor is an asyncio task with a private mailbox. Callers reach it through a public
 handle: `tell` (one-way) or `ask` (a message carrying a `Reply` that the actor completes
 with its handler's return value). Handlers are plain methods chosen by message type; they
-return the reply value. A `CallerError` (a `ValidationError`, or a `TransferError` about that
-call) goes back to the caller and the actor lives on. Everything else escapes `run()` and the
-supervisor fails the whole runtime: any other exception, a `CallerError` raised for a message
-that has no reply (an ack: nobody would ever hear of it), and the errors of internal structures
-(`INTERNAL_ERRORS`: a caller never talks to the tree or a ledger, so such an error half-way
-through a call means a bug and maybe half-updated state, not a refused input).
+return the reply value.
+
+Errors are classified by where they were raised, not by their type. A handler first checks its
+message (its `Phase` is *checking*), then calls `phase.change()` before its first change. A
+`CallerError` raised while checking goes back to the caller (a `ValidationError`: nothing
+changed) and the actor lives on. A `ValidationError` raised after `change()` would claim
+"nothing changed" when something did: it escapes `run()` and the supervisor fails the whole
+runtime. (A `TransferError` after `change()` is the outcome of that call, not a refusal: it goes
+back; a handler that undid every change it made may still refuse: `raise phase.refuse(exc)`.)
+Anything that is not a `CallerError` fails the runtime too (the tree's and the ledgers' own
+errors are `InternalError`s), and so does a `CallerError` raised for a message that has no
+reply (an ack: nobody would ever hear of it).
 
 The mailbox is an anyio memory object stream. Its buffer is unbounded underneath so that
 acks and internal messages never block their sender (no cycle of blocking sends); the
 bound applies to external sends: `put_nowait` raises `MailboxFull` (explicit
-back-pressure, never a silent drop) and `put` waits for space.
+back-pressure, never a silent drop).
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ from typing import Any, Generic, TypeVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from runtime.errors import CallerError, InvariantViolation, MailboxFull, OwnershipError, PinnedSlotError, RuntimeClosed
+from runtime.errors import CallerError, MailboxFull, RuntimeClosed
 from runtime.messages import Batch
-from runtime.tree.radix import TreeError
+from runtime.phase import Phase
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -93,7 +99,7 @@ class Reply(Generic[T]):
 class Mailbox(Generic[M]):
     """A private mailbox: unbounded anyio stream, soft capacity for external senders."""
 
-    __slots__ = ("capacity", "_send", "_recv", "_queued", "_space", "_closed")
+    __slots__ = ("capacity", "_send", "_recv", "_queued", "_closed")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -101,7 +107,6 @@ class Mailbox(Generic[M]):
         self._recv: MemoryObjectReceiveStream[M]
         self._send, self._recv = anyio.create_memory_object_stream[M](math.inf)
         self._queued = 0
-        self._space: asyncio.Event | None = None
         self._closed = False
 
     @property
@@ -116,14 +121,6 @@ class Mailbox(Generic[M]):
         """External send: raises `MailboxFull` at capacity, `RuntimeClosed` once closed."""
         if self._queued >= self.capacity:
             raise MailboxFull(f"mailbox full ({self.capacity} messages queued)")
-        self.put_internal(msg)
-
-    async def put(self, msg: M) -> None:
-        """External send that waits for space instead of raising."""
-        while self._queued >= self.capacity and not self._closed:
-            if self._space is None:
-                self._space = asyncio.Event()
-            await self._space.wait()
         self.put_internal(msg)
 
     def put_internal(self, msg: M) -> None:
@@ -156,9 +153,6 @@ class Mailbox(Generic[M]):
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 pass
         self._queued -= len(burst)
-        if self._space is not None and self._queued < self.capacity:
-            self._space.set()
-            self._space = None
         return burst
 
     def close(self) -> None:
@@ -166,8 +160,6 @@ class Mailbox(Generic[M]):
         if not self._closed:
             self._closed = True
             self._send.close()
-            if self._space is not None:
-                self._space.set()
 
     def abort(self) -> list[M]:
         """Close both ends and return what was still queued (used when the runtime fails)."""
@@ -184,11 +176,6 @@ class Mailbox(Generic[M]):
 
 
 Handler = Callable[[Any], Any]
-
-# Errors of the actors' internal structures. Some are `ValidationError`s (the tree and the ledgers
-# refuse bad arguments before changing anything), but the actors, not callers, give those
-# arguments: raised inside a handler they fail the runtime, even for a call with a reply.
-INTERNAL_ERRORS: tuple[type[BaseException], ...] = (TreeError, OwnershipError, PinnedSlotError, InvariantViolation)
 
 
 class _Deferred:
@@ -210,16 +197,18 @@ class Actor(Generic[M]):
     """
 
     name = "actor"
-    internal_errors: tuple[type[BaseException], ...] = INTERNAL_ERRORS
 
-    def __init__(self, mailbox_capacity: int, mailbox: Mailbox[M] | None = None) -> None:
+    def __init__(self, mailbox_capacity: int, mailbox: Mailbox[M] | None = None, phase: Phase | None = None) -> None:
         # `mailbox`: made beforehand when two actors must know each other's (tree <-> offload)
         self.mailbox: Mailbox[M] = mailbox if mailbox is not None else Mailbox(mailbox_capacity)
+        # `phase`: the one the handlers' state marks (the tree actor's core); a handler that never
+        # marks it has only checks, as far as its errors go
+        self.phase = phase if phase is not None else Phase()
         self.handlers: dict[type, Handler] = {}
         self.messages_handled = 0
 
     async def run(self) -> None:
-        internal = self.internal_errors
+        phase = self.phase
         while True:
             burst = await self.mailbox.get_burst()
             if not burst:
@@ -232,23 +221,25 @@ class Actor(Generic[M]):
                     handlers = self.handlers
                     out = []
                     for item in msg.items:
+                        phase.begin()
                         try:
                             r = handlers[type(item)](item)
                             if type(r) is _Coroutine:
                                 r = await r
                         except CallerError as exc:
-                            if isinstance(exc, internal):
+                            if phase.internal(exc):
                                 raise self._unrefusable(exc, item)
                             r = exc
                         out.append(r)
                     result: Any = tuple(out)
                 else:
+                    phase.begin()
                     try:
                         result = self.handlers[type(msg)](msg)
                         if type(result) is _Coroutine or asyncio.iscoroutine(result):
                             result = await result
                     except CallerError as exc:
-                        if reply is None or isinstance(exc, internal):
+                        if reply is None or phase.internal(exc):
                             raise self._unrefusable(exc, msg)
                         reply.set_exception(exc)
                         self.after_message(msg)
@@ -261,7 +252,7 @@ class Actor(Generic[M]):
     def _unrefusable(self, exc: CallerError, msg: Any) -> CallerError:
         """`exc` fails the runtime as it is (the supervisor's cause); the note says why it was not
         handed to a caller."""
-        why = "an internal structure's error" if isinstance(exc, self.internal_errors) else "no caller to take it"
+        why = "raised after the handler's checks passed" if self.phase.internal(exc) else "no caller to take it"
         exc.add_note(f"{self.name} actor, handling {type(msg).__name__}: {why}; the runtime fails")
         return exc
 

@@ -1,9 +1,11 @@
 """TreeActor: the single writer of the radix tree, the slot ledgers and the request records.
 
-Its state is one `CacheCore` (synchronous). Each handler is one call on the core; after
-every message the transfer plans the core issued are sent to the transfer actor (an
-internal send: never blocks), and with `debug_invariants` the invariant checker runs over
-the whole state and fails the runtime on a violation.
+Its state is a `CacheCore` (synchronous: tree, ledgers, request records, storage tier) and the
+storage controls' queue (attach, detach, clear, one at a time). Most handlers are one call on
+the core, which marks the actor's `Phase` when its checks passed (errors by origin:
+`runtime.actors.base`). After every message the transfer plans the core issued are sent to the
+transfer actor (an internal send: never blocks), and with `debug_invariants` the invariant
+checker runs over the whole state and fails the runtime on a violation.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class TreeActor(Actor[TreeMessage]):
                  debug_invariants: bool = False, offload_mailbox: Mailbox[OffloadMessage] | None = None,
                  mailbox: Mailbox[TreeMessage] | None = None, storage: Any = None,
                  events: EventHub | None = None) -> None:
-        super().__init__(mailbox_capacity, mailbox)
+        super().__init__(mailbox_capacity, mailbox, core.phase)
         self.core = core
         self.events = events  # KV cache events: one batch per turn that recorded any
         self.transfer_mailbox = transfer_mailbox
@@ -265,13 +267,17 @@ class TreeActor(Actor[TreeMessage]):
     def _release_waiters(self, pf: Any) -> None:
         """Admit the requests that waited on `pf` (landed, failed or timed out). A waiter whose
         caller was cancelled is dropped, not admitted: its retry may be waiting behind it."""
-        waiters, pf.waiters = pf.waiters, []
+        waiters = pf.take_waiters()
+        phase = self.phase
         for w in waiters:
             if w.reply.future.done():
                 continue
+            phase.begin()  # each admit is checked on its own, as if it were the message
             try:
                 result = self.core.admit(w.rid, w.tokens, w.extra_key, w.session, w.priority)
             except CallerError as exc:
+                if phase.internal(exc):
+                    raise
                 w.reply.set_exception(exc)
             else:
                 w.reply.set_result(result)

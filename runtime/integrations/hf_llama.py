@@ -1,6 +1,6 @@
 """Hugging Face Llama-family models whose attention reads and writes K/V in the runtime's device pool.
 
-Route (see ``shared/notes/transformers-paged-kv.md``): a custom attention function is
+Route: a custom attention function is
 registered under :data:`ATTN_NAME` with ``transformers.AttentionInterface`` when this module
 is imported, before any model is built; :class:`PagedKVModel` switches the model to it. The
 model code (projections, RoPE, MLP, norms) stays transformers' own; only the attention core

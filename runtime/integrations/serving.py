@@ -8,7 +8,7 @@
 What it does, per scheduling step (one task, `ServingLoop._run`):
 
 1. **Arrival** (`submit`): the request joins a FIFO waiting queue; ``rt.prepare`` is called
-   when the runtime has it (the storage-prefetch hook of DESIGN.md; absent for now).
+   when the runtime has it (a storage prefetch while the request waits).
 2. **Admission**: head of the queue first, while ``rt.can_admit(prompt + reserve)`` says yes
    (``reserve`` = room for ``max_new_tokens``, at most ``max_reserve`` tokens), up to
    ``max_running`` requests and ``max_prefill_tokens`` recomputed tokens per step;
@@ -283,7 +283,7 @@ class ServingLoop:
                        extra_key, fut, time.perf_counter(), TurnMetrics(rid, prompt_tokens=len(ids)),
                        logits=[] if self.record_logits else None)
         prepare = getattr(self.rt, "prepare", None)
-        if prepare is not None:  # storage prefetch while the request waits (DESIGN.md, lifecycle 0)
+        if prepare is not None:  # storage prefetch while the request waits
             await prepare(rid, np.asarray(ids, dtype=np.int32), extra_key)
         self._waiting.append(req)
         self._wake.set()

@@ -10,7 +10,7 @@ the parts that own the rest, each written only by itself (calls go one way: down
 No event loop, no streams: the tree actor turns messages into calls on it and sends what it
 issued (`take_effects`): transfer plans, storage calls, notes for the offload actor.
 
-Ownership rules it keeps (DESIGN.md, "Invariants"):
+Ownership rules it keeps (checked by `runtime.invariants`):
 - a request's slots are `slots[:cached_len]` (held by tree nodes, locked through
   `last_node`) followed by pages it owns itself; every slot `admit`/`extend` gave a live
   request stays its own until it is released (the slot contract);
@@ -25,7 +25,7 @@ after passing it. (Tree keys are bytes encoded at insert time either way.)
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +44,7 @@ from runtime.errors import (
 )
 from runtime.memory.owners import Owner
 from runtime.messages import AdmitResult, OffloadStarted, TransferPlan
+from runtime.phase import Phase
 from runtime.events.recorder import KVEventRecorder
 from runtime.storage.hashing import KVIdentity
 from runtime.trace import SlotTracer
@@ -76,6 +77,9 @@ class CacheCore:
                  readiness_factory: ReadinessFactory = ManualReadiness) -> None:
         self.config = config
         self.page_size = config.page_size
+        # each public call checks its input, then marks `phase.change()` before its first change:
+        # a ValidationError after the mark fails the runtime (the tree actor's loop reads it)
+        self.phase = Phase()
         self.residency = Residency.from_config(config, tracer)
         self.residency.tree.on_split = self._on_split
         op_ids = itertools.count(1)  # one id space: ledger pins are keyed by op id
@@ -153,13 +157,14 @@ class CacheCore:
         cached = look.device_len + host_len
         if not res.room_for(need_pages, look):
             self._start_writeback(need_pages, look)
-            raise CapacityError(
+            raise self.phase.refuse(CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {res.device.num_free_pages()} free, "
-                f"{res.evictable_device_pages()} evictable")
+                f"{res.evictable_device_pages()} evictable"))
         states = res.states
         if states is not None and not states.room_for(1 + (host_len > 0), look.nodes):
             raise CapacityError(f"request {rid!r} needs state slots; too few are free or evictable")
 
+        self.phase.change()
         m = tree.settle(look)  # = match(split=True, touch=True), without a second walk
         generation = next(self._generations)
         owner = Owner.request(rid, generation)
@@ -180,8 +185,9 @@ class CacheCore:
                 if host_nodes:  # the hit's snapshot comes back from host with its KV
                     load_state = states.reserve_load(host_nodes[-1])
             fresh = self._alloc_device(host_len // ps + own_pages, owner, rid=rid)
-        except CapacityError:
-            # write-back evictions may still be copying: nothing of this request stays behind
+        except CapacityError as exc:
+            # write-back evictions may still be copying: nothing of this request stays behind, so
+            # the shortfall is a refusal again
             if state_slot is not None:
                 states.release(rid, owner)  # type: ignore[union-attr]
             if load_state is not None:
@@ -189,7 +195,7 @@ class CacheCore:
             res.device.unhold(owner)
             if lock_node is not None:
                 tree.unlock(lock_node)
-            raise
+            raise self.phase.refuse(exc)
         copies = self.copies
         readiness = copies.loads_under(device_nodes) if copies.loading else []
         if host_nodes:
@@ -233,9 +239,12 @@ class CacheCore:
         the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`)."""
         storage = self.storage
         if storage is not None:
+            fresh = session is None and rid not in self.requests
+            if fresh:  # checked before the first change: bad tokens leave the rid prepared
+                tokens = self._check_tokens(tokens)
             storage.prefetched.discard(rid)
-            if session is None and rid not in self.requests:
-                wait = storage.wait_for(rid, self._check_tokens(tokens), extra_key, waiter)
+            if fresh:
+                wait = storage.wait_for(rid, tokens, extra_key, waiter)
                 if wait is not None:
                     return wait
         return self.admit(rid, tokens, extra_key, session, priority)
@@ -253,8 +262,10 @@ class CacheCore:
             pages = -(-missing // self.page_size)
             if not self.residency.room_for(pages):
                 self._start_writeback(pages)
-                raise CapacityError(f"extend of {rid!r} needs {pages} device pages")
-            rec.append_slots(self._alloc_device(pages, rec.owner, rid=rid))
+                raise self.phase.refuse(CapacityError(f"extend of {rid!r} needs {pages} device pages"))
+            self.phase.change()
+            rec.append_slots(self._refusable_alloc(pages, rec.owner, rid=rid))
+        self.phase.change()
         rec.seq_len = total
         return torch.from_numpy(rec.slot_range(start, total))
 
@@ -289,14 +300,21 @@ class CacheCore:
             if k > free:
                 if not res.room_for(k):
                     self._start_writeback(k)
-                    raise CapacityError(f"decode step needs {k} device pages")
+                    raise self.phase.refuse(CapacityError(f"decode step needs {k} device pages"))
+                self.phase.change()
                 self.copies.write_back(res.evict_device(k - free))
+            self.phase.change()
             codes = table.codes[starting]
             if not codes.all():  # session turns: held from their first decode step
                 for row in starting[codes == 0].tolist():
                     table.codes[row] = res.device.hold(table.record_at[row].owner)
                 codes = table.codes[starting]
-            table.append_page_each(starting, res.device.alloc_held(codes, reason="decode"))
+            try:
+                pages = res.device.alloc_held(codes, reason="decode")
+            except CapacityError as exc:  # write-backs still copying: nothing a caller holds changed
+                raise self.phase.refuse(exc)
+            table.append_page_each(starting, pages)
+        self.phase.change()
         out = table.advance(rows, seq)
         if self.offload is not None:
             for rid in rids:
@@ -308,6 +326,7 @@ class CacheCore:
         if not isinstance(committed_len, int) or committed_len < rec.committed_len or committed_len > rec.seq_len:
             raise LengthError(
                 f"commit of {rid!r} must lie in [{rec.committed_len}, {rec.seq_len}], got {committed_len!r}")
+        self.phase.change()
         rec.committed_len = committed_len
         if self.offload is not None:
             self.offload.note_commit(rec)
@@ -328,7 +347,11 @@ class CacheCore:
                               f"({rec.cached_len}, {rec.seq_len}], got {position!r}")
         if states.has_pending(rid, position):
             raise StateError(f"{rid!r} already has a snapshot at {position}")
-        return states.snapshot(rid, rec.owner, position)
+        self.phase.change()
+        try:
+            return states.snapshot(rid, rec.owner, position)
+        except CapacityError as exc:  # no state slot: nothing was taken
+            raise self.phase.refuse(exc)
 
     def cache(self, rid: Hashable, tokens: np.ndarray) -> int:
         """Insert the page-aligned part of `tokens` (whose KV is computed) and keep going."""
@@ -340,6 +363,7 @@ class CacheCore:
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); abort it")
         tokens = self._check_kv_tokens(rec, tokens)
         self._check_loaded(rec)
+        self.phase.change()
         self._insert(rec, tokens)
         return rec.cached_len
 
@@ -351,11 +375,13 @@ class CacheCore:
         rec = self._record(rid)
         self._note_failed_load(rec)
         if rec.failed is not None:
+            self.phase.change()  # (a TransferError is the call's outcome, not a refusal)
             self._release(rec)
             self._stats["requests_aborted"] += 1
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); it was released")
         tokens = self._trimmed(rec, tokens, finished_len)
         self._check_loaded(rec)
+        self.phase.change()
         self._stats["requests_finished"] += 1
         if rec.session is not None:
             self._finish_turn(rec, tokens)
@@ -375,10 +401,14 @@ class CacheCore:
         cancelled prefetch (admits waiting for it: they fail)."""
         waiters: list[Any] = []
         storage = self.storage
+        if rid not in self.requests and (storage is None or (rid not in storage.prefetches
+                                                             and rid not in storage.prefetched)):
+            raise UnknownRequestError(f"unknown request {rid!r}")
+        self.phase.change()
         if storage is not None:
             pf = storage.cancel(rid)
             if pf is not None:
-                waiters, pf.waiters = pf.waiters, []
+                waiters = pf.take_waiters()
             if (pf is not None or storage.forget(rid)) and rid not in self.requests:
                 return waiters  # only a prefetch (prepare without admit): cancelled (slots freed at its ack) or landed
         rec = self._record(rid)
@@ -396,6 +426,7 @@ class CacheCore:
             self.residency.sliding.check_rewind(rec, new_len)
         if self.offload is not None:
             self.offload.check_rewind(rec, new_len)
+        self.phase.change()
         self._free_tail(rec, new_len)
         if self.residency.states is not None:  # a snapshot of retracted tokens describes no prefix
             self.residency.states.forget_after(rid, rec.owner, new_len)
@@ -408,6 +439,7 @@ class CacheCore:
         """The cancelled-caller path: release the request only if it is the same admission."""
         rec = self.requests.get(rid)
         if rec is not None and rec.generation == generation:
+            self.phase.change()
             self._release(rec)
             self._stats["requests_aborted"] += 1
 
@@ -417,6 +449,7 @@ class CacheCore:
             raise StateError("streaming sessions do not keep recurrent state yet (state_layers > 0)")
         if sid in self.sessions:
             raise DuplicateRequestError(f"session {sid!r} is already open")
+        self.phase.change()
         self.sessions[sid] = SessionRecord(sid, Owner.session(sid), extra_key, np.zeros(0, np.int32), EMPTY)
 
     def close_session(self, sid: Hashable, insert: bool = False) -> int:
@@ -424,6 +457,7 @@ class CacheCore:
         sess = self._session(sid)
         if sess.turn is not None:
             raise StateError(f"session {sid!r} has turn {sess.turn!r} running")
+        self.phase.change()
         res = self.residency
         keep = aligned(sess.kv_len, self.page_size) if insert else 0
         if keep:
@@ -450,9 +484,10 @@ class CacheCore:
         pages = -(-max(0, len(tokens) - session_len) // self.page_size)
         if not self.residency.room_for(pages):
             raise CapacityError(f"turn {rid!r} needs {pages} device pages")
+        self.phase.change()
         generation = next(self._generations)
         owner = Owner.request(rid, generation)
-        own = self._alloc_device(pages, owner, rid=rid)
+        own = self._refusable_alloc(pages, owner, rid=rid)
         slots = np.concatenate((sess.slots, own))
         self.table.add(RequestRecord(
             rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens,
@@ -553,9 +588,6 @@ class CacheCore:
             return False
         return self.storage is None or self.storage.all_overdue()
 
-    def live_requests(self) -> Iterator[RequestRecord]:
-        return iter(self.requests.values())
-
     # -- acks and effects ----------------------------------------------------------------
     def apply_ack(self, op_id: int, error: str | None) -> None:
         if self.offload is not None and self.offload.owns(op_id):
@@ -584,6 +616,7 @@ class CacheCore:
 
     def flush(self) -> int:
         """Drop every unlocked cached prefix from device and host; returns tokens dropped."""
+        self.phase.change()
         return self.residency.flush()
 
     # -- decode offload (the offload actor's calls) ----------------------------------------
@@ -613,6 +646,7 @@ class CacheCore:
             tokens = self._check_tokens(tokens)
         except LengthError:
             return 0
+        self.phase.change()
         return self.storage.prepare(rid, tokens, extra_key)
 
     def apply_storage_ack(self, op_id: int, pages: int, error: str | None,
@@ -756,11 +790,21 @@ class CacheCore:
             self.copies.write_back(self.residency.evict_device(short))
         return self.residency.alloc_device(pages, owner, **ctx)
 
+    def _refusable_alloc(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
+        """`_alloc_device` for a call that changed nothing a caller sees before it: too few pages
+        (write-back evictions still copying) is a refusal; the ledger allocated nothing."""
+        try:
+            return self._alloc_device(pages, owner, **ctx)
+        except CapacityError as exc:
+            raise self.phase.refuse(exc)
+
     def _start_writeback(self, pages: int, look: MatchResult | None = None) -> None:
         """A capacity shortfall (`room_for` said no): start the write-backs that will free
         device pages at their acks, so that the caller's retry can succeed. Changes nothing a
         caller holds; only when the pages could be had at all. An admission's own cached prefix
-        (`look`) is kept out of the eviction, as its admission will lock it."""
+        (`look`) is kept out of the eviction, as its admission will lock it. A change all the same:
+        the caller's refusal after it goes through `phase.refuse`."""
+        self.phase.change()
         res = self.residency
         free = res.device.num_free_pages()
         if res.host is None or pages > free + res.evictable_device_pages():

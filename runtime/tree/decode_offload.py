@@ -8,8 +8,9 @@ idle, sends ReleaseOffloaded (`release`, idempotent). Only then are its device s
 (seed 000); its landed host chunks become host-only tree nodes under its prefix (finish) or are
 freed (abort).
 
-It owns the retired requests, the landed chunks, the offload copies in flight (`ops`: the only
-record of them; the offload actor keeps only its progress) and the notes for the offload actor.
+It owns the retired requests, the landed chunks, the offload copies in flight (`ops`: what each
+covers; the offload actor keeps per request its progress and the op ids it waits for) and the
+notes for the offload actor.
 An offload's host slots belong to the request (its generation's owner) until that release.
 """
 

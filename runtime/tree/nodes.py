@@ -10,16 +10,17 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from runtime.errors import ValidationError
+from runtime.errors import InternalError
 from runtime.memory.owners import Owner
 
 _I4 = np.dtype("<i4")
 
 
-class TreeError(ValidationError, ValueError):
+class TreeError(InternalError, ValueError):
     """A tree call with bad arguments or in a state that does not allow it.
 
-    Raised before any change: the tree is exactly as it was.
+    Raised before any change: the tree is exactly as it was. No caller talks to the tree (the
+    core checks their input first): inside an actor it fails the runtime.
     """
 
 

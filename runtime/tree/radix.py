@@ -4,7 +4,7 @@ Pure bookkeeping, no event loop, no torch, no slot ledger. Nodes store slot ids 
 int64 arrays) for the device and host tiers; every operation that gives slots up
 *returns* them and the caller (who owns the ledgers) frees or re-owns them.
 
-Representation (see ``shared/notes/tree-speed.md``):
+Representation (chosen for speed: docs/BENCHMARKS.md, "Tree"):
 
 - a node's tokens are ``bytes`` (int32 little-endian, 4 bytes per token, whole pages), so a
   whole-node match is one ``bytes.startswith``; children are found through a dict keyed by

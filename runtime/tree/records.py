@@ -201,6 +201,11 @@ class Prefetch:
     anchor_host: Node | None = None  # deepest host-only node of it, host-protected over...
     anchor_host_len: int = 0  # ...this many tokens (its host-only part)
 
+    def take_waiters(self) -> list[Any]:
+        """The admits that waited for it (they go on now, or fail); none wait any more."""
+        waiters, self.waiters = self.waiters, []
+        return waiters
+
 
 @dataclass(frozen=True, slots=True)
 class StoredPages:

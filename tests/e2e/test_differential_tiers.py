@@ -367,7 +367,7 @@ async def test_all_tiers_load_off_by_one_page_is_caught(model, ref_model, tmp_pa
     loads read one host page off (source + one page). The comparison must fail, and for every
     turn that loaded anything from host or storage (a wrong page is never within 1e-5).
 
-    How it was checked (when written, runtime at 27ad7ea): 13 loads were shifted and 15 of the
+    How it was checked (when written): 13 loads were shifted and 15 of the
     22 turns were flagged: the 13 turns that loaded host or storage KV (offloaded, evicted and
     prefetched alike) and 2 whose only hit was a device prefix that a shifted load had put
     there. The 7 that still matched are the first round and the sessions' turns, which reuse no

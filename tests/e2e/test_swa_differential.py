@@ -239,8 +239,8 @@ LONG_SWA_TOKENS = 64  # 4 pages: a conversation of 40 + 60 tokens holds 7 pages 
 
 
 async def test_a_conversation_longer_than_the_sliding_pool_equals_generate(model, ref_model):
-    """A request gives back the sliding pages of its own pages before its window as it decodes
-    (issue 17): one conversation of 100 tokens through a sliding pool of 64 runs to the end with
+    """A request gives back the sliding pages of its own pages before its window as it decodes:
+    one conversation of 100 tokens through a sliding pool of 64 runs to the end with
     no preemption (before, the serving loop preempted it twice: no sliding page for its next page
     until a `finish` put its pages in the tree, whose drop rule could give them back), its greedy
     tokens equal to ``generate`` and its logits within 1e-4."""

@@ -1,4 +1,4 @@
-"""Model-based fuzzer of `CacheRuntime`'s public API (issue 13, "Trust").
+"""Model-based fuzzer of `CacheRuntime`'s public API.
 
 One *episode* opens a runtime with a configuration drawn from a seed (page size 1/4/16, a
 write policy, storage off / file / faulty file, decode offload, the fake or the CPU copy engine,
@@ -917,7 +917,7 @@ class Driver:
             return (LengthError,), ()
         if self.swa is not None and n < r.committed:  # it would recompute from n, reading [n - W + 1, n)
             window = self.rt.swa_map.numpy()[r.slots[max(0, n - self.swa.window + 1): n]]
-            if (window < 0).any():  # a page its decode gave back (issue 17)
+            if (window < 0).any():  # a page its decode gave back
                 return (LengthError,), ()
         # decode offload refuses a rewind that would cut an offload in flight
         return (), ((StateError,) if self.cfg.decode_offload else ())

@@ -28,6 +28,12 @@ Each plant wraps or replaces one function of the core the way a regression would
   after it outright, holding none in doubt (the behaviour before `StorageTier.doubtful`): those
   after it stay on disk, and a clear leaves them (found with the fuzzer's `evict_pages`).
 
+- `internal_error_as_validation`: the device ledger's `alloc` refuses a two-page allocation with
+  a `LengthError` (an internal misuse check gone wrong: a `ValidationError` raised half-way through
+  an admit or extend, after the call locked its cached prefix and held its ledger code). Errors
+  are classified by origin (`runtime.phase`): raised after the call's checks passed, it fails the
+  runtime whole instead of reaching the caller as a refusal.
+
 Recurrent state (hybrid episodes only: these plants run just the episodes with state slots):
 
 - `state_match_not_cut`: `RecurrentStates.usable_end` returns the whole device match, so a hit's
@@ -230,6 +236,22 @@ def _gone_forgets_doubtful() -> Callable[[], None]:
     return lambda: setattr(StorageTier, "_gone", gone)
 
 
+def _internal_error_as_validation() -> Callable[[], None]:
+    from runtime.errors import LengthError
+    from runtime.memory.ledger import SlotLedger
+    from runtime.memory.owners import Tier
+
+    alloc = SlotLedger.alloc
+
+    def broken(self: SlotLedger, num_pages: int, owner, **ctx):
+        if self.tier is Tier.DEVICE and num_pages == 2:
+            raise LengthError(f"{self.tier.value}: {num_pages} pages is not a whole allocation unit")
+        return alloc(self, num_pages, owner, **ctx)
+
+    SlotLedger.alloc = broken
+    return lambda: setattr(SlotLedger, "alloc", alloc)
+
+
 def _state_match_not_cut() -> Callable[[], None]:
     from runtime.tree.recurrent import RecurrentStates
 
@@ -357,6 +379,7 @@ PLANTS: dict[str, Plant] = {
                                                              "runtime-failed"})),
     "host_leaf_ignores_children": Plant(_host_leaf_ignores_children, frozenset({"invariant", "runtime-failed"}),
                                         "evictable host leaves"),
+    "internal_error_as_validation": Plant(_internal_error_as_validation, frozenset({"runtime-failed"}), "LengthError"),
     "split_keeps_page_hashes": Plant(_split_keeps_page_hashes, frozenset({"kv-events"})),
     "clear_leaves_pages": Plant(_clear_leaves_pages, frozenset({"storage-content"}), episodes="file"),
     "detach_forgets_stored": Plant(_detach_forgets_stored, frozenset({"kv-events", "storage-content"}), episodes="storage"),

@@ -1,4 +1,4 @@
-"""The API fuzzer finds planted bugs within the default run's budget (issue 13's acceptance).
+"""The API fuzzer finds planted bugs within the default run's budget.
 
 The plants (tests/fuzz/planted.py) run in one child process, each installed for its own search only
 (storage plants search only the storage episodes, state plants the hybrid ones: the calls of the

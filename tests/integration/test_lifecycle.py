@@ -191,7 +191,9 @@ async def test_close_waits_for_copies_in_flight():
         await serve(rt, "a", toks(24, 14))
         await until(lambda: bool(engine.pending()))  # write-through backup held in flight
         closing = asyncio.ensure_future(rt.close())
-        await asyncio.sleep(0.02)
+        # the close waits for the copy once the tree actor holds its drain: "not done" is checked
+        # there (a close that did not wait would be done by then, or never hold a drain)
+        await until(lambda: closing.done() or bool(rt._tree.quiesce_waiters))
         assert not closing.done()
         for op in engine.pending():
             engine.release(op)
@@ -291,8 +293,6 @@ def test_step_rebuilds_token_items_keeping_every_other_field():
     (`runtime.validation.STEP_ITEMS`, the batch hot path): every field but `tokens` must come over
     as it was and `tokens` must be a new array, for every item type `step` takes. Checked against a
     rebuild of Admit that drops `session`: fails on that field."""
-    import dataclasses
-
     from runtime.messages import Abort, Commit
     from runtime.validation import STEP_ITEMS, step_tokens
 
@@ -300,7 +300,7 @@ def test_step_rebuilds_token_items_keeping_every_other_field():
              "session": "s1", "priority": 5, "num_tokens": 2, "committed_len": 4, "finished_len": 1, "reply": None}
     assert set(STEP_ITEMS) == {Admit, Extend, Commit, Cache, Finish, Abort}
     for cls, check in STEP_ITEMS.items():
-        values = {f.name: valid[f.name] for f in dataclasses.fields(cls)}
+        values = {name: valid[name] for name in cls.__struct_fields__}
         new = check(cls(**values), step_tokens(1 << 31, 64))
         assert type(new) is cls
         for name, value in values.items():

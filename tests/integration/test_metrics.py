@@ -63,7 +63,8 @@ async def test_scrape_equals_stats_after_hits_load_backs_and_storage(tmp_path):
                        storage_dir=str(tmp_path), metrics_port=0, metrics_interval_s=3600)
     registry = CollectorRegistry()
     async with CacheRuntime.open(cfg, metrics_registry=registry) as rt:
-        assert rt._metrics_endpoint is not None and rt._metrics_endpoint._server.server_address[0] == "127.0.0.1"
+        endpoint = rt._metrics.endpoint
+        assert endpoint is not None and endpoint._server.server_address[0] == "127.0.0.1"
         prompts = [toks(60, 10 + i) for i in range(4)]
         for i, p in enumerate(prompts):
             await serve(rt, f"r{i}", p)

@@ -1,4 +1,4 @@
-"""Issue 13, behaviour 14: memory is bounded by live state, not by the requests ever seen.
+"""Memory is bounded by live state, not by the requests ever seen.
 
 A long-running server with UUID rids and per-request namespaces (cache salts) must not grow:
 no per-rid record, no root per namespace ever looked at, no prefetch record of a rid that was
@@ -61,7 +61,7 @@ def _config():
 
 async def test_state_is_bounded_by_live_state():
     """After 3,000 unique requests in unique namespaces: roots and nodes bounded by the device
-    pool, no per-rid entry. On 3a097f5 the tree kept one root per namespace ever looked at
+    pool, no per-rid entry. Before the fix the tree kept one root per namespace ever looked at
     (~3,000 here) and the core one generations entry per rid."""
     rng = np.random.default_rng(0)
     async with CacheRuntime.open(_config()) as rt:
@@ -78,7 +78,7 @@ async def test_state_is_bounded_by_live_state():
 async def test_soak_100k_unique_requests_keeps_rss_flat():
     """100k requests with unique rids and namespaces: RSS after the last 80k within a few MiB of
     RSS after the first 20k (the figure is printed). Measured: +0.0 MiB (303.8 MiB both times);
-    on 3a097f5 +55.8 MiB with 103,126 tree roots left behind."""
+    before the fix +55.8 MiB with 103,126 tree roots left behind."""
     rng = np.random.default_rng(1)
     async with CacheRuntime.open(_config()) as rt:
         await _churn(rt, 20_000, rng)

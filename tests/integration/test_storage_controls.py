@@ -1,4 +1,4 @@
-"""Storage controls through the runtime (issue 16, part 4): `clear_storage`, `attach_storage` /
+"""Storage controls through the runtime: `clear_storage`, `attach_storage` /
 `detach_storage` at run time, each while storage ops are in flight and under a concurrent load
 with fingerprinted KV and the invariant checker on; and `admit(..., priority=)` with the
 `priority` eviction policy."""
@@ -18,7 +18,7 @@ from runtime.runtime import CacheRuntime
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes
-from tests.integration.support import bad_positions, compute, small_config, toks
+from tests.integration.support import bad_positions, compute, small_config, toks, until
 from tests.integration.test_storage_tier import N, backend, cfg, quiescent, readmit_ok, serve, settle_all, stored_pages
 
 PAGES = N // 4  # pages of N tokens (page_size 4)
@@ -87,6 +87,16 @@ async def test_clear_removes_pages_a_lookup_put_in_doubt(tmp_path):
     fb.close()
 
 
+
+async def held_at_head(rt: CacheRuntime, control: asyncio.Task) -> None:
+    """Wait until `control` (a clear or detach task) is done, or heads the tree actor's storage
+    controls with the tier paused: then it waits for the storage ops in flight. Checking "not done"
+    at that point cannot pass vacuously on a slow machine: a control that did not wait would be
+    done, or gone from the queue, by then (the wait times out)."""
+    tree = rt._tree
+    await until(lambda: control.done() or (bool(tree.controls) and tree.core.storage is not None
+                                           and tree.core.storage.paused and bool(tree.core.storage.ops)))
+
 async def test_clear_waits_for_a_write_in_flight(tmp_path):
     """A clear issued while a write is held in the backend waits for it, then removes its pages
     too (a write landing after the clear would leave a page the clear promised gone)."""
@@ -100,7 +110,7 @@ async def test_clear_waits_for_a_write_in_flight(tmp_path):
         await rt.finish("a", a[:N])
         assert await asyncio.to_thread(fb.wait_held, 1)
         clear = asyncio.create_task(rt.clear_storage())
-        await asyncio.sleep(0.05)
+        await held_at_head(rt, clear)
         assert not clear.done()
         assert await rt.inspect(lambda core: core.storage.paused)
         fb.release()
@@ -126,7 +136,7 @@ async def test_clear_while_a_prefetch_reads(tmp_path):
         assert await rt.prepare("p", a) == N  # call 1: the lookup; call 2: the read, held
         assert await asyncio.to_thread(fb.wait_held, 1)
         clear = asyncio.create_task(rt.clear_storage())
-        await asyncio.sleep(0.05)
+        await held_at_head(rt, clear)
         assert not clear.done()
         fb.release()
         assert await clear == PAGES
@@ -236,7 +246,7 @@ async def test_detach_drains_a_held_write_and_a_held_read(tmp_path):
         await rt.finish("b", b[:N])  # its backup lands; its write (set_batch: call 3) is held
         assert await asyncio.to_thread(fb.wait_held, 2)
         detach = asyncio.create_task(rt.detach_storage())
-        await asyncio.sleep(0.05)
+        await held_at_head(rt, detach)
         assert not detach.done()
         assert await rt.inspect(lambda core: core.storage.paused)
         fb.release()

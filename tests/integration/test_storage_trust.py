@@ -65,7 +65,7 @@ async def settle(rt: CacheRuntime, timeout: float = 10.0) -> None:
 async def test_a_read_count_out_of_contract_loads_nothing_from_storage(tmp_path, lie):
     """Pages written by one runtime, read by a fresh one through a backend whose get_prefix
     returns a count out of contract: nothing is taken from storage (0 tokens, no host hit), the
-    backend error is counted, and the tree is consistent. On 3a097f5 the host pages that nothing
+    backend error is counted, and the tree is consistent. Before the fix the host pages that nothing
     was read into were adopted as a storage hit (tokens_storage_hit 36 for -1, 40 for n+3), and
     None was an uncounted plain read failure (no storage_backend_errors)."""
     from runtime.invariants import check_invariants
@@ -103,7 +103,7 @@ async def test_a_read_count_out_of_contract_loads_nothing_from_storage(tmp_path,
 async def test_close_is_bounded_when_the_backend_never_returns(tmp_path):
     """Every backend call is held until the end of the test; with storage_timeout_s=0.2 a runtime
     that started a storage lookup (prepare) still closes within a few seconds, and the held
-    thread ends when the backend is released. On 3a097f5 there was no deadline at all (RuntimeConfig
+    thread ends when the backend is released. Before the fix there was no deadline at all (RuntimeConfig
     took no storage_timeout_s: TypeError)."""
     config = cfg(storage_timeout_s=0.2, prefetch_policy="timeout")
     page_bytes = config.page_size * config.bytes_per_token

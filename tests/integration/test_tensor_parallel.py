@@ -323,7 +323,6 @@ async def _release(engine: FakeCopyEngine, wait: bool = True) -> None:
         await until(lambda: bool(engine.pending()))
     for op_id in engine.pending():
         engine.release(op_id)
-    await asyncio.sleep(0.01)  # the bridge sees the completions
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -344,18 +343,25 @@ async def test_one_control_plane_waits_for_every_rank(size):
             while not closing.done():
                 for engine in engines:
                     await _release(engine, wait=False)
+                await asyncio.sleep(0.001)  # (a poll: let the close and the copies go on)
             await closing
 
 
 async def _serve_over_ranks(rt: CacheRuntime, cfg: RuntimeConfig, engines, size: int) -> None:
     prompt = toks(N + 1, 11)
     assert len(engines) == size and all(isinstance(e, FakeCopyEngine) for e in engines)
+    handles = []  # the one-plane completions the transfer actor watches
+    submit = rt.engine.submit
+    rt.engine.submit = lambda plan: handles.append(submit(plan)) or handles[-1]
     res = await rt.admit("a", prompt)
     for r, pool in enumerate(rt.device_pools):  # each rank's model computes its own heads
         write_fingerprints(pool, res.slots, prompt, shard_seed(r, size))
     await rt.finish("a", prompt[:N])  # write-through: one backup plan, on every rank
     for engine in engines[:-1]:
         await _release(engine)
+    # every rank but the last copied: the backup's completion is not done (checked on the handle
+    # the bridge polls, not after a sleep), so it cannot have been acked
+    assert len(handles) == 1 and not handles[0].done.query()
     host_nodes = lambda core: sum(n.host is not None for n in core.residency.tree.nodes())  # noqa: E731
     assert await rt.inspect(host_nodes) == 0  # the last rank has not copied: no host copy yet
     with pytest.raises(CapacityError):  # ...nor a device page that may go: the node is locked

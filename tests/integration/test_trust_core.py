@@ -1,7 +1,6 @@
-"""Issue 13 ("Trust"): the caller contract of the tree actor's core, one regression per behaviour.
+"""The caller contract of the tree actor's core, one regression per behaviour.
 
-Each test names the behaviour of the issue it pins and says how it failed on 3a097f5 (the
-main before the fix; run there with this file copied into that checkout).
+Each test says how it failed before the fix (the test run against the runtime before it).
 """
 
 from __future__ import annotations
@@ -26,14 +25,14 @@ from tests.integration.support import (
 )
 
 
-# -- behaviour 1: slots never change under the caller ---------------------------------------
+# -- slots never change under the caller ----------------------------------------------------
 
 
 async def test_cache_of_a_duplicate_prefix_keeps_the_callers_slots():
     """A and B share a 16-token system prompt and are admitted before either is cached; A
     finishes (its prefix enters the tree); B caches after a prefill chunk. B's slots must stay
     B's: a third request admitted next must not be given any of them, and B's KV must still
-    be B's. On 3a097f5 B's prefix slots were freed as duplicates and handed to C."""
+    be B's. Before the fix B's prefix slots were freed as duplicates and handed to C."""
     cfg = small_config(device_slots=64, write_policy="write_through_selective", write_through_threshold=99)
     async with fake_runtime(cfg) as (rt, _):
         system = toks(16, 1)
@@ -57,12 +56,12 @@ async def test_cache_of_a_duplicate_prefix_keeps_the_callers_slots():
         await rt.inspect(lambda core: check_invariants(core, quiescent=True))
 
 
-# -- behaviour 2: the token record only grows ------------------------------------------------
+# -- the token record only grows -------------------------------------------------------------
 
 
 async def test_cache_cannot_shorten_the_record_then_finish_with_other_tokens():
     """`cache(rid, fewer tokens)` must not shorten the request's record: a later finish with
-    tokens that contradict the admitted prompt is a StateError and inserts nothing. On 3a097f5
+    tokens that contradict the admitted prompt is a StateError and inserts nothing. Before the fix
     the record was shortened and P's KV went into the tree under tokens X."""
     async with fake_runtime(small_config(write_policy="write_through_selective", write_through_threshold=99)) as (rt, _):
         p = toks(24, 5)
@@ -77,13 +76,13 @@ async def test_cache_cannot_shorten_the_record_then_finish_with_other_tokens():
         await rt.inspect(check_invariants)
 
 
-# -- behaviour 3: a validation error changes nothing -------------------------------------------
+# -- a validation error changes nothing --------------------------------------------------------
 
 
 async def test_cache_of_a_duplicate_pinned_by_an_offload_is_not_a_half_change():
     """Decode offload: B caches past a prefix that duplicates A's cached one while B's own
     offload of that prefix is in flight (it pins B's duplicate slots).
-    On 3a097f5 this raised PinnedSlotError after a node had adopted B's slots (one page, two
+    Before the fix this raised PinnedSlotError after a node had adopted B's slots (one page, two
     owners); now no duplicate is freed while B is live, so the call succeeds whole."""
     cfg = small_config(decode_offload=True, offload_stride=8, host_tokens=256)
     async with fake_runtime(cfg) as (rt, engine):
@@ -110,13 +109,13 @@ async def test_cache_of_a_duplicate_pinned_by_an_offload_is_not_a_half_change():
         await rt.inspect(lambda core: check_invariants(core, quiescent=True))
 
 
-# -- behaviour 4: the tier-closure rule ---------------------------------------------------------
+# -- the tier-closure rule ----------------------------------------------------------------------
 
 
 async def test_flush_never_leaves_a_node_without_a_copy_above_a_host_child():
     """Write-back: P (device + host) -> X (device only) -> H (host only, evicted under X).
-    flush() must not drop X's device copy while H hangs under it with no copy of X left. On
-    3a097f5 flush dropped it and then failed deleting P (TreeError, the runtime failed)."""
+    flush() must not drop X's device copy while H hangs under it with no copy of X left. Before
+    the fix flush dropped it and then failed deleting P (TreeError, the runtime failed)."""
     cfg = small_config(write_policy="write_back", device_slots=64, host_tokens=256)
     async with fake_runtime(cfg) as (rt, engine):
         p = toks(8, 10)
@@ -162,12 +161,12 @@ async def test_flush_never_leaves_a_node_without_a_copy_above_a_host_child():
         await rt.inspect(lambda core: check_invariants(core, quiescent=True))
 
 
-# -- behaviour 7: can_admit and admit agree -----------------------------------------------------
+# -- can_admit and admit agree ------------------------------------------------------------------
 
 
 async def test_can_admit_agrees_with_admit_under_write_back():
     """Write-back: the device pool is full of cached pages with no host copy. can_admit and an
-    admit right after it must agree. On 3a097f5 can_admit said yes (it counted leaves whose
+    admit right after it must agree. Before the fix can_admit said yes (it counted leaves whose
     eviction only starts a backup) and admit raised CapacityError."""
     cfg = small_config(write_policy="write_back", device_slots=32, host_tokens=256)
     async with fake_runtime(cfg) as (rt, engine):
@@ -194,13 +193,13 @@ async def test_can_admit_agrees_with_admit_under_write_back():
         await rt.inspect(lambda core: check_invariants(core, quiescent=True))
 
 
-# -- behaviour 13: retry after a cancelled deferred admit ---------------------------------------
+# -- retry after a cancelled deferred admit -----------------------------------------------------
 
 
 async def test_retry_after_a_cancelled_waiting_admit(tmp_path):
     """Storage prefetch with wait_complete: a caller whose admit is cancelled while it waits for
-    the read, retrying the same rid at once, must be admitted (not DuplicateRequestError). On
-    3a097f5 the cancelled waiter was admitted first and the retry failed."""
+    the read, retrying the same rid at once, must be admitted (not DuplicateRequestError). Before
+    the fix the cancelled waiter was admitted first and the retry failed."""
     from runtime.storage.backend import FaultPlan, FaultyBackend
     from runtime.storage.file_backend import FileBackend
 
@@ -259,12 +258,12 @@ def CacheRuntimeWithEngine(cfg, backend):  # noqa: N802 - reads like the context
     return run()
 
 
-# -- behaviour 14: state bounded by live state ----------------------------------------------------
+# -- state bounded by live state ------------------------------------------------------------------
 
 
 async def test_read_only_questions_and_unique_rids_leave_no_state():
     """match_prefix/can_admit of never-seen namespaces create no tree root; unique rids leave no
-    per-rid entry; flush drops roots that hold nothing. On 3a097f5 every namespace ever looked
+    per-rid entry; flush drops roots that hold nothing. Before the fix every namespace ever looked
     at kept a root and every rid ever admitted kept a generations entry."""
     async with fake_runtime(small_config(write_policy="write_through_selective", write_through_threshold=99)) as (rt, _):
         for i in range(50):
@@ -280,13 +279,13 @@ async def test_read_only_questions_and_unique_rids_leave_no_state():
         assert sizes[0] <= 1 and sizes[1] == 0
 
 
-# -- behaviour 5: a prefetch keeps its anchor ----------------------------------------------------
+# -- a prefetch keeps its anchor -----------------------------------------------------------------
 
 
 async def test_prefetch_keeps_the_prefix_its_pages_hang_under(tmp_path):
     """P (8 tokens) is cached on host only, the host pool is full (P and a newer Q), and storage
     holds the next 16 tokens of T = P + S. Admitting T reads S into host pages; making room must
-    not evict P (the prefix S hangs under). On 3a097f5 P was evicted (it is older than Q), the
+    not evict P (the prefix S hangs under). Before the fix P was evicted (it is older than Q), the
     read pages were dropped as "prefix gone" and storage served 0 tokens."""
     cfg = small_config(storage_backend="file", storage_dir=str(tmp_path), prefetch_policy="wait_complete",
                        device_slots=32, host_tokens=32)

@@ -358,6 +358,8 @@ async def test_layerwise_load_with_fake_engine():
         r = LayerReadiness.watch(bridge, h)
         second = LayerReadiness.watch(bridge, h)  # a second request hitting the same loading node
 
+        checked = [asyncio.Event() for _ in range(shape.num_layers)]
+
         async def model():
             seen = []
             for layer in range(shape.num_layers):
@@ -368,11 +370,13 @@ async def test_layerwise_load_with_fake_engine():
                     assert not got[layer + 1].any(), "later layer copied before it was released"
                     assert not r.ready(layer + 1)
                 seen.append(layer)
+                checked[layer].set()
             return seen
 
         m = asyncio.ensure_future(model())
         for layer in range(shape.num_layers):
-            await asyncio.sleep(0.005)
+            if layer:  # the model has read layer - 1 (an event, not a sleep: under load it may be late)
+                await asyncio.wait_for(checked[layer - 1].wait(), 2)
             assert engine.pending() == [3]
             engine.release(3, layers=layer)
         assert await asyncio.wait_for(m, 2) == [0, 1, 2, 3]

@@ -1,6 +1,6 @@
 """Actor core: ask/tell, batches, validation errors, fail-whole, cancellation, close, back-pressure.
 
-The fail-whole tests of issue 13 (behaviour 8) say how they failed on 3a097f5."""
+The fail-whole tests say how they failed before the fix."""
 
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ from runtime import supervisor as supervisor_module
 from runtime.actors.base import Actor, Mailbox, Reply
 from runtime.messages import Batch
 from runtime.errors import (
+    CapacityError,
+    LengthError,
     MailboxFull,
     OwnershipError,
     PinnedSlotError,
     RuntimeClosed,
     RuntimeFailed,
     StateError,
+    TransferError,
     ValidationError,
 )
 from runtime.supervisor import State, Supervisor
@@ -47,6 +50,17 @@ class Raise:
 
 
 @dataclass(frozen=True, slots=True)
+class ChangeThenRaise:
+    """The handler passes its checks, adds `n` (a change), then raises `error`; with `undo` it takes
+    the change back and refuses through `phase.refuse`."""
+
+    n: int
+    error: Any
+    undo: bool = False
+    reply: Reply[None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Slow:
     delay: float
     reply: Reply[str] | None = field(default=None, compare=False)
@@ -59,7 +73,8 @@ class Counter(Actor):
         super().__init__(capacity)
         self.total = 0
         self.bursts: list[int] = []
-        self.handlers = {Add: self.on_add, Boom: self.on_boom, Slow: self.on_slow, Raise: self.on_raise}
+        self.handlers = {Add: self.on_add, Boom: self.on_boom, Slow: self.on_slow, Raise: self.on_raise,
+                         ChangeThenRaise: self.on_change_then_raise}
 
     def on_add(self, msg: Add) -> int:
         if msg.n < 0:
@@ -71,6 +86,14 @@ class Counter(Actor):
         raise RuntimeError("handler bug")
 
     def on_raise(self, msg: Raise) -> None:
+        raise msg.error()
+
+    def on_change_then_raise(self, msg: ChangeThenRaise) -> None:
+        self.phase.change()
+        self.total += msg.n
+        if msg.undo:
+            self.total -= msg.n
+            raise self.phase.refuse(msg.error())
         raise msg.error()
 
     async def on_slow(self, msg: Slow) -> str:
@@ -191,11 +214,8 @@ async def test_mailbox_full_is_explicit_backpressure():
     with pytest.raises(MailboxFull):
         box.put_nowait(3)
     box.put_internal(99)  # acks are never refused
-    waiter = asyncio.ensure_future(box.put(4))
-    await asyncio.sleep(0)
-    assert not waiter.done()
     assert await box.get_burst() == [1, 2, 99]  # one wake-up drains the whole burst
-    await waiter
+    box.put_nowait(4)  # room again
     assert await box.get_burst() == [4]
 
 
@@ -236,7 +256,7 @@ class LogRecorder:
 
 async def test_a_caller_error_of_a_message_without_reply_fails_the_runtime():
     """Nobody can be told of a refused one-way message (an ack): the runtime fails with it as the
-    cause. On 3a097f5 the ValidationError was dropped and the next call returned 1."""
+    cause. Before the fix the ValidationError was dropped and the next call returned 1."""
     actor = Counter()
     sup = await started(actor)
     sup.tell(actor.mailbox, Add(-1))
@@ -254,10 +274,11 @@ INTERNAL = [lambda: TreeError("tree"), lambda: OwnershipError("ledger"), lambda:
 @pytest.mark.parametrize("batched", [False, True], ids=["ask", "batch"])
 @pytest.mark.parametrize("make", INTERNAL, ids=["TreeError", "OwnershipError", "PinnedSlotError"])
 async def test_internal_structures_errors_fail_the_runtime_even_for_a_call_with_a_reply(make, batched):
-    """TreeError, OwnershipError and PinnedSlotError are ValidationErrors of the tree and the
-    ledgers, which only the actors call: raised inside a handler they fail the runtime, for an ask
-    and for a batch item alike. On 3a097f5 they went back to the caller (raised by the ask, or in
-    the batch's tuple) and the actor went on."""
+    """TreeError, OwnershipError and PinnedSlotError are the errors of the tree and the ledgers,
+    which only the actors call (InternalErrors): raised inside a handler, even in its check phase,
+    they fail the runtime, for an ask and for a batch item alike. Before the fix (when they were
+    ValidationErrors) they went back to the caller (raised by the ask, or in the batch's tuple)
+    and the actor went on."""
     actor = Counter()
     sup = await started(actor)
     with pytest.raises(RuntimeFailed) as info:
@@ -270,6 +291,45 @@ async def test_internal_structures_errors_fail_the_runtime_even_for_a_call_with_
     with pytest.raises(RuntimeFailed):
         await sup.ask(actor.mailbox, Add(1, Reply()))
     await sup.wait_stopped()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["ask", "batch"])
+@pytest.mark.parametrize("error", [StateError, CapacityError, LengthError])
+async def test_a_validation_error_after_the_first_change_fails_the_runtime(error, batched):
+    """Errors by origin: a ValidationError raised after the handler marked its first change
+    (`phase.change()`) claims that nothing changed when something did: the runtime fails with it
+    as the cause, for an ask and for a batch item alike, whatever its type. Checked against the
+    rule by type (`Phase.internal` returning False): the caller got the error and the actor went on
+    with the change made (`total` 5)."""
+    actor = Counter()
+    sup = await started(actor)
+    with pytest.raises(RuntimeFailed) as info:
+        if batched:
+            await sup.ask_batch(actor.mailbox, [Add(1), ChangeThenRaise(5, error), Add(2)])
+        else:
+            await sup.ask(actor.mailbox, ChangeThenRaise(5, error, reply=Reply()))
+    assert type(info.value.__cause__) is error
+    assert any("after the handler's checks passed" in note for note in info.value.__cause__.__notes__)
+    await sup.wait_stopped()
+
+
+async def test_a_refusal_after_an_undone_change_and_a_transfer_error_go_to_the_caller():
+    """`phase.refuse(exc)`: the handler took its change back, so the refusal is the caller's; a
+    TransferError after a change is the call's outcome, not a refusal: it goes back too. The next
+    message starts in its check phase again."""
+    actor = Counter()
+    sup = await started(actor)
+    with pytest.raises(CapacityError):
+        await sup.ask(actor.mailbox, ChangeThenRaise(5, CapacityError, undo=True, reply=Reply()))
+    with pytest.raises(TransferError):
+        await sup.ask(actor.mailbox, ChangeThenRaise(5, TransferError, reply=Reply()))
+    with pytest.raises(ValidationError):
+        await sup.ask(actor.mailbox, Add(-1, Reply()))  # (checks only: a refusal)
+    assert await sup.ask(actor.mailbox, Add(1, Reply())) == 6
+    out = await sup.ask_batch(actor.mailbox, [ChangeThenRaise(1, CapacityError, undo=True), Add(-1), Add(1)])
+    assert isinstance(out[0], CapacityError) and isinstance(out[1], ValidationError) and out[2] == 7
+    await sup.stop()
+    assert sup.state is State.CLOSED
 
 
 async def test_a_caller_error_with_a_reply_still_goes_to_its_caller():
@@ -286,7 +346,7 @@ async def test_a_caller_error_with_a_reply_still_goes_to_its_caller():
 
 async def test_a_failure_is_logged_once_with_its_cause(monkeypatch):
     """One crash, one `actor_failed` error event naming the actor and the cause; the other actors
-    stop quietly. On 3a097f5 the idle second actor met its aborted mailbox (ClosedResourceError)
+    stop quietly. Before the fix the idle second actor met its aborted mailbox (ClosedResourceError)
     and a second `actor_failed` error was logged."""
     recorder = LogRecorder()
     monkeypatch.setattr(supervisor_module, "log", recorder)

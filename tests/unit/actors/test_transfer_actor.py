@@ -1,4 +1,4 @@
-"""TransferActor with a small requester actor that keeps its own ledgers (issue 3, item 4).
+"""TransferActor with a small requester actor that keeps its own ledgers.
 
 The requester pins an op's source and destination slots when it issues the op and unpins
 them when it applies the op's ack; a failed copy rolls back (destination freed, nothing
@@ -541,7 +541,7 @@ async def test_layer_zero_is_read_while_later_layers_are_in_flight(layout):
 
 
 # ---------------------------------------------------------------------------------------
-# storage ops: results checked against the backend contract, a deadline per op (issue 13)
+# storage ops: results checked against the backend contract, a deadline per op
 # ---------------------------------------------------------------------------------------
 
 PAGE_BYTES = SHAPE.bytes_per_token * PS
@@ -653,7 +653,7 @@ def storage_op(op_id: int, kind: str, ack_to: Mailbox[Any], n: int = 3) -> Any:
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 async def test_a_result_outside_the_backend_contract_is_a_miss_for_the_whole_op(kind, lies, layout, monkeypatch):
     """Every value a backend returns is checked before use: out of contract, the op's ack says 0
-    pages (no per-page flags) with an error, and it is counted and logged. On 3a097f5 counts were
+    pages (no per-page flags) with an error, and it is counted and logged. Before the fix counts were
     passed on (acks of pages=-1, 6, 4, 1 for a bool) and so were wrong-length flags; None and
     non-bools failed with a TypeError/IndexError ack that named no contract and counted nothing."""
     from runtime.actors import transfer_actor
@@ -698,7 +698,7 @@ async def test_a_held_backend_call_is_overdue_at_its_deadline_and_acked_when_it_
                                                                                        monkeypatch):
     """A backend call still running at `storage_timeout_s`: the requester gets one StorageOverdue
     (logged, counted), the op stays in flight (no early ack), a drain for close completes without
-    it, and the real StorageAck follows when the call returns. On 3a097f5 it failed at once: there
+    it, and the real StorageAck follows when the call returns. Before the fix it failed at once: there
     was no StorageOverdue (ImportError) and no deadline (TransferActor took no storage_timeout_s)."""
     from runtime.actors import transfer_actor
     from runtime.messages import StorageOverdue

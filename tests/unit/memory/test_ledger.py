@@ -15,6 +15,7 @@ import pytest
 
 from runtime.errors import (
     CapacityError,
+    InternalError,
     InvariantViolation,
     LengthError,
     OwnershipError,
@@ -377,9 +378,13 @@ def test_unpin_unpinned_raises(led):
     assert_rejects(led, StateError, led.unpin, pages_to_slots([15]), 1)  # free page
 
 
-def test_errors_are_validation_errors():
-    for e in (CapacityError, OwnershipError, PinnedSlotError, LengthError, StateError):
+def test_error_types():
+    """Shortfall and bad arguments are ValidationErrors (the ledger changed nothing); a slot freed
+    or handed over by a non-owner, or while pinned, is the runtime's own bug whatever the phase."""
+    for e in (CapacityError, LengthError, StateError):
         assert issubclass(e, ValidationError)
+    for e in (OwnershipError, PinnedSlotError):
+        assert issubclass(e, InternalError) and not issubclass(e, ValidationError)
 
 
 # ---------------------------------------------------------------------------- owner bookkeeping

@@ -403,7 +403,7 @@ def test_threads_share_one_backend_under_a_cap(tmp_path):
     fb.close()
 
 
-# -- page integrity (issue 13, behaviour 16) ---------------------------------------------------
+# -- page integrity ----------------------------------------------------------------------------
 
 class _Events:
     """Stands in for the backend's structlog logger: records (event, fields)."""
@@ -430,7 +430,7 @@ def events(monkeypatch):
 def test_a_flipped_payload_byte_is_a_counted_miss(fb, events):
     """One payload byte flipped in a stored page file: the page is a miss (and ends a prefix read
     there), counted in corrupt_pages, logged once, and its file deleted so that the page can be
-    written again. On 3a097f5 the flipped page was served (get_batch gave [True, True, True])."""
+    written again. Before the fix the flipped page was served (get_batch gave [True, True, True])."""
     keys = [key(i, "flip") for i in range(3)]
     assert fb.set_batch(keys, [page(i) for i in range(3)]) == [True] * 3
     path = fb._path(keys[1])[2]
@@ -459,8 +459,8 @@ def test_a_flipped_payload_byte_is_a_counted_miss(fb, events):
 
 def test_a_page_forged_under_another_key_is_a_miss(fb, events):
     """Page A's file copied under key B's name with B's key digest written into its trailer (what
-    the unkeyed trailer of 3a097f5 let anyone do, and a copy tool that fixes trailers would do): the
-    payload checksum is seeded by the key, so B reads as a miss. On 3a097f5 B served A's bytes."""
+    the unkeyed trailer before the fix let anyone do, and a copy tool that fixes trailers would do): the
+    payload checksum is seeded by the key, so B reads as a miss. Before the fix B served A's bytes."""
     a, b = key(1, "forgeA"), key(2, "forgeB")
     assert fb.set_batch([a], [page(1)]) == [True]
     import hashlib
@@ -482,7 +482,7 @@ def test_a_page_forged_under_another_key_is_a_miss(fb, events):
 
 def test_files_of_the_previous_format_are_misses(fb):
     """A page file of format v1 (32-byte trailer: magic HCKVPG01, length, sha256(key)[:16], no
-    checksum) is neither found nor read, and a write of its key replaces it. On 3a097f5 (which
+    checksum) is neither found nor read, and a write of its key replaces it. Before the fix (which
     wrote v1) it was read, so this test failed at its first assertion."""
     import hashlib
     import struct

@@ -105,7 +105,7 @@ NAMESPACES = [None, "", b"", (), 0, 1, -1, "1", b"1", (1,), ((1,),), ("1",), (b"
 def test_typed_namespaces_never_share_a_seed():
     """Every namespace the façade accepts (None, str, bytes, exact int, tuples of these, nested)
     has its own seed: 1, "1", b"1", (1,) and ((1,),) differ, as do values Python finds equal
-    (0 and (0,) vs (0, 0)) or whose elements could be regrouped. On 3a097f5 an int or a tuple
+    (0 and (0,) vs (0, 0)) or whose elements could be regrouped. Before the fix an int or a tuple
     namespace raised ValidationError."""
     seeds = [chain_seed(ns, IDENT) for ns in NAMESPACES]
     assert len(set(seeds)) == len(NAMESPACES)
@@ -119,7 +119,7 @@ def test_typed_namespaces_never_share_a_seed():
 
 def test_namespace_encoding_spec():
     """The documented encoding, re-implemented: int is tag 3 + u32 length + minimal signed
-    little-endian bytes; a tuple is tag 4 + u32 count + its elements. On 3a097f5 seed_bytes(1, ...)
+    little-endian bytes; a tuple is tag 4 + u32 count + its elements. Before the fix seed_bytes(1, ...)
     raised ValidationError."""
     head, tail = b"hicache-page-hash-v1\x00", IDENT.encode()
     assert seed_bytes(1, IDENT) == head + b"\x03" + struct.pack("<I", 1) + b"\x01" + tail
@@ -141,7 +141,7 @@ def test_namespaces_of_other_types_are_refused(bad):
 
 
 def test_int_and_tuple_namespaces_are_stable_across_processes():
-    """No Python hash() in the namespace encoding. On 3a097f5 page_hashes(..., 7, ...) raised."""
+    """No Python hash() in the namespace encoding. Before the fix page_hashes(..., 7, ...) raised."""
     code = (
         "import numpy as np\n"
         "from runtime.storage.hashing import KVIdentity, page_hashes\n"

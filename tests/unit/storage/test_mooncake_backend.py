@@ -188,8 +188,8 @@ class TestMooncakeBackend:
     def test_every_read_is_verified_against_the_page_checksum(self, backend):
         """Each page has a companion checksum object (XXH64 seeded by the key). A page whose bytes
         do not match it (a flipped byte; another key's page and checksum copied under this key) is
-        a counted miss, on the zero-copy path too; a page without a checksum is a plain miss. On
-        3a097f5 it failed at its first line: there were no page checksums (runtime.storage.checksum)."""
+        a counted miss, on the zero-copy path too; a page without a checksum is a plain miss. Before
+        the fix it failed at its first line: there were no page checksums (runtime.storage.checksum)."""
         from runtime.storage.checksum import page_checksum
         from runtime.storage.mooncake_backend import SUM_SUFFIX
 

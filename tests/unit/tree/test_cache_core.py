@@ -1,4 +1,4 @@
-"""The tree core driven by hand, with no event loop (issue 14, "a loop-free core").
+"""The tree core driven by hand, with no event loop.
 
 `CacheCore` is built directly, as vLLM's tests build its `KVCacheManager`; copies are "done" by
 applying their acks (`apply_ack`), loads' readiness is a `ManualReadiness` settled by the test.

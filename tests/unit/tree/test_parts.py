@@ -1,5 +1,4 @@
-"""The core's parts built on their own, with no event loop and no CacheCore (issue 14: "unit
-tests construct the core and its parts with no event loop").
+"""The core's parts built on their own, with no event loop and no CacheCore.
 
 Each test builds a `Residency` and the part above it by hand, drives it through its methods and
 checks what it owns against the ledgers: the rules each part keeps without the others.

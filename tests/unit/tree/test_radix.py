@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.errors import ValidationError
+from runtime.errors import InternalError, ValidationError
 from runtime.tree.policies import LFUPolicy, LRUPolicy, PriorityPolicy, policy_by_name
 from runtime.tree.radix import RadixTree, TreeError, decode, encode
 
@@ -329,7 +329,7 @@ def test_lock_unlock(ps):
     assert (a.lock_ref, b.lock_ref, c.lock_ref) == (0, 0, 0)
     tree.lock(tree.root(None))  # no-op
     tree.unlock(tree.root(None))
-    with pytest.raises(ValidationError):
+    with pytest.raises(TreeError):
         tree.unlock(c)
 
 
@@ -515,8 +515,10 @@ def test_detach_host_keeps_host_children_reachable(ps):
     assert tree.host_leaves == {b}
 
 
-def test_errors_are_validation_errors():
-    assert issubclass(TreeError, ValueError) and issubclass(TreeError, ValidationError)
+def test_errors_are_internal_errors():
+    """No caller talks to the tree: its errors fail the runtime inside an actor, whatever the phase."""
+    assert issubclass(TreeError, ValueError) and issubclass(TreeError, InternalError)
+    assert not issubclass(TreeError, ValidationError)
     with pytest.raises(ValueError):
         RadixTree(0)
 

@@ -324,7 +324,7 @@ def test_a_request_whose_load_failed_is_not_held_to_its_window():
     check_invariants(core, quiescent=True)
 
 
-# -- a running request's own pages (issue 17) ------------------------------------------------
+# -- a running request's own pages -----------------------------------------------------------
 
 def decode_to(core: CacheCore, rid: str, length: int) -> None:
     """Decode steps until `rid` holds `length` tokens, the invariants checked after each."""
@@ -340,7 +340,7 @@ def own_dropped(core: CacheCore, rid: str) -> list[bool]:
 
 
 def test_a_request_longer_than_the_sliding_pool_decodes_to_the_end():
-    # without its own pages dropping (the rule before issue 17) the 7th page finds no sliding page
+    # without its own pages dropping (the rule before a running request gave its pages back) the 7th page finds no sliding page
     before = make_core(swa_tokens=24)
     before.residency.sliding.requests = {}  # its running requests drop nothing
     before.admit("a", toks(8, 1))
