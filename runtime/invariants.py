@@ -526,7 +526,8 @@ def _check_host_protects(nodes: list[Node], roots: set, spans: list[tuple[Node, 
 def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
     """Invariants 1-5 (and 7 when `quiescent`) of the tiers-only core: every tree node holds a
     host copy (no device copy: the engine's blocks are not the tree's) owned by the node, a
-    backup's pages are its own until its ack, pins and locks equal the copies in flight."""
+    backup's pages are its own until its ack, a reported hit's hold owns the pages it took, pins
+    equal the copies in flight and locks the copies and holds."""
     ps = core.page_size
     tree = core.residency.tree
     roots = set(tree.roots())
@@ -551,6 +552,14 @@ def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
         rec = core.requests.get(op.rid)
         if rec is None or op.op_id not in rec.copies:
             _fail(f"copy {op.op_id} is not filed under its request {op.rid!r}")
+    for rid, hold in core.holds.items():
+        if hold.rid != rid:
+            _fail(f"hold of {hold.rid!r} filed under {rid!r}")
+        if len(hold.host):
+            claim(hold.host, hold.owner, f"hold of {rid!r}")
+        rec = core.requests.get(rid)
+        if rec is not None and rec.finished:
+            _fail(f"finished request {rid!r} still holds a hit")
     for rec in core.requests.values():
         if not rec.copies and rec.finished:
             _fail(f"finished request {rec.rid!r} is kept with no copy in flight")
@@ -564,12 +573,12 @@ def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
                 _fail(f"copy {op.op_id} waits on storage read {op.read}, which is not in flight")
     assert core.residency.host is not None
     _check_ledger("host", core.residency.host, table, pins)
-    _check_locks(nodes, [op.node for op in core.copies.values()], roots)
+    _check_locks(nodes, [op.node for op in core.copies.values()] + [h.node for h in core.holds.values()], roots)
     _check_host_protects(nodes, roots, [(sop.node, sop.length) for sop in storage_ops.values() if sop.write])
     _check_host_leaves(tree, nodes)
-    if quiescent and (core.copies or core.requests or storage_ops):
-        _fail(f"{len(core.copies)} copies, {len(storage_ops)} storage ops and {len(core.requests)} requests "
-              f"left at quiescence")
+    if quiescent and (core.copies or core.requests or storage_ops or core.holds):
+        _fail(f"{len(core.copies)} copies, {len(storage_ops)} storage ops, {len(core.requests)} requests and "
+              f"{len(core.holds)} holds left at quiescence")
 
 
 # -- decode offload ---------------------------------------------------------------------------

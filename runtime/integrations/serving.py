@@ -7,12 +7,19 @@
 
 What it does, per scheduling step (one task, `ServingLoop._run`):
 
-1. **Arrival** (`submit`): the request joins a FIFO waiting queue; ``rt.prepare`` is called
+1. **Arrival** (`submit`): the request joins the waiting queue (first come, first served, but
+   ahead of requests that yielded: see 2); ``rt.prepare`` is called
    when the runtime has it (a storage prefetch while the request waits).
-2. **Admission**: head of the queue first, while ``rt.can_admit(prompt + reserve)`` says yes
-   (``reserve`` = room for ``max_new_tokens``, at most ``max_reserve`` tokens), up to
-   ``max_running`` requests and ``max_prefill_tokens`` recomputed tokens per step;
-   ``rt.admit`` gives the slots of every prompt token and the per-tier hit counts.
+2. **Admission** (prefills first): head of the queue first, while ``rt.can_admit(prompt +
+   reserve)`` says yes (``reserve`` = room for ``max_new_tokens``, at most ``max_reserve``
+   tokens), up to ``max_running`` requests and ``max_prefill_tokens`` recomputed tokens per
+   step; ``rt.admit`` gives the slots of every prompt token and the per-tier hit counts. When
+   the head does not fit (device room or ``max_running``), a decoding request that has had its
+   quantum (``yield_after`` tokens since its admission) *yields*: ``finish`` caches its KV and
+   it queues again at the tail, so a waiting turn whose prompt is mostly cached starts within
+   a step or two instead of waiting for a whole reply to finish; the yielded request resumes
+   from its cached KV (one yield per step, so the copies the first one started can settle).
+   New turns queue ahead of yielded requests; only a new turn makes a decode yield.
 3. **Extend** (one ``rt.step`` message): each decoding request commits its computed length and
    gets one more slot. A request whose extend finds no room is *preempted*: ``finish`` caches
    its computed KV and it goes back to the head of the queue to resume later (greedy decoding
@@ -65,8 +72,9 @@ class TurnMetrics:
     """What one request (a chat turn) cost.
 
     ``device/host/storage/recomputed_tokens`` say how the prompt was served at admission (they
-    sum to ``prompt_tokens``). A request preempted for room is admitted again later to resume;
-    what those re-admissions found cached (any tier) and recomputed is in ``resume_*``."""
+    sum to ``prompt_tokens``). A request preempted for room (or yielding to a waiting prefill)
+    is admitted again later to resume; what those re-admissions found cached (any tier) and
+    recomputed is in ``resume_*``."""
 
     rid: Hashable
     prompt_tokens: int = 0
@@ -75,11 +83,13 @@ class TurnMetrics:
     host_tokens: int = 0  # loaded back from the host tier
     storage_tokens: int = 0  # read from storage (0 until the runtime has a storage tier)
     recomputed_tokens: int = 0  # prefilled by the model
-    queue_s: float = 0.0  # arrival -> admission
-    ttft_s: float = 0.0  # arrival -> first generated token
+    queue_s: float = 0.0  # arrival -> first admission (waiting for room or a slot in the batch)
+    prefill_s: float = 0.0  # first admission -> first generated token (loads, the prefill step)
+    ttft_s: float = 0.0  # arrival -> first generated token (= queue_s + prefill_s)
     latency_s: float = 0.0  # arrival -> last token
     tokens_per_s: float = 0.0  # decode rate: (generated - 1) / (last token - first token)
-    preemptions: int = 0
+    preemptions: int = 0  # preempted for room (a decode step found none)
+    yields: int = 0  # made room for a waiting prefill (after its quantum of decode steps)
     resume_cached_tokens: int = 0
     resume_recomputed_tokens: int = 0
 
@@ -116,6 +126,9 @@ class _Request:
     start: int = 0  # first position the next forward computes
     readiness: tuple = ()
     t_first: float | None = None
+    t_admitted: float = 0.0
+    generated_at_admission: int = 0
+    yielded: bool = False  # queued again after yielding to a waiting prefill (new turns go first)
     admissions: int = 0
     # recurrent state (a hybrid model): the running state slot, the snapshot the next forward
     # resumes from, and the last position a snapshot was asked at
@@ -191,9 +204,12 @@ class ServingLoop:
         record_logits: bool = False,
         admit_timeout_s: float = 10.0,
         snapshot_every: int | None = None,
+        yield_after: int | None = 2,
     ) -> None:
         if max_running < 1 or max_prefill_tokens < 1:
             raise ValueError("max_running and max_prefill_tokens must be >= 1")
+        if yield_after is not None and yield_after < 1:
+            raise ValueError("yield_after must be >= 1 (or None: decodes never yield to waiting prefills)")
         self.rt = runtime
         self.model = model
         self.max_running = max_running
@@ -203,6 +219,7 @@ class ServingLoop:
         self.layerwise = layerwise
         self.record_logits = record_logits
         self.admit_timeout_s = admit_timeout_s
+        self.yield_after = yield_after
         self.num_layers = int(model.num_layers)
         self._device_slots = int(runtime.config.device_slots)
         self._page_size = int(runtime.config.page_size)
@@ -222,7 +239,7 @@ class ServingLoop:
         self._closing = False
         self.stats: dict[str, float] = {
             "steps": 0, "forwards": 0, "forward_s": 0.0, "layer_wait_s": 0.0, "prefill_tokens": 0,
-            "decode_tokens": 0, "max_batch": 0, "preemptions": 0, "load_failures": 0, "finished": 0,
+            "decode_tokens": 0, "max_batch": 0, "preemptions": 0, "yields": 0, "load_failures": 0, "finished": 0,
         }
 
     # -- lifecycle -------------------------------------------------------------------
@@ -285,7 +302,9 @@ class ServingLoop:
         prepare = getattr(self.rt, "prepare", None)
         if prepare is not None:  # storage prefetch while the request waits
             await prepare(rid, np.asarray(ids, dtype=np.int32), extra_key)
-        self._waiting.append(req)
+        # a new turn goes ahead of requests that yielded (they resume from cached KV in any case)
+        at = next((i for i, r in enumerate(self._waiting) if r.yielded), len(self._waiting))
+        self._waiting.insert(at, req)
         self._wake.set()
         return fut
 
@@ -326,30 +345,44 @@ class ServingLoop:
     async def _admit(self) -> list[_Request]:
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens
-        while self._waiting and len(self._running) < self.max_running and budget > 0:
+        made_room = False  # one yield per step (its copies settle before the next)
+        while self._waiting and budget > 0:
             req = self._waiting[0]
+            if len(self._running) >= self.max_running:
+                if not made_room and await self._yield_to_prefill(req, admitted):
+                    made_room = True
+                    continue
+                break
             ctx = req.context
             reserve = min(req.max_new_tokens - len(req.generated), self.max_reserve,
                           max(0, self._device_slots - len(ctx)))
             probe = np.asarray(ctx + [0] * reserve, dtype=np.int32)
             try:
                 if not await self.rt.can_admit(probe, req.extra_key):
+                    if not made_room and await self._yield_to_prefill(req, admitted):
+                        made_room = True
+                        continue
                     break
                 res = await self.rt.admit(req.rid, np.asarray(ctx, dtype=np.int32), req.extra_key)
             except CapacityError:
                 break
             except ValidationError as exc:
-                self._waiting.popleft()
+                self._waiting.remove(req)
                 self._fail(req, exc)
                 continue
-            self._waiting.popleft()
+            # by identity, not popleft: a turn submitted while this one was being admitted may
+            # have gone ahead of it (new turns queue before yielded ones)
+            self._waiting.remove(req)
             m = req.metrics
             storage = res.loaded_storage  # part of loaded_host that this request's prefetch read from storage
             cached = res.cached_device + res.loaded_host
+            req.t_admitted = time.perf_counter()
+            req.yielded = False
+            req.generated_at_admission = len(req.generated)
             if req.admissions == 0:
                 m.device_tokens, m.host_tokens, m.storage_tokens = res.cached_device, res.loaded_host - storage, storage
                 m.recomputed_tokens = len(ctx) - cached
-                m.queue_s = time.perf_counter() - req.t_arrival
+                m.queue_s = req.t_admitted - req.t_arrival
             else:
                 m.resume_cached_tokens += cached
                 m.resume_recomputed_tokens += len(ctx) - cached
@@ -363,6 +396,21 @@ class ServingLoop:
             admitted.append(req)
             budget -= len(ctx) - cached
         return admitted
+
+    async def _yield_to_prefill(self, head: _Request, admitted: list[_Request]) -> bool:
+        """Make room for a new turn at the head of the queue: the running decode that has run
+        longest since its admission (at least `yield_after` tokens) goes back to the tail with
+        its KV cached. A request resuming (after a yield or a preemption) waits for room instead:
+        resumes making each other yield would only move KV back and forth."""
+        if self.yield_after is None or head.admissions:
+            return False
+        ready = [r for r in self._running if r not in admitted
+                 and len(r.generated) - r.generated_at_admission >= self.yield_after]
+        if not ready:
+            return False
+        victim = max(ready, key=lambda r: (len(r.generated) - r.generated_at_admission, r.kv_len))
+        await self._preempt([victim], yielded=True)
+        return True
 
     async def _extend(self, decodes: list[_Request]) -> list[_Request]:
         if not decodes:
@@ -442,6 +490,7 @@ class ServingLoop:
             if r.t_first is None:
                 r.t_first = now
                 r.metrics.ttft_s = now - r.t_arrival
+                r.metrics.prefill_s = now - r.t_arrival - r.metrics.queue_s
             if tok in r.eos:
                 finished.append((r, "eos"))
             elif len(r.generated) >= r.max_new_tokens:
@@ -467,15 +516,22 @@ class ServingLoop:
             if not r.future.done():
                 r.future.set_result(Completion(r.rid, r.prompt, list(r.generated), reason, m, r.logits))
 
-    async def _preempt(self, reqs: list[_Request], abort: Sequence[_Request] = ()) -> None:
+    async def _preempt(self, reqs: list[_Request], abort: Sequence[_Request] = (), yielded: bool = False) -> None:
         """Give back the device slots of `reqs` (caching their computed KV unless in `abort`)
-        and queue them again at the head, in their order."""
+        and queue them again at the head, in their order (`yielded`: at the tail, behind the
+        waiting prefills they made room for)."""
+        kind = "yields" if yielded else "preemptions"
         for r in reqs:
             self._running.remove(r)
             await self._release(r, abort=r in abort)
-            r.metrics.preemptions += 1
-            self.stats["preemptions"] += 1
-        self._waiting.extendleft(reversed(reqs))
+            setattr(r.metrics, kind, getattr(r.metrics, kind) + 1)
+            self.stats[kind] += 1
+        if yielded:
+            for r in reqs:
+                r.yielded = True
+            self._waiting.extend(reqs)
+        else:
+            self._waiting.extendleft(reversed(reqs))
 
     async def _release(self, r: _Request, abort: bool) -> None:
         try:

@@ -28,16 +28,16 @@ import numpy as np
 from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm import envs
+from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import ExternalBlockHash, resolve_block_hashes
 
 from runtime.errors import ArgumentError
 from runtime.events.recorder import KVEventRecorder, Record
 from runtime.events.wire import CPU, STORAGE
 from runtime.storage.hashing import HASH_BYTES, KVIdentity, page_hashes
-from runtime.trace import get_logger
 from runtime.tree.tiers_only import TiersOnlyCore
 
-log = get_logger("hicache.vllm.events")
+logger = init_logger("vllm.hicache.events")  # (under vLLM's logger: VLLM_LOGGING_LEVEL governs it)
 
 __all__ = ["ConnectorEvents"]
 
@@ -164,7 +164,7 @@ class ConnectorEvents:
         """A page no op learned (not expected: every page joins through a backup or a read):
         our own hash, so its store and removal still pair up."""
         self.unnamed += 1
-        log.warning("vllm_event_page_unnamed", page=h.hex())
+        logger.warning("HiCache KV event: page %s has no vLLM block hash known (named by its own hash)", h.hex())
         return h
 
 

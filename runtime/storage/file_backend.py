@@ -38,6 +38,10 @@ LRU clock: a file's mtime, set explicitly (ns) when written and touched on a hit
 once per ``touch_interval_s``). Within one batch the first page gets the newest stamp, so a
 prefix loses its tail before its head.
 
+Healing: a directory removed while open (``rm -rf``) is made again, with a fresh state file,
+by the next write (``dir_recreated``, one ``storage_dir_recreated`` event); until then reads
+and lookups miss. A fan-out directory removed alone is made again by the write that needs it.
+
 Durability (``fsync``): ``"none"`` (default; a process crash never exposes a partial page,
 a machine crash may lose recent pages), ``"file"`` (fsync each page before its rename),
 ``"dir"`` (also fsync the fan-out directories after the renames).
@@ -125,34 +129,55 @@ class FileBackend:
         self.evict_to = evict_to
         self.touch_interval_ns = int(touch_interval_s * 1e9)
         self.stale_tmp_ns = int(stale_tmp_s * 1e9)
-        os.makedirs(self.directory, exist_ok=True)
-        for sub in FANOUT:
-            os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        self._fanout = [os.path.join(self.directory, sub) for sub in FANOUT]  # by a key's first byte
+        self._make_dirs()
         self._state_path = os.path.join(self.directory, STATE_NAME)
         self._tlock = threading.Lock()
         self._slock = threading.Lock()  # stats
         self._pid = os.getpid()
         self._state_fd: int | None = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._stale_fds: list[int] = []  # state files of a removed directory (closed at close())
         self._gate = CallGate("FileBackend")
         self.close_timeout_s = close_timeout_s
         self._nonce = 0
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "read_errors",
             "pages_written", "pages_present", "write_errors", "write_no_room", "bytes_read", "bytes_written",
-            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "corrupt_pages", "removed_pages"), 0)
+            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "corrupt_pages", "removed_pages",
+            "dir_recreated"), 0)
         if cleanup_on_open:
             self.cleanup()
 
     # -- paths -----------------------------------------------------------------------------------
     def _path(self, key: bytes) -> tuple[str, str, str]:
         hx = key.hex()
-        d = os.path.join(self.directory, hx[:2])
-        return hx, d, os.path.join(d, hx + PAGE_SUFFIX)
+        d = self._fanout[key[0]]  # (joined once: two joins per page were a third of `exists_prefix`)
+        return hx, d, f"{d}/{hx}{PAGE_SUFFIX}"
 
     def _count(self, **inc: int) -> None:
         with self._slock:
             for k, v in inc.items():
                 self._s[k] += v
+
+    def _make_dirs(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        for sub in self._fanout:
+            os.makedirs(sub, exist_ok=True)
+
+    def _heal(self) -> None:
+        """The directory was removed under us: make it again, with a fresh state file (the old
+        one, unlinked, would keep this process's accounting apart from every other's)."""
+        self._make_dirs()
+        with self._tlock:
+            fd = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
+            if self._state_fd is not None and os.fstat(fd).st_ino == os.fstat(self._state_fd).st_ino:
+                os.close(fd)  # (another writer made it again already, under the same file)
+            else:
+                if self._state_fd is not None:  # (a thread may be about to lock it: closed at close())
+                    self._stale_fds.append(self._state_fd)
+                self._state_fd = fd
+        self._count(dir_recreated=1)
+        _log.warning("storage_dir_recreated", directory=self.directory)
 
     # -- the directory lock and state ------------------------------------------------------------
     def _fd(self) -> int:
@@ -414,9 +439,12 @@ class FileBackend:
                 pass
             todo.append((i, key, hx, d, final))
         written = errors = no_room = 0
+        if todo and not os.path.exists(self._state_path):  # (removed under us: one stat per batch)
+            self._heal()
         if todo:
-            temps = self._reserve(todo)
-            no_room = len(todo) - len(temps)
+            temps, fit = self._reserve(todo)
+            no_room = len(todo) - fit
+            errors = fit - len(temps)  # (a temporary file that could not be made: a read-only directory)
             dirs: set[str] = set()
             filled = [(i, tmp, final) for (i, key, _hx, _d, final), (tmp, fd) in zip(todo, temps)
                       if self._write_one(key, views[i], tmp, fd, now + (n - i))]
@@ -445,10 +473,11 @@ class FileBackend:
                     write_no_room=no_room, bytes_written=written * self.page_bytes)
         return result
 
-    def _reserve(self, todo: list[tuple[int, bytes, str, str, str]]) -> list[tuple[str, int]]:
+    def _reserve(self, todo: list[tuple[int, bytes, str, str, str]]) -> tuple[list[tuple[str, int]], int]:
         """Create the temporary files for as many leading pages of ``todo`` as the cap allows,
         accounting their full size in ``used`` (under the directory lock, with or without a cap, so
-        that an uncapped writer never breaks the accounting of capped ones sharing the directory)."""
+        that an uncapped writer never breaks the accounting of capped ones sharing the directory).
+        Returns them and how many pages the cap allowed."""
         fb = self.file_bytes
         with self._lock() as fd:
             used, epoch = self._read_state(fd)
@@ -465,7 +494,7 @@ class FileBackend:
                 fit = max(0, min(len(todo), (self.cap_bytes - used) // fb))
             temps = self._create_temps(todo[:fit])
             self._write_state(fd, used + len(temps) * fb, epoch)
-        return temps
+        return temps, fit
 
     def _create_temps(self, todo: list[tuple[int, bytes, str, str, str]]) -> list[tuple[str, int]]:
         temps: list[tuple[str, int]] = []
@@ -476,9 +505,13 @@ class FileBackend:
                 nonce = self._nonce
             tmp = os.path.join(d, f".{hx}.{pid}.{threading.get_ident() & 0xFFFFFF:x}{nonce:x}.{self.file_bytes}{TMP_SUFFIX}")
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except OSError as exc:
-                _log.warning("storage_tmp_create_error", path=tmp, error=str(exc))
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileNotFoundError:  # its fan-out directory was removed alone
+                    os.makedirs(d, exist_ok=True)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError as exc:  # (e.g. a read-only directory: counted as write errors)
+                _log.debug("storage_tmp_create_error", path=tmp, error=str(exc))
                 break
             temps.append((tmp, fd))
         return temps
@@ -574,7 +607,10 @@ class FileBackend:
     def _release_fd(self) -> None:
         if self._state_fd is not None and self._pid == os.getpid():
             os.close(self._state_fd)
+            for fd in self._stale_fds:
+                os.close(fd)
         self._state_fd = None
+        self._stale_fds = []
 
     def stats(self) -> dict[str, Any]:
         with self._slock:

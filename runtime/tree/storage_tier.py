@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.errors import ArgumentError, InternalError
+from runtime.errors import ArgumentError, InternalError, LengthError
 from runtime.memory.owners import Owner
 from runtime.events.wire import STORAGE
 from runtime.messages import StateBlob
@@ -179,19 +179,27 @@ class StorageTier:
         return len(keys) * ps
 
     def read(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, start: int,
-             keys: list[bytes], link: bytes | None = None) -> tuple[Prefetch, StorageRequest] | None:
+             keys: list[bytes], link: bytes | None = None,
+             reserved: tuple[np.ndarray, Owner] | None = None) -> tuple[Prefetch, StorageRequest] | None:
         """Tiers-only mode: read `keys`, the pages of `tokens` from `start` on, into fresh host
         pages now; the engine's scheduler asked storage itself and waits on its own terms, so there
         is no lookup first and no waiting policy. The caller keeps the prefix [0, start) in the
         tree until the read's ack (its pages hang under it). `link`: the hash of the page before
         `start` (the parent a STORAGE event of the pages found names). Returns the prefetch and
-        its storage request (not queued in `take_requests`); None when no host room can be had."""
+        its storage request (not queued in `take_requests`); None when no host room can be had.
+        `reserved`: host pages taken for it beforehand (one per key) and their owner: the read
+        takes them over instead of taking pages now."""
         if (link is None) != (start == 0):
             raise ArgumentError(f"a read from token {start} needs the hash of the page before it, and only then")
+        if reserved is not None and len(reserved[0]) != len(keys) * self.residency.page_size:
+            raise LengthError(f"a read of {len(keys)} pages given {len(reserved[0])} reserved host slots")
         pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens, start, 0, EMPTY,
                       detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
         pf.link = link
-        request = self._issue_read(pf, keys)
+        if reserved is not None:
+            assert self.residency.host is not None
+            self.residency.host.assign(reserved[0], reserved[1], pf.owner, trusted=True)
+        request = self._issue_read(pf, keys, host=None if reserved is None else reserved[0])
         return None if request is None else (pf, request)  # (the caller carries the request to its worker)
 
     def wait_for(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, waiter: Any) -> PrefetchWait | None:
@@ -357,12 +365,14 @@ class StorageTier:
     def _write_landed(self, sop: StorageOp, error: str | None, ok: tuple[bool, ...]) -> None:
         assert sop.node is not None
         self.residency.tree.unprotect_host(sop.node, sop.length)
+        # (debug, not a warning per write: they are counted, `storage_write_failures`, and a failing
+        # backend's state is what is worth a log line, `runtime.storage.health`)
         if error is not None:
             ok = ()
-            _log.warning("storage_write_failed", op=sop.op_id, pages=len(sop.keys), error=error)
+            _log.debug("storage_write_failed", op=sop.op_id, pages=len(sop.keys), error=error)
         stored = [k for k, good in zip(sop.keys, ok) if good]
         if error is None and len(stored) < len(sop.keys):
-            _log.warning("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
+            _log.debug("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
         self.known.update(stored)
         self._remember_ranks(sop, [i for i, good in enumerate(ok) if good])
         if self.residency.events is not None and stored:
@@ -444,6 +454,13 @@ class StorageTier:
                                     pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
         self.known.update(keys)
 
+    def missing(self, keys: list[bytes]) -> None:
+        """The engine's own lookup (tiers-only mode) found `keys[0]` missing. When it was known
+        stored, storage lost pages behind our back (evicted by another writer, or the directory
+        wiped): nothing known is trusted any more, so every page is written again with the next
+        write of a path holding it (`write` skips only known pages); else as `_gone`."""
+        self._gone(list(self.known) if keys and keys[0] in self.known else keys)
+
     def _gone(self, keys: list[bytes]) -> None:
         """A lookup or read stopped at `keys[0]`, missing: it and the pages after it (likely evicted
         with it; written again next time) are no longer known stored (a STORAGE removal of those that
@@ -509,18 +526,20 @@ class StorageTier:
         self._requests.append(request)
         return True
 
-    def _issue_read(self, pf: Prefetch, keys: list[bytes], blob: StateBlob | None = None) -> StorageRequest | None:
-        """Read `keys` (pages of tokens from `pf.start` on) into host pages taken for `pf`, and the
-        state snapshot `blob` into a host state slot taken for `pf`; returns the read's storage
-        request (None: no host room)."""
+    def _issue_read(self, pf: Prefetch, keys: list[bytes], blob: StateBlob | None = None,
+                    host: np.ndarray | None = None) -> StorageRequest | None:
+        """Read `keys` (pages of tokens from `pf.start` on) into host pages taken for `pf` (`host`:
+        pages `pf` owns already), and the state snapshot `blob` into a host state slot taken for
+        `pf`; returns the read's storage request (None: no host room)."""
         res = self.residency
         assert res.host is not None
         slot = None
         if blob is not None:
             assert self.states is not None
             slot = self.states.take_host(pf.owner, rid=pf.rid)
-        host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys and \
-            (blob is None or slot is not None) else None
+        if host is None:
+            host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys and \
+                (blob is None or slot is not None) else None
         if host is None:
             if slot is not None:
                 self.states.free_host(slot, pf.owner, rid=pf.rid, reason="prefetch_skipped")  # type: ignore[union-attr]

@@ -3,9 +3,10 @@
 The engine (vLLM through `runtime.integrations.vllm`) owns the device KV blocks and the request
 lifecycle; this core owns the host tier: a radix tree of host copies by page (a page is one of
 the engine's blocks) over the host slot ledger, through a host-only `Residency`. It says how
-many tokens past the engine's own device hit the host tier holds (`lookup`), turns a hit into a
-load into the blocks the engine allocated (`load`), and a request's computed blocks into a
-backup of the pages the tier lacks (`backup`). Plans are full mode's immutable `TransferPlan`s
+many tokens past the engine's own device hit the host tier holds (`lookup`; `reserve` also holds
+them for the request until its load: a hit reported to the engine is one the tiers can load),
+turns a hit into a load into the blocks the engine allocated (`load`), and a request's computed
+blocks into a backup of the pages the tier lacks (`backup`). Plans are full mode's immutable `TransferPlan`s
 whose device slots are ``block_id * page_size + offset`` in the engine's KV tensors; acks come
 back through `apply_ack`. Synchronous and loop-free: the engine's scheduler drives it directly.
 
@@ -19,6 +20,9 @@ Ownership, as in full mode:
 - a host page has one owner: a tree node, or the backup that fills it until its ack;
 - a copy pins the host pages it touches until its ack; a load locks the tree path it reads, a
   backup the cached prefix it extends, so neither is evicted under it;
+- a reported hit (`reserve`) holds what its load needs until the load, `release` or `finish`:
+  the host path it reads locked, and host pages for its storage part, owned by the hold (a part
+  no host room can be had for is cut from the hit, and counted);
 - the engine's blocks are the engine's: it must not free a block a backup still reads or a
   load still writes (a request aborted mid-load). `finish(rid)` says whether one is in flight
   (vLLM's ``delay_free_blocks``).
@@ -93,6 +97,20 @@ class TierLoad:
 
 
 NO_HIT, NO_LOAD = TierHit(), TierLoad()
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class TierHold:
+    """A hit reported to the engine, held for its request until its load: the host path the
+    load reads, locked (nothing evicts it), and host pages taken for its storage read of tokens
+    [start, start + len(host)), owned by `owner`."""
+
+    rid: Hashable
+    start: int  # where its storage read starts: the end of the host path
+    node: Node | None  # locked (None: nothing to lock, or a namespace root)
+    host: np.ndarray = field(default_factory=lambda: _NO_SLOTS)
+    owner: Owner | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +137,7 @@ class TiersOnlyCore:
         self.residency.tree.on_split = self.residency.on_split  # a split hands the upper part's pages over
         self.requests: dict[Hashable, TierRequest] = {}
         self.copies: dict[int, TierCopy] = {}
+        self.holds: dict[Hashable, TierHold] = {}  # reported hits not loaded yet, by request
         self._op_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._offsets = np.arange(page_size, dtype=np.int64)
@@ -126,7 +145,11 @@ class TiersOnlyCore:
         self._exists: Callable[[list[bytes]], int] | None = None
         self.stats: dict[str, int] = dict.fromkeys(
             ("lookups", "tokens_host_hit", "tokens_storage_hit", "tokens_loaded", "tokens_storage_loaded",
-             "tokens_backed_up", "tokens_backup_skipped", "load_errors", "backup_errors", "storage_lookup_errors"), 0)
+             "tokens_backed_up", "tokens_backup_skipped", "load_errors", "backup_errors", "storage_lookup_errors",
+             # hits cut at their report to the host room their load could have (never promised); loads
+             # that covered less than the hit reported (the tiers lost its pages since: none while
+             # hits are held); storage reads that came back short (their loads' later blocks unfilled)
+             "hits_cut", "tokens_hit_cut", "loads_short", "storage_reads_short"), 0)
 
     def enable_storage(self, identity: KVIdentity, exists_prefix: Callable[[list[bytes]], int],
                        tp_ranks: int = 1) -> None:
@@ -153,26 +176,53 @@ class TiersOnlyCore:
         (`keys`: `page_keys` of the same tokens, if the caller kept them)."""
         tokens = _tokens(tokens)
         self._check_aligned(computed, "computed", len(tokens))
-        self.stats["lookups"] += 1
-        ps = self.page_size
-        n = aligned(len(tokens) - 1, ps)
-        if n <= computed:
-            return NO_HIT
-        look = self.residency.tree.match(tokens[:n], extra_key, split=False, touch=False)
-        host_end = look.host_len
-        stored_end = host_end
-        if self._exists is not None and max(host_end, computed) < n:
-            wanted = (keys if keys is not None else self._page_keys(tokens, extra_key))[host_end // ps: n // ps]
-            if wanted:
-                try:
-                    stored_end += self._stored_pages(tokens[:n], extra_key, wanted, host_end // ps) * ps
-                except Exception as exc:  # noqa: BLE001 - a failing backend is a miss, never a crashed scheduler
-                    self.stats["storage_lookup_errors"] += 1
-                    log.warning("tiers_storage_lookup_failed", error=repr(exc))
-        hit = TierHit(max(0, host_end - computed), max(0, stored_end - max(host_end, computed)))
-        self.stats["tokens_host_hit"] += hit.host
-        self.stats["tokens_storage_hit"] += hit.storage
-        return hit
+        _, host_end, stored_end = self._probe(tokens, extra_key, computed, keys)
+        return self._counted(_hit(computed, host_end, stored_end))
+
+    def reserve(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
+                keys: list[bytes] | None = None) -> TierHit:
+        """`lookup`, holding what the hit needs for `rid` until its `load` (or `release`,
+        `finish`): the host path locked, and host pages taken for the storage part, evicting
+        host copies for them if need be. A storage part no host room can be had for is cut from
+        the hit (`hits_cut`, `tokens_hit_cut`). Replaces `rid`'s hold, if any."""
+        tokens = _tokens(tokens)
+        self._check_aligned(computed, "computed", len(tokens))
+        self._check_open(rid)
+        self.release(rid)
+        m, host_end, stored_end = self._probe(tokens, extra_key, computed, keys)
+        if m is None or stored_end <= computed:
+            return self._counted(NO_HIT)
+        res = self.residency
+        assert res.host is not None
+        node = _lockable(m.last_node)
+        if node is not None:
+            res.tree.lock(node)  # (first: the host room taken next must not evict the path it reads)
+        hold = TierHold(rid, host_end, node)
+        want = (stored_end - host_end) // self.page_size
+        if want > 0:
+            hold.owner = Owner.request(rid, next(self._generations))
+            got = self._take_host(want, hold.owner, rid)
+            end = host_end + len(got)
+            if end <= computed:  # (the pages it got would all be read only to be skipped)
+                res.host.free(got, hold.owner, rid=rid, reason="hold_cut")
+                got, end = _NO_SLOTS, host_end
+            hold.host = got
+            if end < stored_end:
+                self.stats["hits_cut"] += 1
+                self.stats["tokens_hit_cut"] += stored_end - max(end, computed)
+                stored_end = end
+        hit = _hit(computed, host_end, stored_end)
+        if hit.total == 0:
+            self._drop_hold(hold, 0)
+            return self._counted(NO_HIT)
+        self.holds[rid] = hold
+        return self._counted(hit)
+
+    def release(self, rid: Hashable) -> None:
+        """Drop `rid`'s hold, if any (the engine did not load the hit it was told of)."""
+        hold = self.holds.pop(rid, None)
+        if hold is not None:
+            self._drop_hold(hold, 0)
 
     def load(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int, count: int,
              block_ids: Sequence[int], keys: list[bytes] | None = None) -> TierLoad:
@@ -186,8 +236,22 @@ class TiersOnlyCore:
         end = computed + count
         device = self._device_slots(block_ids, computed, end)
         self._check_open(rid)
-        if count == 0:
-            return NO_LOAD
+        hold = self.holds.pop(rid, None)
+        used = 0  # pages of the hold's the storage read took over
+        try:
+            if count == 0:
+                return NO_LOAD
+            ld, used = self._load(rid, tokens, extra_key, computed, end, device, keys, hold)
+        finally:
+            if hold is not None:  # (after the load locked its own path)
+                self._drop_hold(hold, used)
+        if ld.tokens < count:  # the tiers lost pages since the hit was reported: its last blocks stay unfilled
+            self.stats["loads_short"] += 1
+        return ld
+
+    def _load(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, computed: int, end: int,
+              device: np.ndarray, keys: list[bytes] | None, hold: TierHold | None) -> tuple[TierLoad, int]:
+        """`load`'s work; also returns how many of `hold`'s pages its storage read took over."""
         ps = self.page_size
         res = self.residency
         m = res.tree.match(tokens[:end], extra_key, split=True, touch=True)
@@ -198,25 +262,32 @@ class TiersOnlyCore:
             res.tree.lock(node)  # the path it reads stays while host room is made for a read
         parts = [n.host for n in m.nodes]
         read = None
+        used = 0
         if self.storage is not None and first < end:
             every = keys if keys is not None else self._page_keys(tokens, extra_key)
             wanted = every[host_end // ps: end // ps]
             link = every[host_end // ps - 1] if host_end and wanted else None  # (a STORAGE event's parent)
-            issued = self.storage.read(rid, tokens[:end], extra_key, host_end, wanted, link) if wanted else None
+            reserved = None
+            if hold is not None and hold.start == host_end and 0 < len(wanted) * ps <= len(hold.host):
+                assert hold.owner is not None
+                reserved = (hold.host[:len(wanted) * ps], hold.owner)  # (the room held since the hit's report)
+            issued = self.storage.read(rid, tokens[:end], extra_key, host_end, wanted, link, reserved) \
+                if wanted else None
             if issued is not None:
                 pf, read = issued
+                used = len(wanted) if reserved is not None else 0
                 parts.append(pf.host)
                 top = end
                 self.stats["tokens_storage_loaded"] += end - first
         if top <= computed:
             if node is not None:
                 res.tree.unlock(node)
-            return NO_LOAD
+            return NO_LOAD, used
         host = np.concatenate(parts)[computed:top]
         op = self._issue(rid, Direction.LOAD, host, node, read=read[0] if read else 0)
         self.stats["tokens_loaded"] += top - computed
         plan = make_plan(op.op_id, Direction.LOAD, host, device[:top - computed])
-        return TierLoad(plan, top - computed, read, (first - computed) // ps, (first - host_end) // ps)
+        return TierLoad(plan, top - computed, read, (first - computed) // ps, (first - host_end) // ps), used
 
     def backup(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
                block_ids: Sequence[int]) -> TransferPlan | None:
@@ -255,6 +326,7 @@ class TiersOnlyCore:
     def finish(self, rid: Hashable) -> bool:
         """The engine is done with `rid`: returns whether a copy still reads or writes its blocks
         (a backup, or a load when it was aborted mid-load): the engine keeps them until its ack."""
+        self.release(rid)
         rec = self.requests.get(rid)
         if rec is None:
             return False
@@ -286,8 +358,8 @@ class TiersOnlyCore:
             assert op.tokens is not None and op.owner is not None
             if error is None:  # (under its lock: the prefix it extends is still there)
                 _, node = res.adopt_host_run(op.tokens, op.extra_key, op.start, op.host, op.owner, op.rid, ())
-                if self.storage is not None and node is not None:  # write-through
-                    self.storage.write_chain(node, len(op.tokens) - op.start)
+                if self.storage is not None and node is not None:  # write-through of the path's
+                    self.storage.write_chain(node, len(op.tokens))  # pages not known stored (healing)
             else:
                 self.stats["backup_errors"] += 1
                 res.host.free(op.host, op.owner, rid=op.rid, reason="backup_failed")
@@ -318,6 +390,8 @@ class TiersOnlyCore:
             if any(op.read == op_id for op in self.copies.values()):  # (its load pins its pages)
                 raise StateError(f"storage read {op_id} acked before the load that copies from it")
         self.storage.apply_ack(op_id, pages, error, ok, ())
+        if not sop.write and pages < len(sop.keys):  # (its load left the blocks after them unfilled)
+            self.stats["storage_reads_short"] += 1
 
     def take_storage_writes(self) -> list[StorageRequest]:
         """The storage writes issued since the last call (a read travels with its load)."""
@@ -332,6 +406,7 @@ class TiersOnlyCore:
         assert host is not None
         return {"host_free_pages": host.num_free_pages(), "host_cached_tokens": self.residency.tree.total_host_tokens,
                 "copies_in_flight": len(self.copies), "requests_tracked": len(self.requests),
+                "hits_held": len(self.holds), "host_pages_held": sum(len(h.host) for h in self.holds.values()) // self.page_size,
                 "storage_ops_in_flight": len(self.storage.ops) if self.storage is not None else 0}
 
     # -- helpers -------------------------------------------------------------------
@@ -348,6 +423,51 @@ class TiersOnlyCore:
             rec = self.requests[rid] = TierRequest(rid)
         rec.copies.add(op_id)
         return op
+
+    def _probe(self, tokens: np.ndarray, extra_key: Hashable, computed: int,
+               keys: list[bytes] | None) -> tuple[Any, int, int]:
+        """(the host match, where the host tier's hit ends, where storage's ends) past `computed`;
+        (None, 0, 0) when nothing past it can be a hit. Changes nothing."""
+        self.stats["lookups"] += 1
+        ps = self.page_size
+        n = aligned(len(tokens) - 1, ps)
+        if n <= computed:
+            return None, 0, 0
+        look = self.residency.tree.match(tokens[:n], extra_key, split=False, touch=False)
+        host_end = look.host_len
+        stored_end = host_end
+        if self._exists is not None and max(host_end, computed) < n:
+            wanted = (keys if keys is not None else self._page_keys(tokens, extra_key))[host_end // ps: n // ps]
+            if wanted:
+                try:
+                    stored_end += self._stored_pages(tokens[:n], extra_key, wanted, host_end // ps) * ps
+                except Exception as exc:  # noqa: BLE001 - a failing backend is a miss, never a crashed scheduler
+                    self.stats["storage_lookup_errors"] += 1  # (counted; the backend's health is what is logged)
+                    log.debug("tiers_storage_lookup_failed", error=repr(exc))
+        return look, host_end, stored_end
+
+    def _counted(self, hit: TierHit) -> TierHit:
+        self.stats["tokens_host_hit"] += hit.host
+        self.stats["tokens_storage_hit"] += hit.storage
+        return hit
+
+    def _take_host(self, pages: int, owner: Owner, rid: Hashable) -> np.ndarray:
+        """Up to `pages` host pages for `owner`, evicting host copies for them: as many as can be had."""
+        host = self.residency.host
+        assert host is not None
+        short = pages - host.num_free_pages()
+        if short > 0:
+            self.residency.evict_host(short)
+        return host.alloc(min(pages, host.num_free_pages()), owner, rid=rid, reason="hold")
+
+    def _drop_hold(self, hold: TierHold, used: int) -> None:
+        """Unlock a hold's path and free its pages but the first `used` (a read took them over)."""
+        if hold.node is not None:
+            self.residency.tree.unlock(hold.node)
+        rest = hold.host[used * self.page_size:]
+        if len(rest):
+            assert hold.owner is not None and self.residency.host is not None
+            self.residency.host.free(rest, hold.owner, rid=hold.rid, reason="hold_released")
 
     def _page_keys(self, tokens: np.ndarray, extra_key: Hashable) -> list[bytes]:
         """`page_keys` of checked tokens."""
@@ -366,6 +486,8 @@ class TiersOnlyCore:
             if found == 0:
                 break
             found = checked_count("exists_prefix", self._exists(list(keys[:found])), found)
+        if found < len(wanted):  # (known stored, now missing: written again with their next backup)
+            self.storage.missing(wanted[found:])
         return found
 
     def _check_open(self, rid: Hashable) -> None:
@@ -391,6 +513,10 @@ class TiersOnlyCore:
             raise ArgumentError(f"block ids must cover tokens [{start}, {end}) with blocks in "
                                 f"[0, {self.num_device_blocks}), got {len(blocks)} blocks")
         return (blocks[:, None] * ps + self._offsets).reshape(-1)
+
+
+def _hit(computed: int, host_end: int, stored_end: int) -> TierHit:
+    return TierHit(max(0, host_end - computed), max(0, stored_end - max(host_end, computed)))
 
 
 def _lockable(node: Node) -> Node | None:

@@ -17,8 +17,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by
 
 import torch  # noqa: E402
 
-from runtime.errors import ConfigError  # noqa: E402
-from runtime.integrations.vllm import CopyAcks, _open_storage  # noqa: E402
+from runtime.integrations.vllm import CopyAcks  # noqa: E402
 from runtime.tree.storage_tier import StorageTier  # noqa: E402
 from tests.e2e.vllm_engine import BLOCK, FakeEngine, expected_block, save_tiny_model, vllm_config  # noqa: E402
 
@@ -52,7 +51,7 @@ def rank_order_writes(e: FakeEngine) -> None:
     first): with keys shared between ranks, which rank's bytes a file holds is then fixed instead
     of whichever worker thread renamed it last."""
     written = [dict[int, threading.Event]() for _ in e.workers]
-    for rank, worker in enumerate(e.workers):
+    for rank, worker in enumerate(w.connector_worker for w in e.workers):
         def ordered(request, write=worker._write, rank=rank):
             if rank > 0:
                 assert written[rank - 1].setdefault(request.op_id, threading.Event()).wait(timeout=60)
@@ -78,7 +77,7 @@ def stored_then_loaded(model_dir: str, tmp_path, tp: int, *, ordered_writes: boo
     a.assert_drained()
     b = engine(model_dir, tp, storage_dir=shared)
     wrong: dict[int, list[str]] = {r: [] for r in range(tp)}
-    for rank, worker in enumerate(b.workers):
+    for rank, worker in enumerate(w.connector_worker for w in b.workers):
         load = worker._load
 
         def checked_load(job, load=load, rank=rank):
@@ -168,13 +167,3 @@ def test_copy_acks_count_the_workers_that_reported_an_op():
     done, rest = merged.split(2)
     assert done == CopyAcks({1: "lost"}, {3: (1, None, ())}, {1: 2, 3: 2})  # failed on one: failed
     assert rest == CopyAcks({2: None}, {}, {2: 1})
-
-
-def test_storage_under_pipeline_parallelism_is_refused(tmp_path):
-    """Pipeline stages hold different layers of one page and there are no per-stage keys yet."""
-    from types import SimpleNamespace
-
-    vllm_cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2))
-    with pytest.raises(ConfigError, match="pipeline_parallel_size 1"):
-        _open_storage(vllm_cfg, None, {"storage_dir": str(tmp_path)})  # type: ignore[arg-type]
-    assert list(tmp_path.iterdir()) == []  # refused before the directory was touched

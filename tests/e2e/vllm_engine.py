@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -55,6 +56,8 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
+from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
 
 BLOCK, LAYERS, KV_HEADS, HEAD, VOCAB, EOS = 16, 2, 2, 8, 1000, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -71,11 +74,11 @@ def save_tiny_model(path: str) -> None:
 
 def vllm_config(model_dir: str, *, connector: str | None, module: str = "runtime.integrations.vllm",
                 extra: dict[str, Any] | None = None, max_batched: int = 256, max_seqs: int = 16,
-                kv_events: bool = False, tp: int = 1) -> VllmConfig:
+                kv_events: bool = False, tp: int = 1, failure_policy: str = "recompute") -> VllmConfig:
     kvt = None
     if connector is not None:
         kvt = KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both",
-                               kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy="recompute")
+                               kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy=failure_policy)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.kv_cache_layout = "LBNHC"  # what the engine core resolves for vLLM's default backend
     return VllmConfig(
@@ -101,14 +104,17 @@ class FakeEngine:
     config: VllmConfig
     num_blocks: int
     scheduler: Scheduler = field(init=False)
-    worker: Any = field(init=False)  # rank 0's worker connector (None without a connector)
-    workers: list[Any] = field(init=False)  # one per tensor-parallel rank
+    workers: list[Any] = field(init=False)  # the worker connectors vLLM calls, one per tensor-parallel rank
     kv: dict[str, torch.Tensor] = field(init=False)  # rank 0's KV tensors
     kvs: list[dict[str, torch.Tensor]] = field(init=False)  # every rank's
     aggregator: KVOutputAggregator = field(init=False)
     computed: dict[str, int] = field(default_factory=dict)  # tokens the fake forward computed per request
     outputs: dict[str, list[int]] = field(default_factory=dict)  # tokens sampled per request
     finished: set[str] = field(default_factory=set)
+    errors: set[str] = field(default_factory=set)  # requests vLLM ended with an error (a failed load, policy "fail")
+    # the connector's stats as vLLM's stat loggers receive them (`SchedulerStats.kv_connector_stats`), per step
+    connector_stats: list[dict[str, Any]] = field(default_factory=list)
+    hits_by_source: dict[str, int] = field(default_factory=dict)  # vLLM's connector prefix-cache hits by tier
     steps: int = 0
     preemptions: int = 0
     preempted: set[str] = field(default_factory=set)  # requests preempted at least once
@@ -142,14 +148,20 @@ class FakeEngine:
                 worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kvc)
                 worker.register_kv_caches(kv)
                 self.workers.append(worker)
-        self.worker = self.workers[0] if self.workers else None
         # every worker's outputs as vLLM's executor merges them (a request's load or backup is
         # finished once every worker reported it; the workers' metadata aggregated per step)
         self.aggregator = KVOutputAggregator(ranks)
 
     @property
     def connector(self) -> Any:
-        return self.scheduler.connector
+        """The connector's scheduler side (vLLM's facade is `scheduler.connector`); None without one."""
+        facade = self.scheduler.connector
+        return None if facade is None else facade.connector_scheduler
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's worker connector's worker side (None without a connector)."""
+        return self.workers[0].connector_worker if self.workers else None
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, cache_salt: str | None = None) -> None:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -172,6 +184,7 @@ class FakeEngine:
         if not so.num_scheduled_tokens:
             time.sleep(0.0005)  # waiting on the worker's thread: do not spin
         for w in self.workers:
+            w.handle_preemptions(so.kv_connector_metadata)  # (as vLLM's model runner: before the forward)
             w.bind_connector_metadata(so.kv_connector_metadata)
             if so.has_sync_kv_loads:
                 w.start_load_kv(None)
@@ -184,10 +197,18 @@ class FakeEngine:
         engine_out = self.scheduler.update_from_output(
             so, outputs[0] if len(outputs) == 1 else self.aggregator.aggregate(outputs))
         for outputs in engine_out.values():
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats is not None:
+                self.connector_stats.append(stats.kv_connector_stats)
+            if stats is not None and stats.connector_prefix_cache_stats is not None:
+                for source, n in stats.connector_prefix_cache_stats.hits_by_source.items():
+                    self.hits_by_source[source.value] = self.hits_by_source.get(source.value, 0) + n
             for o in outputs.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
+                    if o.finish_reason == FinishReason.ERROR:
+                        self.errors.add(o.request_id)
                 if o.new_token_ids and o.request_id in self._wrong_reads:
                     raise AssertionError(self._wrong_reads[o.request_id])
         self._wrong_reads.clear()
@@ -202,6 +223,7 @@ class FakeEngine:
         sending, recving = w.get_finished(so.finished_req_ids)
         out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                 invalid_block_ids=w.get_block_ids_with_load_errors(),
+                                kv_connector_stats=w.get_kv_connector_stats(),
                                 kv_connector_worker_meta=w.build_connector_worker_meta())
         w.clear_connector_metadata()
         return out
@@ -271,21 +293,29 @@ class FakeEngine:
 
             check_tiers_only(self.connector.core, quiescent=True)
             conn = self.connector
-            assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or conn._partial_acks.reports)
-            assert not any(w._jobs for w in self.workers)
+            assert not (conn._asked or conn._awaiting or conn._token_ids or conn._reached or conn._held
+                        or conn._partial_acks.reports)
+            assert not any(w.connector_worker._jobs for w in self.workers)
+
+
+class _EagerFreeScheduler(HiCacheConnectorScheduler):
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        super().request_finished(request, block_ids)
+        return False, None
+
+
+class _EagerFreeWorker(HiCacheConnectorWorker):
+    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
+        _, received = super().get_finished(finished_req_ids)
+        return None, received  # (nothing was held for a finished request: nothing to hand back)
 
 
 class EagerFreeConnector(HiCacheConnector):
     """A broken variant: lets vLLM free a finished request's blocks while their backup has not
     read them yet (seed 000's class at the engine boundary)."""
 
-    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
-        super().request_finished(request, block_ids)
-        return False, None
-
-    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
-        _, received = super().get_finished(finished_req_ids)
-        return None, received  # (nothing was held for a finished request: nothing to hand back)
+    Scheduler = _EagerFreeScheduler
+    Worker = _EagerFreeWorker
 
 
 def expected_block(tokens: list[int], index: int, layer: int, salt: str | None = None, rank: int = 0) -> torch.Tensor:

@@ -7,13 +7,16 @@ copies that fail or run slowly on the worker's thread, storage calls that fail o
 and a workload: multi-turn sessions over a few shared system prompts whose turns start at random
 steps, under a few tenants (vLLM cache salts, which the fake forward's fingerprints start from),
 random aborts of running requests, and, with storage, the instance shut down halfway and a
-fresh one started on the same directory.
+fresh one started on the same directory. A third of the episodes run under vLLM's default load
+failure policy ("fail": a failed load ends its request with an error), the rest "recompute".
 
 The oracle is the fake forward's own arithmetic (`tests/e2e/vllm_engine.py`): a request's output
 is a function of its token ids alone when every KV value it reads is right, so `expected_output`
 computes it without any engine. Checked:
 - every finished request's output is exactly that; an aborted one's is a prefix of it;
 - after every step, the tiers-only core's invariants (`check_tiers_only`);
+- every hit reported to vLLM is loaded in full (no load covers less than its report), and with
+  no fault injected no request fails;
 - at the end of each instance, nothing leaked: vLLM's blocks, host pages, pins, copies, storage
   operations, the worker's jobs (`FakeEngine.assert_drained`).
 
@@ -47,6 +50,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 import runtime.integrations.vllm as vllm_integration  # noqa: E402
 from runtime.integrations.vllm import HiCacheConnector, LoadJob  # noqa: E402
+from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
 from runtime.invariants import check_tiers_only  # noqa: E402
 from runtime.messages import PoolTransfer, TransferPlan  # noqa: E402
 from runtime.storage.backend import FaultPlan, FaultyBackend  # noqa: E402
@@ -154,17 +159,19 @@ def expect_pages(expected: dict[bytes, torch.Tensor], tokens: list[int], identit
 
 
 # -- planted bugs: connector variants the fuzzer must find ----------------------------------------
-class LoadErrorsDropped(HiCacheConnector):
-    """Blocks a failed load never filled are not reported: vLLM computes on what they held."""
-
+class _LoadErrorsDroppedWorker(HiCacheConnectorWorker):
     def get_block_ids_with_load_errors(self):  # type: ignore[no-untyped-def]
         super().get_block_ids_with_load_errors()
         return set()
 
 
-class LoadOnePageLate(HiCacheConnector):
-    """A load plan's blocks are shifted by one page (the host pages of the wrong positions)."""
+class LoadErrorsDropped(HiCacheConnector):
+    """Blocks a failed load never filled are not reported: vLLM computes on what they held."""
 
+    Worker = _LoadErrorsDroppedWorker
+
+
+class _LoadOnePageLateScheduler(HiCacheConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):  # type: ignore[no-untyped-def]
         n = len(self._loads)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -181,22 +188,28 @@ class LoadOnePageLate(HiCacheConnector):
         self._loads[-1] = LoadJob(job.rid, dataclasses.replace(job.load, plan=shifted), job.unloadable)
 
 
-class BackedUpMidLoad(HiCacheConnector):
-    """A request aborted while its load runs is backed up as if it had finished (both guards
-    off: the connector's `_awaiting`, the core's `loading`): vLLM frees its blocks at one
-    report, then is told about a request it no longer has."""
+class LoadOnePageLate(HiCacheConnector):
+    """A load plan's blocks are shifted by one page (the host pages of the wrong positions)."""
 
+    Scheduler = _LoadOnePageLateScheduler
+
+
+class _BackedUpMidLoadScheduler(HiCacheConnectorScheduler):
     def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
         self._awaiting.discard(request.request_id)
-        assert self.core is not None
         self.core.loading = lambda rid: False  # type: ignore[method-assign]
         return super().request_finished(request, block_ids)
 
 
-class LimitInSourceOrder(HiCacheConnector):
-    """A load cut short copies its first pages in host-page order, not the plan's (the copier's
-    bug the fuzzer found: a short storage read then left a hit block unfilled)."""
+class BackedUpMidLoad(HiCacheConnector):
+    """A request aborted while its load runs is backed up as if it had finished (both guards
+    off: the scheduler side's `_awaiting`, the core's `loading`): vLLM frees its blocks at one
+    report, then is told about a request it no longer has."""
 
+    Scheduler = _BackedUpMidLoadScheduler
+
+
+class _LimitInSourceOrderWorker(HiCacheConnectorWorker):
     def register_kv_caches(self, kv_caches):  # type: ignore[no-untyped-def]
         super().register_kv_caches(kv_caches)
         copier = self.copier
@@ -211,11 +224,36 @@ class LimitInSourceOrder(HiCacheConnector):
         copier.run = run
 
 
+class LimitInSourceOrder(HiCacheConnector):
+    """A load cut short copies its first pages in host-page order, not the plan's (the copier's
+    bug the fuzzer found: a short storage read then left a hit block unfilled)."""
+
+    Worker = _LimitInSourceOrderWorker
+
+
+class _UnheldScheduler(HiCacheConnectorScheduler):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        core = self.core
+        core.reserve = lambda rid, *a, **k: core.lookup(*a, **k)  # type: ignore[method-assign]
+
+
+class UnheldHits(HiCacheConnector):
+    """A hit is reported without holding what its load needs (the connector before holds): host
+    pages evicted or taken between the report and the load leave blocks promised unfilled."""
+
+    Scheduler = _UnheldScheduler
+
+
+class _SaltBlindScheduler(HiCacheConnectorScheduler):
+    _namespace = staticmethod(lambda request: None)
+
+
 class SaltBlind(HiCacheConnector):
     """Every request in one namespace: a tenant's cached prefix is served to another tenant with
     the same tokens under a different cache salt."""
 
-    _namespace = staticmethod(lambda request: None)
+    Scheduler = _SaltBlindScheduler
 
 
 # plants a storage read shows (a short read cuts a load): their searches skip episodes without storage
@@ -228,6 +266,7 @@ PLANTS: dict[str, type[HiCacheConnector]] = {
     "eager_free": EagerFreeConnector,
     "load_errors_dropped": LoadErrorsDropped,
     "load_one_page_late": LoadOnePageLate,
+    "unheld_hits": UnheldHits,
 }
 
 
@@ -245,6 +284,7 @@ class Episode:
     steps: int = 0
     finished: int = 0
     aborted: int = 0
+    failed: int = 0  # requests vLLM ended with an error (a failed load under the "fail" policy)
     preemptions: int = 0
     instances: int = 0
     stats: dict[str, int] = field(default_factory=dict)
@@ -264,6 +304,11 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
                     storage=FaultPlan(fail_rate=rng.choice([0.0, 0.1]), page_fail_rate=rng.choice([0.0, 0.1]),
                                       stall_rate=rng.choice([0.0, 0.5]), stall_s=0.004,  # (slow reads wait steps)
                                       mode=rng.choice(["raise", "miss"]), seed=seed) if storage else None)
+    # vLLM's default load failure policy ("fail": a load that fails ends its request with an error)
+    # in a third of the episodes (its own draw: the episodes' other draws stay as they were)
+    policy = "fail" if random.Random(f"{seed}:policy").random() < 1 / 3 else "recompute"
+    faultless = faults.copy_fail == 0 and (faults.storage is None or faults.storage.fail_rate == 0 ==
+                                           faults.storage.page_fail_rate)
     systems = [[rng.randrange(10, VOCAB) for _ in range(rng.choice([16, 24, 40]))] for _ in range(2)]
     sessions = rng.randint(2, 8)
     turns = rng.randint(2, 6)
@@ -280,13 +325,15 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
     expected_pages: dict[tuple[int, bytes, int], torch.Tensor] = {}
     checks = StorageChecks()
     try:
-        e = _engine(model_dir, blocks, max_batched, host_blocks, storage_dir, faults, rng, plant, seed, checks)
+        e = _engine(model_dir, blocks, max_batched, host_blocks, storage_dir, faults, rng, plant, seed, checks,
+                    policy)
         ep.instances = 1
         while any(t < turns for t in turn_of.values()) or live:
             restarting = 0 <= restart_at <= started
             if restarting and not live:  # a fresh instance on the same directory
                 _drain(e, ep)
-                e = _engine(model_dir, blocks, max_batched, host_blocks, storage_dir, faults, rng, plant, seed, checks)
+                e = _engine(model_dir, blocks, max_batched, host_blocks, storage_dir, faults, rng, plant, seed, checks,
+                    policy)
                 ep.instances += 1
                 restart_at = -1
                 expected_pages.clear()
@@ -326,9 +373,12 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
                 wrong = check_host_content(e, expected_pages) or (checks.wrong[0] if checks.wrong else None)
                 if wrong is not None:
                     raise Violation(f"{ep.where(f'step {ep.steps}')}: {wrong}")
+                wrong = _broken_promise(e, faultless)
+                if wrong is not None:
+                    raise Violation(f"{ep.where(f'step {ep.steps}')}: {wrong}")
             for rid in [r for r in live if r in e.finished]:
                 s, prompt, max_tokens, _ = entry = live.pop(rid)
-                _check_output(ep, e, rid, entry, aborted=False)
+                _check_output(ep, e, rid, entry, aborted=rid in e.errors)  # (a failed one: a prefix)
                 history[s] += e.outputs[rid]
                 if storage_dir is not None:
                     expect_pages(checks.expected, history[s], e.connector.identity, salt[s])
@@ -343,7 +393,8 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
 
 
 def _engine(model_dir: str, blocks: int, max_batched: int, host_blocks: int, storage_dir: str | None,
-            faults: Faults, rng: random.Random, plant: str | None, seed: int, checks: "StorageChecks") -> FakeEngine:
+            faults: Faults, rng: random.Random, plant: str | None, seed: int, checks: "StorageChecks",
+            policy: str) -> FakeEngine:
     extra: dict[str, Any] = {"host_blocks": host_blocks}
     if storage_dir is not None:
         extra["storage_dir"] = storage_dir
@@ -357,11 +408,23 @@ def _engine(model_dir: str, blocks: int, max_batched: int, host_blocks: int, sto
         vllm_integration._open_storage = checked_open
     try:
         e = FakeEngine(vllm_config(model_dir, connector=name, module=module, extra=extra, max_batched=max_batched,
-                                   max_seqs=8), blocks, check_reads=True)
+                                   max_seqs=8, failure_policy=policy), blocks, check_reads=True)
     finally:
         vllm_integration._open_storage = open_storage
     _faulty_copier(e.worker._copier(), random.Random(f"{seed}:copies"), faults)
     return e
+
+
+def _broken_promise(e: FakeEngine, faultless: bool) -> str | None:
+    """A hit reported to vLLM that the connector could not load in full (the tiers lost its pages
+    between the report and the load), or, with no fault injected, a request vLLM failed (a load
+    failed under the "fail" policy); a description, else None."""
+    short = e.connector.core.stats["loads_short"]
+    if short:
+        return f"{short} load(s) covered less than the hit reported to vLLM"
+    if faultless and e.errors:
+        return f"requests {sorted(e.errors)} failed with no fault injected"
+    return None
 
 
 def check_host_content(e: FakeEngine, cache: dict[tuple[int, bytes, int], torch.Tensor]) -> str | None:
@@ -423,6 +486,7 @@ def _drain(e: FakeEngine, ep: Episode) -> None:
     except AssertionError as exc:
         raise Violation(f"{ep.where('at the end')}: leaked: {exc}") from exc
     ep.preemptions += e.preemptions
+    ep.failed += len(e.errors)
     for k, v in e.connector.core.stats.items():
         ep.stats[k] = ep.stats.get(k, 0) + v
     e.worker.shutdown()
@@ -441,9 +505,10 @@ def run(seed: int, episodes: int, model_dir: str, plant: str | None = None) -> d
             out.update(found=True, violation=str(exc)[:2000], episode_seed=seed + i)
             break
         out["episodes"] += 1
-        for k in ("steps", "finished", "aborted", "preemptions", "instances"):
+        for k in ("steps", "finished", "aborted", "failed", "preemptions", "instances"):
             totals[k] = totals.get(k, 0) + getattr(ep, k)
-        for k in ("tokens_loaded", "tokens_storage_loaded", "tokens_backed_up", "load_errors", "backup_errors"):
+        for k in ("tokens_loaded", "tokens_storage_loaded", "tokens_backed_up", "load_errors", "backup_errors",
+                  "hits_cut", "storage_reads_short"):
             totals[k] = totals.get(k, 0) + ep.stats.get(k, 0)
     out.update(totals, seconds=round(time.perf_counter() - t0, 1))
     return out

@@ -8,7 +8,9 @@
   copied its first pages in host-page order, leaving a hit block unfilled), the second the
   scheduler side's (a request aborted while its load ran was also backed up, so vLLM heard of
   it twice and asserted on the second report; the variant turns off both guards against it,
-  the connector's and the core's).
+  the connector's and the core's). `unheld_hits` is the connector before it held reported hits:
+  a hit whose host pages were evicted, or whose storage read found no host room, between its
+  report and its load (under vLLM's default "fail" policy, a failed request).
 - `test_connector_fuzz_long`: `--runslow`, `HICACHE_CONNECTOR_FUZZ_EPISODES` episodes (2,000 by
   default) from `HICACHE_CONNECTOR_FUZZ_SEED` (1).
 """
@@ -50,6 +52,7 @@ def test_connector_fuzz_finds_nothing(model_dir, capsys):
     # the episodes reach what they are for: loads from both tiers, failures, preemption, aborts
     assert out["tokens_loaded"] > 0 and out["tokens_storage_loaded"] > 0 and out["load_errors"] > 0
     assert out["backup_errors"] > 0 and out["preemptions"] > 0 and out["aborted"] > 0
+    assert out["hits_cut"] > 0 and out["failed"] > 0  # hits cut to the host room; faults failing requests
     assert out["instances"] > CI_EPISODES  # some episodes restarted on their storage
 
 

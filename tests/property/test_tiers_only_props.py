@@ -21,6 +21,12 @@ oracle adds: every plan page the worker copies holds the requested prefix once t
 it, every page a storage write stores holds the KV its key names, every tree node's host pages
 hold its path's KV (after every call), and `TierLoad.read_at`/`read_skip` place the read.
 
+Half the storage variant's hits are held (`reserve`, as the connector reports them) with other
+requests' work between the report and the load, or released unloaded; a held hit must load in
+full. Checked failing against no hold at all (`reserve` as `lookup`, what the connector did
+before: 4 of 6 seeds) and a hold that does not lock its host path (1 of 6 with the invariant
+checker told of no lock; 6 of 6 with it).
+
 Storage variant checked failing (400 calls, seeds 0-5) against: `read_skip` always 0 (5 of 6,
 the placement check; the fingerprint oracle alone 1 of 6, it needs a short read with a skip),
 the read's host pages concatenated before the host path's (6 of 6; the oracle alone 6 of 6),
@@ -213,7 +219,7 @@ class StorageModelEngine(ModelEngine):
             assert req[1] and len(req[2]) == len(req[3]) > 0
             self.writes[req[0]] = req
 
-    def admit(self) -> None:
+    def admit(self, depth: int = 0) -> None:
         rid, tokens = f"r{self.next_rid}", self.prompt()
         self.next_rid += 1
         full = page_hashes(tokens[: len(tokens) // PS * PS], PS, None, IDENTITY)
@@ -223,11 +229,30 @@ class StorageModelEngine(ModelEngine):
         keys = self.core.page_keys(tokens, None)
         assert keys == full[: (len(tokens) - 1) // PS]
         local = PS * self.rng.randrange(0, (len(tokens) - 1) // PS + 1) * (self.rng.random() < 0.5)
-        hit = self.core.lookup(tokens, None, local, keys)
+        # half the hits are reported as vLLM's connector reports them: held until the load, with
+        # other requests' work in between (their held hits and loads, as a load vLLM defers to a
+        # later step; backups that evict; acks), or dropped unloaded
+        reserving = self.rng.random() < 0.5
+        hit = (self.core.reserve(rid, tokens, None, local, keys) if reserving
+               else self.core.lookup(tokens, None, local, keys))
         self.checked()
+        if reserving:
+            for _ in range(self.rng.randrange(3)):
+                if depth == 0 and self.rng.random() < 0.4:
+                    self.admit(depth + 1)
+                elif self.live and self.rng.random() < 0.6:
+                    self.finish(self.rng.choice(list(self.live)))
+                else:
+                    self.ack_batch()
+                self.checked()
+            if self.rng.random() < 0.2:  # (vLLM did not allocate for it)
+                self.core.release(rid)
+                return
         blocks = self.rng.sample(range(BLOCKS), -(-len(tokens) // PS))
         ld = self.core.load(rid, tokens, None, local, hit.total, blocks, keys)
-        if ld.read is None and hit.storage > 0:
+        if reserving:
+            assert ld.tokens == hit.total, "a held hit loads in full"
+        elif ld.read is None and hit.storage > 0:
             assert ld.tokens == hit.host, "a load whose read found no host room covers the host hit"
         else:
             assert ld.tokens == hit.total, "nothing changed between the lookup and the load"

@@ -195,3 +195,35 @@ def test_the_checker_catches_a_backup_page_freed_under_its_copy():
     host.free(op.host[:PS], op.owner)
     with pytest.raises(InvariantViolation, match="pins|owned"):
         check_tiers_only(c)
+
+
+def test_a_held_hit_is_cut_to_the_host_room_and_released_on_every_path():
+    """`reserve` holds the host path and pages for the storage part; what no room can be had
+    for is cut and counted; `release`, `finish` and `load` each end the hold, and a held hit
+    loads in full even when backups that evict come between the report and the load."""
+    from runtime.storage.hashing import KVIdentity
+
+    c = core(host_pages=6)
+    stored: set[bytes] = set()
+    c.enable_storage(KVIdentity("m", "0", "float32", 2, 2, 8, "test"),
+                     lambda keys: next((i for i, k in enumerate(keys) if k not in stored), len(keys)))
+    prompt = toks(33)  # 8 whole pages before the last token
+    stored.update(c.page_keys(prompt, None))
+    backed_up(c, "a", toks(8), [0, 1])  # 2 host pages of the prompt's first 8 tokens
+    hit = step(c, c.reserve("r", prompt, None, 0))
+    # host 2 pages + storage: 4 free pages of the 6, the prompt's own 2 locked: 6 pages wanted, 4 had
+    assert (hit.host, hit.storage) == (8, 16) and c.stats["hits_cut"] == 1 and c.stats["tokens_hit_cut"] == 8
+    assert c.counts()["host_pages_held"] == 4 and c.residency.host.num_free_pages() == 0
+    c.release("r")
+    step(c)
+    assert c.counts()["host_pages_held"] == 0 and c.residency.host.num_free_pages() == 4
+    hit = step(c, c.reserve("r", prompt, None, 0))
+    # another request's backup wants host room: nothing held is evicted for it
+    assert c.backup("b", toks(8, base=500), None, 8, [8, 9]) is None
+    ld = step(c, c.load("r", prompt, None, 0, hit.total, list(range(10, 19))))
+    assert ld.tokens == hit.total and not c.holds
+    assert c.reserve("z", toks(9, base=700), None, 0).total == 0 and not c.holds  # (a miss holds nothing)
+    step(c, c.reserve("f", prompt, None, 0))
+    c.finish("f")  # (aborted while waiting: its hold goes with it)
+    step(c)
+    assert "f" not in c.holds

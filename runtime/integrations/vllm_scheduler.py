@@ -1,0 +1,282 @@
+"""The connector's scheduler side (`runtime.integrations.vllm`): a `TiersOnlyCore` decides.
+
+vLLM's synchronous scheduler calls it directly. `get_num_new_matched_tokens` answers, without
+side effects, how many tokens past vLLM's own prefix-cache hit the host tier, then storage,
+hold; every hit is an asynchronous load (the request waits in ``WAITING_FOR_REMOTE_KVS`` until
+the worker reports it: docs/VLLM.md says why no load is synchronous).
+`update_state_after_alloc` turns it into a load into the blocks vLLM allocated;
+`request_finished` backs up the request's computed blocks the tier lacks and returns
+``delay_free_blocks=True`` while that backup reads them, so vLLM never frees a block a copy
+still reads (seed 000, enforced by vLLM's own free); a landed backup is written through to
+storage; `build_connector_meta` carries the step's work (`TieredMeta`) to the workers;
+`update_connector_output` applies the workers' acks (`CopyAcks`, through vLLM's worker-metadata
+channel); with vLLM's KV events on, `take_events` hands vLLM's scheduler the host tier's and
+storage's events under vLLM's block hashes (`runtime.integrations.vllm_events`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+from runtime.errors import ConfigError
+from runtime.integrations.vllm_events import ConnectorEvents
+from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm_metrics import HiCacheConnectorStats, report
+from runtime.messages import TransferPlan
+from runtime.storage.health import HealthTracked
+from runtime.storage.hashing import KVIdentity
+from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.validation import tokens as checked_tokens
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["HiCacheConnectorScheduler"]
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What `get_num_new_matched_tokens` answered last for a waiting request."""
+
+    local: int  # vLLM's own hit it was asked past
+    tokens: np.ndarray  # the request's tokens, checked (vLLM asks again every step it waits)
+    keys: list[bytes]  # their page keys (storage)
+
+
+def _namespace(request: Request) -> Hashable:
+    """What keeps KV of one prompt apart from another's with the same tokens: the LoRA adapter
+    and vLLM's cache salt (the same inputs as vLLM's own block hashes)."""
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    salt = request.cache_salt
+    return None if lora is None and salt is None else ("vllm", lora, salt)
+
+
+class HiCacheConnectorScheduler:
+    _namespace = staticmethod(_namespace)  # (what keeps tenants' KV apart; a test variant breaks it)
+
+    # -- state -------------------------------------------------------------------
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, host_blocks: int,
+                 identity: KVIdentity, storage: HealthTracked | None) -> None:
+        self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        # tensor parallelism: every worker stores its own heads under its own keys, which the
+        # storage ops carry for every rank (`StorageRequest.rank_keys`); an op is applied once
+        # every worker reported it
+        self.tp_size = parallel.tensor_parallel_size
+        self._workers = parallel.world_size
+        self._partial_acks = CopyAcks()  # ops some workers reported, not all yet
+        self.identity = identity
+        self.storage = storage
+        self.core = TiersOnlyCore(self.block_size, host_blocks * self.block_size, kv_cache_config.num_blocks)
+        if storage is not None:
+            self.core.enable_storage(identity, storage.exists_prefix, self.tp_size)
+        self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
+        # live requests' token ids as checked arrays, from their lookup to their finish: a
+        # request's list is converted once, and only the tokens vLLM appends after it later
+        self._token_ids: dict[str, np.ndarray] = {}
+        self._loads: list[LoadJob] = []
+        # requests whose load the workers have not reported received yet: vLLM frees a finished
+        # request's blocks at the first report naming it, so such a request is never backed up too
+        self._awaiting: set[str] = set()
+        # requests a load covered less of than the lookup promised (host room short, pages lost):
+        # the token position it reached, past which they are promised nothing again (vLLM asks
+        # again after recomputing the shortfall; the same promise would fail the same way)
+        self._reached: dict[str, int] = {}
+        self._backups: list[tuple[str, TransferPlan]] = []
+        # requests holding a reported hit (`TiersOnlyCore.reserve`) that vLLM has not allocated for yet
+        self._held: dict[str, Request] = {}
+        # this step's loads by tier, for vLLM's prefix-cache hits by source (asked right after the load)
+        self._sources: dict[str, dict[CacheHitSource, int]] = {}
+        self._reported: dict[str, int] = {}  # the counters of the last stats report (vLLM's metrics)
+        self._reported_health: int | None = None
+        # KV events of the host tier and storage (`take_events`): on with vLLM's own
+        self.events: ConnectorEvents | None = None
+        kv_events = vllm_config.kv_events_config
+        if kv_events is not None and kv_events.enable_kv_cache_events:
+            # (vLLM hashes requests' blocks at hash_block_size, which the engine core sets first)
+            self.events = ConnectorEvents(self.core, identity, self.block_size,
+                                          kv_cache_config.hash_block_size or self.block_size)
+
+    # -- vLLM's scheduler calls -------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        rid = request.request_id
+        asked = self._asked.get(rid)
+        namespace = self._namespace(request)
+        if asked is not None and len(asked.tokens) == request.num_tokens:  # asked again while it waits
+            tokens, keys = asked.tokens, asked.keys
+        else:
+            tokens = self._tokens_of(request)
+            keys = self.core.page_keys(tokens, namespace)
+        reached = self._reached.get(rid)
+        if reached is not None and reached <= num_computed_tokens:  # (promised nothing past it again)
+            self.core.release(rid)
+            total = 0
+        else:
+            # a hit told to vLLM is one the tiers can load: held for the request until its load
+            total = self.core.reserve(rid, tokens, namespace, num_computed_tokens, keys).total
+            if reached is not None and total > reached - num_computed_tokens:
+                total = reached - num_computed_tokens  # (the load uses a prefix of the hold)
+        self._asked[rid] = _Asked(num_computed_tokens, tokens, keys)
+        if total:
+            self._held[rid] = request
+        # every load is asynchronous: vLLM 0.33 caches a synchronous load's blocks as it allocates
+        # them, and under kv_load_failure_policy="recompute" a failed one's blocks stay in its
+        # prefix cache; a request preempted or aborted before recomputing them leaves them there
+        # for the next request with that prefix to read (found by the connector fuzzer)
+        return total, total > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        asked = self._asked.pop(rid, None)
+        self._held.pop(rid, None)
+        if num_external_tokens == 0:
+            self.core.release(rid)
+            return
+        assert asked is not None, "vLLM allocates an external hit only after asking for it"
+        (block_ids,) = blocks.get_block_ids()
+        local = asked.local
+        ld = self.core.load(rid, asked.tokens, self._namespace(request), local, num_external_tokens, block_ids, asked.keys)
+        # blocks promised but not to be filled: the tiers lost pages since the lookup (vLLM recomputes them)
+        first, end = (local + ld.tokens) // self.block_size, (local + num_external_tokens) // self.block_size
+        if first < end:
+            self._reached[rid] = local + ld.tokens
+        # reported through get_finished whatever happens (vLLM waits for it)
+        self._loads.append(LoadJob(rid, ld, tuple(block_ids[first:end])))
+        host = ld.read_at * self.block_size if ld.read is not None else ld.tokens
+        self._sources[rid] = {CacheHitSource.HOST: host, CacheHitSource.DISK: ld.tokens - host,
+                              CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens - ld.tokens}
+        if self.events is not None and ld.read is not None:  # (its pages join the tier at its ack)
+            self.events.learn(ld.read[0], request, asked.keys[:(local + num_external_tokens) // self.block_size])
+        self._awaiting.add(rid)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        # a hit vLLM did not allocate blocks for this step is not held for it (vLLM asks again);
+        # one whose load vLLM deferred to a later step (its request waits for remote KV) is
+        for rid, request in self._held.items():
+            if request.status is not RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.core.release(rid)
+        self._held = {rid: r for rid, r in self._held.items() if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS}
+        self._sources.clear()
+        meta = TieredMeta(tuple(self._loads), tuple(self._backups),
+                          tuple(self.core.take_storage_writes()))
+        self._loads, self._backups = [], []
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._awaiting.difference_update(connector_output.finished_recving or ())
+        acks = connector_output.kv_connector_worker_meta
+        if acks is None:
+            return
+        if not isinstance(acks, CopyAcks):
+            raise ConfigError(f"unexpected worker metadata {type(acks).__name__}")
+        acks, self._partial_acks = self._partial_acks.aggregate(acks).split(self._workers)
+        for op_id, error in sorted(acks.outcomes.items()):
+            self.core.apply_ack(op_id, error)
+        for op_id, (pages, error, ok) in sorted(acks.storage.items()):  # (after the loads that pin their pages)
+            self.core.apply_storage_ack(op_id, pages, error, ok)
+        if self.events is not None:
+            self.events.acked(acks.outcomes)
+            self.events.acked(acks.storage)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The host tier's (CPU) and storage's (STORAGE) KV events since the last call, named by
+        vLLM's block hashes; vLLM's scheduler publishes them with its own GPU events each step."""
+        return self.events.take() if self.events is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        """Copies or storage writes in flight keep vLLM stepping until their acks."""
+        return self.core is not None and self.core.busy()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Back up the request's computed blocks the tier lacks; vLLM keeps them until the
+        backup ran (`get_finished` reports the request). A request finished while its load runs
+        (aborted) is not backed up; vLLM keeps its blocks until the load is reported."""
+        rid = request.request_id
+        self._asked.pop(rid, None)
+        self._reached.pop(rid, None)
+        self._held.pop(rid, None)  # (its hold, if any, goes with `finish`)
+        if rid in self._awaiting:  # (its blocks do not hold their KV yet; the load's report frees them)
+            self._token_ids.pop(rid, None)
+            self.core.finish(rid)
+            return True, None
+        if request.status is RequestStatus.FINISHED_ERROR:  # (e.g. a failed load under vLLM's `fail` policy)
+            self._token_ids.pop(rid, None)
+            return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
+        tokens = self._tokens_of(request)
+        del self._token_ids[rid]
+        namespace = self._namespace(request)
+        plan = self.core.backup(rid, tokens, namespace, request.num_computed_tokens, block_ids)
+        if plan is not None:
+            self._backups.append((rid, plan))
+            if self.events is not None:  # (its pages join the tier at its ack)
+                self.events.learn_tokens(plan.op_id, request, tokens, namespace,
+                                         request.num_computed_tokens // self.block_size)
+        return self.core.finish(rid), None
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The load's tokens by tier: host, disk (storage), and any it could not cover."""
+        split = self._sources.pop(request.request_id, None)
+        if split is None:
+            return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
+        return {source: n for source, n in split.items() if n}
+
+    def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
+        """What changed since the last report (`runtime.integrations.vllm_metrics`)."""
+        now = self._counters()
+        counters = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        health = self.storage.state.level if self.storage is not None else None
+        stats = report(counters, "storage_health_scheduler", health, self._reported_health)
+        if stats is not None:
+            self._reported_health = health
+        return stats
+
+    def stats(self) -> dict[str, Any]:
+        """The tiers' counters and, with storage, its backend's (health included)."""
+        out: dict[str, Any] = dict(self.core.stats)
+        if self.storage is not None:
+            out["storage"] = self.storage.stats()
+        return out
+
+    def _counters(self) -> dict[str, int]:
+        s = self.core.stats
+        return {"host_hit_tokens": s["tokens_loaded"] - s["tokens_storage_loaded"],
+                "storage_hit_tokens": s["tokens_storage_loaded"], "hits_cut": s["hits_cut"],
+                "hit_tokens_cut": s["tokens_hit_cut"], "backed_up_tokens": s["tokens_backed_up"],
+                "load_failures": s["load_errors"] + s["loads_short"] + s["storage_reads_short"],
+                "backup_failures": s["backup_errors"], "storage_lookup_failures": s["storage_lookup_errors"]}
+
+    def shutdown(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _tokens_of(self, request: Request) -> np.ndarray:
+        """The request's token ids as a checked array, kept until it finishes. vLLM only appends
+        to a request's tokens, so a kept array is extended by the new tail; a kept array that is
+        longer than the list, or whose last token the list no longer has there, is not used."""
+        ids = request.all_token_ids
+        rid = request.request_id
+        known = self._token_ids.get(rid)
+        n = 0 if known is None else len(known)
+        if n == 0 or n > len(ids) or ids[n - 1] != known[-1]:  # (a cheap check of that contract)
+            tokens = checked_tokens(np.asarray(ids))
+        elif n == len(ids):
+            tokens = known
+        else:
+            tokens = np.concatenate((known, checked_tokens(np.asarray(ids[n:]))))
+        self._token_ids[rid] = tokens
+        return tokens

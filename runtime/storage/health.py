@@ -1,0 +1,171 @@
+"""A storage backend's health (healthy / degraded / down), tracked from the outcomes of its calls.
+
+`HealthTracked` wraps any `StorageBackend`. Its calls fall in three channels: lookups
+(`exists_prefix`), reads (`get_batch`, `get_prefix`) and writes (`set_batch`). A call fails when it
+raises, or, for a write, when it stored none of its pages; a miss is no failure (pages come and
+go). A channel whose last `down_after` calls failed is down: its calls are not made (a lookup
+answers 0 pages, a read reads none, a write stores none: what a failed call would give) until its
+backoff has passed, when one call goes through to probe it; the backoff doubles, up to
+`max_backoff_s`, while probes fail, and a probe that succeeds brings the channel back.
+
+The backend is healthy when no channel is failing, down when every channel it was used through
+is failing and one is down, degraded otherwise (a read-only directory: writes down, reads serving). Every change
+of that state is reported once, to `on_change` (a log line), never once per call or page.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from runtime.errors import ConfigError
+from runtime.storage.backend import Buffer, StorageBackend
+from runtime.trace import get_logger
+
+__all__ = ["Health", "HealthPolicy", "HealthTracked"]
+
+_log = get_logger("hicache.storage.health")
+
+
+class Health(str, Enum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    DOWN = "down"
+
+    @property
+    def level(self) -> int:
+        """0 healthy, 1 degraded, 2 down (a gauge's value)."""
+        return _LEVELS[self]
+
+
+_LEVELS = {Health.HEALTHY: 0, Health.DEGRADED: 1, Health.DOWN: 2}
+CHANNELS = ("lookup", "read", "write")
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    down_after: int = 3  # consecutive failed calls that take a channel down
+    backoff_s: float = 0.1  # first wait before a down channel is probed
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if type(self.down_after) is not int or self.down_after < 1:
+            raise ConfigError(f"down_after must be an int >= 1, got {self.down_after!r}")
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ConfigError(f"backoff_s must be in (0, max_backoff_s], got {self.backoff_s!r} "
+                              f"(max_backoff_s {self.max_backoff_s!r})")
+
+
+@dataclass
+class _Channel:
+    used: bool = False
+    failing: int = 0  # consecutive failed calls
+    retry_at: float = 0.0  # when down: the monotonic time of the next probe
+    backoff: float = 0.0
+    probing: bool = False  # a probe is in flight (other calls are still skipped)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("calls", "failures", "skipped"), 0))
+
+
+def _log_change(old: Health, new: Health, reason: str) -> None:
+    (_log.info if new is Health.HEALTHY else _log.warning)("storage_health_changed", old=old.value, new=new.value,
+                                                             reason=reason)
+
+
+class HealthTracked:
+    """`inner` with its health tracked, and the calls of a down channel held back (see the module
+    docstring). Thread-safe: a connector's worker reads and writes from two threads."""
+
+    def __init__(self, inner: StorageBackend, policy: HealthPolicy | None = None, *,
+                 on_change: Callable[[Health, Health, str], None] = _log_change,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = inner
+        self.page_bytes = inner.page_bytes
+        self.policy = policy or HealthPolicy()
+        self._on_change = on_change
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._channels = {name: _Channel() for name in CHANNELS}
+        self._state = Health.HEALTHY
+        self._changes = 0
+        # `read_prefix` prefers a one-pass `get_prefix`: offered when the inner backend has one
+        if getattr(inner, "get_prefix", None) is None:
+            self.get_prefix = None  # type: ignore[assignment]
+
+    @property
+    def state(self) -> Health:
+        return self._state
+
+    # -- the backend's calls -----------------------------------------------------------------------
+    def exists_prefix(self, keys: Sequence[bytes]) -> int:
+        return self._call("lookup", lambda: self.inner.exists_prefix(keys), 0)
+
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
+        return self._call("read", lambda: self.inner.get_batch(keys, dests), [False] * len(keys))
+
+    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
+        return self._call("read", lambda: self.inner.get_prefix(keys, dests), 0)  # type: ignore[attr-defined]
+
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+        return self._call("write", lambda: self.inner.set_batch(keys, srcs), [False] * len(keys),
+                          failed=lambda ok: len(ok) > 0 and not any(ok))
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.inner.stats())
+        with self._lock:
+            s["health"] = self._state.value
+            s["health_changes"] = self._changes
+            for name, ch in self._channels.items():
+                for k, v in ch.counts.items():
+                    s[f"{name}_{k}"] = v
+        return s
+
+    # -- tracking ---------------------------------------------------------------------------------
+    def _call(self, channel: str, call: Callable[[], Any], skipped: Any,
+              failed: Callable[[Any], bool] = lambda _: False) -> Any:
+        ch = self._channels[channel]
+        with self._lock:
+            ch.used = True
+            if ch.failing >= self.policy.down_after:  # down: only a probe goes through, once due
+                if ch.probing or self._clock() < ch.retry_at:
+                    ch.counts["skipped"] += 1
+                    return skipped
+                ch.probing = True
+            ch.counts["calls"] += 1
+        try:
+            result = call()
+        except Exception as exc:
+            self._record(ch, channel, repr(exc))
+            raise
+        self._record(ch, channel, f"{channel} stored no page" if failed(result) else None)
+        return result
+
+    def _record(self, ch: _Channel, channel: str, error: str | None) -> None:
+        with self._lock:
+            ch.probing = False
+            if error is None:
+                ch.failing, ch.backoff = 0, 0.0
+            else:
+                ch.counts["failures"] += 1
+                ch.failing += 1
+                if ch.failing >= self.policy.down_after:
+                    ch.backoff = min(self.policy.max_backoff_s, ch.backoff * 2 if ch.backoff else self.policy.backoff_s)
+                    ch.retry_at = self._clock() + ch.backoff
+            old, new = self._state, self._health()
+            if new is old:
+                return
+            self._state = new
+            self._changes += 1
+        self._on_change(old, new, f"{channel}: {error}" if error is not None else f"{channel} served")
+
+    def _health(self) -> Health:
+        used = [ch for ch in self._channels.values() if ch.used]
+        if all(ch.failing for ch in used) and any(ch.failing >= self.policy.down_after for ch in used):
+            return Health.DOWN
+        return Health.DEGRADED if any(ch.failing for ch in used) else Health.HEALTHY
