@@ -173,8 +173,6 @@ WRITES: dict[tuple[str, str], str] = {
     ("runtime/audit.py", "runs"): "the audit's own report record",
     ("runtime/completion.py", "finished"): "the bridge's own waiter record",
     ("runtime/completion.py", "timer"): "the bridge's own waiter record",
-    ("runtime/events/recorder.py", "page_hashes"): "the recorder keeps a node's page hashes in the node (one "
-                                                   "slot it alone writes)",
     ("runtime/integrations/hf_hybrid.py", "_hicache_hook"): _HF,
     ("runtime/integrations/hf_hybrid.py", "_hicache_rec"): _HF,
     ("runtime/integrations/hf_hybrid.py", "_hicache_state_hook"): _HF,
@@ -213,6 +211,8 @@ WRITES: dict[tuple[str, str], str] = {
         "last_access", "priority", "lock_ref", "device", "hit_count", "host", "host_protect", "_dq", "_hq", "key",
         "parent", "n_dev_children", "n_host_children")},
     **{("runtime/tree/radix.py", a): _LOOK for a in ("last_device_node", "last_node", "partial")},
+    ("runtime/tree/page_hasher.py", "page_hashes"): "the page hasher keeps a node's page hashes in the node "
+                                                    "(one slot it alone writes; events and storage read it)",
     ("runtime/tree/radix.py", "writeable"): _NUMPY,
     ("runtime/tree/request_table.py", "row"): "the table files a record at its row (records.py: its one writer "
                                               "of row and table)",
