@@ -32,6 +32,10 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 # normalized c_kv and the rotated k_pe, written num_kv_heads=1, head_dim = their width)
 KV_LAYOUTS = {"mha": 2, "mla": 1}
 MIN_KEY_BYTES = 16  # a storage_key (a MAC key, runtime.storage.integrity) shorter than this is guessable
+# The page hash of KV events and storage keys (docs/STORAGE.md, "Page hashes"): SHA-256 (a
+# cryptographic hash: no one can make two prefixes share a page's address), or xxHash's XXH3-128
+# (several times faster, not collision resistant against an adversary choosing tokens)
+HASH_ALGOS = ("sha256", "xxhash")
 
 
 def parse_state_components(spec: str) -> tuple[StateComponent, ...]:
@@ -64,6 +68,8 @@ class RuntimeConfig:
     kv_dtype: str = "float32"
     model_id: str = "model"
     weight_version: str = "0"
+    # the page hash of KV events and storage keys (HASH_ALGOS); part of the storage identity
+    hash_algo: str = "sha256"
     # Tensor parallelism: this runtime's rank of tp_size, each rank holding its own KV heads
     # (num_kv_heads is the rank's); the shard is part of the storage identity (docs/STORAGE.md)
     tp_rank: int = 0
@@ -169,6 +175,7 @@ class RuntimeConfig:
         need(self.device_slots % ps == 0, f"device_slots ({self.device_slots}) must be a multiple of page_size ({ps})")
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         need(self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {sorted(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        need(self.hash_algo in HASH_ALGOS, f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         if self.kv_layout == "mla":
             need(self.num_kv_heads == 1, f"kv_layout 'mla' keeps one latent per token: num_kv_heads must be 1 "
                                          f"(head_dim = kv_lora_rank + qk_rope_head_dim), got {self.num_kv_heads}")

@@ -44,6 +44,12 @@ class _Span:
     end: int
     args: dict[str, Any] = field(default_factory=dict)
 
+    def end_at(self, ts: int) -> None:
+        self.end = ts
+
+    def rename(self, name: str, actor: str) -> None:
+        self.name, self.actor = name, actor
+
 
 @dataclass
 class _Run:
@@ -98,7 +104,7 @@ def _spans(run: _Run, t0: int) -> tuple[list[_Span], list[dict[str, Any]]]:
                 if span is None:
                     requests[who] = _Span(who.split(":", 1)[1], REQUESTS, ts, ts, {"owner": who})
                 else:
-                    span.end = ts
+                    span.end_at(ts)
         op = ev.get("op")
         if op is not None and name in ("pin", "unpin", "backup", "load", "offload"):
             span = copies.get(op)
@@ -108,11 +114,10 @@ def _spans(run: _Run, t0: int) -> tuple[list[_Span], list[dict[str, Any]]]:
                 span = copies[op] = _Span("storage read" if read else "storage write", TRANSFER, ts, ts,
                                           {"op": op, "acked": False})
             if name == "unpin":
-                span.end = ts
+                span.end_at(ts)
                 span.args["acked"] = True
             if name in ("backup", "load", "offload"):
-                span.name = name
-                span.actor = OFFLOAD if name == "offload" else TRANSFER
+                span.rename(name, OFFLOAD if name == "offload" else TRANSFER)
                 span.args["pages"] = len(_pages(ev))
                 span.args["tier"] = tier
                 for key in ("node", "rid"):
@@ -135,7 +140,7 @@ def _spans(run: _Run, t0: int) -> tuple[list[_Span], list[dict[str, Any]]]:
     last = int(run.events[-1]["ts"]) - t0
     for span in copies.values():
         if not span.args["acked"]:  # still in flight when the run ended
-            span.end = last
+            span.end_at(last)
     return list(requests.values()) + list(copies.values()), points
 
 

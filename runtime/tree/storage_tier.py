@@ -87,6 +87,7 @@ class StorageTier:
         # one control plane over tensor-parallel ranks: every rank's identity, its keys its own (the
         # tree's own records, `known` and KV events, name a page by rank 0's key); () with one list
         self.ranks = rank_identities(identity, config.tp_ranks)
+        self.hasher = residency.use_hasher(identity)  # nodes' page hashes, shared with KV events
         self.rank_keys: dict[bytes, tuple[bytes, ...]] = {}  # a known page's (rank 0's key) other ranks' keys
         self.ops: dict[int, StorageOp] = {}
         self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
@@ -116,7 +117,7 @@ class StorageTier:
         ps = res.page_size
         path = res.tree.path_tokens(node)
         first = (len(path) - length) // ps
-        every = self._hashes(path, node.extra_key)
+        every = self.hasher.path(node)
         hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
         blobs = self._state_writes(node, length, every)
