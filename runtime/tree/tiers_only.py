@@ -100,7 +100,7 @@ NO_HIT, NO_LOAD = TierHit(), TierLoad()
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TierHold:
     """A hit reported to the engine, held for its request until its load: the host path the
     load reads, locked (nothing evicts it), and host pages taken for its storage read of tokens
@@ -197,20 +197,20 @@ class TiersOnlyCore:
         node = _lockable(m.last_node)
         if node is not None:
             res.tree.lock(node)  # (first: the host room taken next must not evict the path it reads)
-        hold = TierHold(rid, host_end, node)
         want = (stored_end - host_end) // self.page_size
+        owner, got = None, _NO_SLOTS
         if want > 0:
-            hold.owner = Owner.request(rid, next(self._generations))
-            got = self._take_host(want, hold.owner, rid)
+            owner = Owner.request(rid, next(self._generations))
+            got = self._take_host(want, owner, rid)
             end = host_end + len(got)
             if end <= computed:  # (the pages it got would all be read only to be skipped)
-                res.host.free(got, hold.owner, rid=rid, reason="hold_cut")
+                res.host.free(got, owner, rid=rid, reason="hold_cut")
                 got, end = _NO_SLOTS, host_end
-            hold.host = got
             if end < stored_end:
                 self.stats["hits_cut"] += 1
                 self.stats["tokens_hit_cut"] += stored_end - max(end, computed)
                 stored_end = end
+        hold = TierHold(rid, host_end, node, got, owner)
         hit = _hit(computed, host_end, stored_end)
         if hit.total == 0:
             self._drop_hold(hold, 0)
