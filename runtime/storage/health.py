@@ -118,6 +118,7 @@ class HealthTracked:
         # `read_prefix` prefers a one-pass `get_prefix`: offered when the inner backend has one
         if getattr(inner, "get_prefix", None) is None:
             self.get_prefix = None  # type: ignore[assignment]
+        self.read_chunk_bytes = getattr(inner, "read_chunk_bytes", 0)  # (`read_prefix`: local calls, checked per chunk)
 
     @property
     def state(self) -> Health:
@@ -127,14 +128,15 @@ class HealthTracked:
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         return self._call("lookup", lambda: self.inner.exists_prefix(keys), 0)
 
-    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
-        return self._call("read", lambda: self.inner.get_batch(keys, dests), [False] * len(keys))
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer],
+                  tags: list[bytes | None] | None = None) -> list[bool]:
+        return self._call("read", lambda: self.inner.get_batch(keys, dests, tags), [False] * len(keys))
 
-    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
-        return self._call("read", lambda: self.inner.get_prefix(keys, dests), 0)  # type: ignore[attr-defined]
+    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer], tags: list[bytes | None] | None = None) -> int:
+        return self._call("read", lambda: self.inner.get_prefix(keys, dests, tags), 0)  # type: ignore[attr-defined]
 
-    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
-        return self._call("write", lambda: self.inner.set_batch(keys, srcs), [False] * len(keys),
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer], tags: Sequence[bytes] | None = None) -> list[bool]:
+        return self._call("write", lambda: self.inner.set_batch(keys, srcs, tags), [False] * len(keys),
                           failed=lambda ok: len(ok) > 0 and not any(ok))
 
     def close(self) -> None:
