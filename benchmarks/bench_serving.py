@@ -89,7 +89,7 @@ async def run_config(name: str, model: Any, args: argparse.Namespace, device_slo
     vocab = model.config.vocab_size
     kw: dict[str, Any] = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=PAGE,
                               device_slots=device_slots, host_tokens=host_tokens if name.startswith("device_host") else 0,
-                              write_policy="write_through")
+                              write_policy="write_through", device=args.device)
     if name == "device_host_storage":
         kw.update(storage_backend="file", storage_dir=str(Path(tmp) / "kv"))
     cfg = RuntimeConfig(**kw)
@@ -143,7 +143,7 @@ async def run_config(name: str, model: Any, args: argparse.Namespace, device_slo
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    model = tiny_llama(seed=0)
+    model = tiny_llama(seed=0).to(args.device)
     working_set = args.system + args.convs * args.turns * (args.user + args.reply)
     device_slots = max(PAGE, working_set // 8 // PAGE * PAGE)
     host_tokens = 4 * device_slots
@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--prefill-budget", type=int, default=4096, help="ServingLoop max_prefill_tokens")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu",
+                    help="the model's and the device pool's torch device (cuda: the CUDA copy engine moves the KV)")
     args = ap.parse_args()
     if args.quick:
         args.convs, args.turns, args.active, args.system, args.user, args.reply = 16, 3, 4, 256, 64, 32
@@ -198,7 +200,8 @@ def main() -> None:
         if by["device_host"]["ttft_vs_no_reuse"] is not None:
             targets["dh_ttft_median_le_0.5x_no_reuse"] = by["device_host"]["ttft_vs_no_reuse"] <= 0.5
     print("targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in targets.items()))
-    emit_json({"bench": "serving", "quick": args.quick, "machine": platform.processor() or platform.machine(),
+    emit_json({"bench": "serving", "quick": args.quick, "device": args.device,
+               "machine": platform.processor() or platform.machine(),
                "convs": args.convs, "turns": args.turns, "active": args.active, **res, "targets": targets})
 
 

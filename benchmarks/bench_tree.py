@@ -31,7 +31,11 @@ on this trace that never changes a match, since every prompt ends with >= 1 new 
 `--peers PYTHON` (e.g. ../peer-venv/bin/python, set up per ../shared/peerbench/README.md)
 also runs SGLang's RadixCache, UnifiedRadixCache (Rust core) and vLLM's KVCacheManager in
 subprocesses on the same trace, alternating with our repeats (median of `--peer-repeats`);
-vLLM at block size 16 only unless `--vllm-page-sizes 1,16` (at 1 it hashes every token).
+vLLM at block size 16 only unless `--vllm-page-sizes 1,16` (at 1 it hashes every token). They
+run through `benchmarks/peers/tree_peers.py`: the peers' own protocol and helpers, with their
+inputs (prompt + reply, keys, token lists) built before their timer, as ours are before ours.
+Every mode (and page size) first runs `--warmup` untimed times (default 1): one-off costs (the
+first trace through a fresh process, the copy kernel's compilation with a host tier) stay out.
 
 Tree shape note: a request that grows its own unshared leaf (prompt, then reply, turn after
 turn) keeps it one node (`RadixTree.insert(extend_leaf=True)`), where the peers add a node per
@@ -64,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks._common import ROOT, emit_json  # noqa: E402
-from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.config import HASH_ALGOS, RuntimeConfig  # noqa: E402
 from runtime.errors import CapacityError  # noqa: E402
 from runtime.messages import Admit, Cache, Extend, Finish  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
@@ -122,12 +126,12 @@ def _hit(stats: dict[str, int]) -> float:
 
 
 # -- the three drivers ----------------------------------------------------------------
-def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, float]:
     core = CacheCore(cfg, SlotTracer(cfg.page_size))
     assert core.residency.tracer is not None and not core.residency.tracer.active, "tracing must be at its production default"
     admit, cache, extend, finish = core.admit, core.cache, core.extend, core.finish
     gc.collect()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for wave in w.waves:
         for rid, prompt, _full, _n in wave:
             admit(rid, prompt)
@@ -135,17 +139,17 @@ def run_sync(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
         for rid, _prompt, full, n in wave:
             extend(rid, n)
             finish(rid, full)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert not core.requests
-    return wall, _hit(core.stats)
+    return wall, cpu, _hit(core.stats)
 
 
-async def _actor(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+async def _actor(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, float]:
     async with CacheRuntime.open(cfg) as rt:
         assert not rt.tracer.active, "tracing must be at its production default"
         admit, cache, extend, finish = rt.admit, rt.cache, rt.extend, rt.finish
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for wave in w.waves:
             for rid, prompt, _full, _n in wave:
                 await admit(rid, prompt)
@@ -153,10 +157,10 @@ async def _actor(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
             for rid, _prompt, full, n in wave:
                 await extend(rid, n)
                 await finish(rid, full)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = await rt.stats()
         assert stats["requests"]["live"] == 0
-    return wall, stats["requests"]["hit_rate"]
+    return wall, cpu, stats["requests"]["hit_rate"]
 
 
 def _check(results: tuple[Any, ...]) -> None:
@@ -165,12 +169,12 @@ def _check(results: tuple[Any, ...]) -> None:
             raise r
 
 
-async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
+async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, float]:
     async with CacheRuntime.open(cfg) as rt:
         assert not rt.tracer.active, "tracing must be at its production default"
         step = rt.step
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for wave in w.waves:
             items: list[Any] = []
             for rid, prompt, _full, _n in wave:
@@ -182,10 +186,10 @@ async def _batched(cfg: RuntimeConfig, w: Workload) -> tuple[float, float]:
                 items.append(Extend(rid, n))
                 items.append(Finish(rid, full))
             _check(await step(items))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = await rt.stats()
         assert stats["requests"]["live"] == 0
-    return wall, stats["requests"]["hit_rate"]
+    return wall, cpu, stats["requests"]["hit_rate"]
 
 
 # -- the host tier (--host) ----------------------------------------------------------
@@ -201,7 +205,7 @@ def make_host_config(page_size: int, pool: int, policy: str) -> RuntimeConfig:
                          write_policy="write_through_selective" if policy == "none" else policy)
 
 
-async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]:
+async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, float, dict[str, Any]]:
     """The batched driver as a scheduler with a host tier must run it, four steps per wave:
     admits, then (once their host loads are ready) the prompts' caches, extends, finishes; an
     item refused for capacity (write-backs still copying) is retried after the loop turns."""
@@ -231,7 +235,7 @@ async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]
 
     async with CacheRuntime.open(cfg) as rt:
         gc.collect()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for wave in w.waves:
             admitted = await run(lambda r: [Admit(r[0], r[1])], wave)
             for res in admitted:
@@ -240,43 +244,58 @@ async def _host(cfg: RuntimeConfig, w: Workload) -> tuple[float, dict[str, Any]]
             await run(lambda r: [Cache(r[0], r[1])], wave)
             await run(lambda r: [Extend(r[0], r[3])], wave)
             await run(lambda r: [Finish(r[0], r[2])], wave)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = await rt.stats()
         assert stats["requests"]["live"] == 0
-    return wall, {"hit_rate": stats["requests"]["hit_rate"], "host_hit_rate": stats["host"]["hit_rate"],
+    return wall, cpu, {"hit_rate": stats["requests"]["hit_rate"], "host_hit_rate": stats["host"]["hit_rate"],
                   "backups": stats["copies"]["backups_issued"], "loads": stats["copies"]["loads_issued"], "capacity_retries": retries}
 
 
-def host_bench(w: Workload, pages: list[int], pool: int, repeats: int) -> list[dict[str, Any]]:
-    """Every write policy against no host tier, alternating, median of `repeats`; the loop's cost
-    per copy = (wall with the policy - wall without a host tier) / (backups + loads)."""
+def host_bench(w: Workload, pages: list[int], pool: int, repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """Every write policy against no host tier, alternating, median of `repeats` after `warmup`
+    untimed runs of each (the first run in a process pays one-off costs: the copy kernel's
+    compilation, during which write-throughs pile up and admits are refused for capacity); the
+    loop's cost per copy = (wall with the policy - wall without a host tier) / (backups + loads).
+    Every timed run's figures are kept (`runs`); the row's counts are the median run's."""
     walls: dict[tuple[int, str], list[float]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
-    info: dict[tuple[int, str], dict[str, Any]] = {}
+    cpus: dict[tuple[int, str], list[float]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {(ps, p): [] for ps in pages for p in HOST_POLICIES}
+    for ps in pages:
+        for policy in HOST_POLICIES:
+            for _ in range(warmup):
+                _loop_run(_host(make_host_config(ps, pool, policy), w))
     for rep in range(repeats):
         for ps in pages:
             for policy in HOST_POLICIES[rep % 4:] + HOST_POLICIES[:rep % 4]:
-                wall, d = _loop_run(_host(make_host_config(ps, pool, policy), w))
+                wall, cpu, d = _loop_run(_host(make_host_config(ps, pool, policy), w))
                 walls[ps, policy].append(wall)
-                info[ps, policy] = d
+                cpus[ps, policy].append(cpu)
+                runs[ps, policy].append({"req_per_s": round(w.num_requests / wall), "cpu_s": round(cpu, 4), **d})
                 print(f"# rep {rep} page {ps} {policy:24s} {w.num_requests / wall:8.0f} req/s  hit {d['hit_rate']:.4f}"
                       f" (host {d['host_hit_rate']:.4f})  backups {d['backups']} loads {d['loads']}"
                       f" retries {d['capacity_retries']}", flush=True)
     rows = []
     for ps in pages:
         base = statistics.median(walls[ps, "none"])
+        base_cpu = statistics.median(cpus[ps, "none"])
         for policy in HOST_POLICIES:
-            wall = statistics.median(walls[ps, policy])
-            d = info[ps, policy]
+            ws = walls[ps, policy]
+            wall = statistics.median(ws)
+            d = runs[ps, policy][sorted(range(len(ws)), key=ws.__getitem__)[len(ws) // 2]]
             ops = d["backups"] + d["loads"]
             rows.append({"page_size": ps, "policy": policy, "req_per_s": round(w.num_requests / wall, 1),
-                         "req_per_s_runs": [round(w.num_requests / x) for x in walls[ps, policy]],
-                         "vs_no_host": round(base / wall, 3), **d,
+                         "req_per_s_runs": [round(w.num_requests / x) for x in ws],
+                         "vs_no_host": round(base / wall, 3),
+                         "cpu_vs_no_host": round(base_cpu / statistics.median(cpus[ps, policy]), 3),
+                         **{k: v for k, v in d.items() if k not in ("req_per_s", "cpu_s")},
+                         "runs": runs[ps, policy],
                          "loop_us_per_copy": round((wall - base) / ops * 1e6, 1) if ops else None})
-    print(f"{'page':>4} {'policy':24s} {'req/s':>8} {'vs none':>8} {'backups':>8} {'loads':>6} {'hit':>7} "
+    print(f"{'page':>4} {'policy':24s} {'req/s':>8} {'vs none':>8} {'cpu vs':>7} {'backups':>8} {'loads':>6} {'hit':>7} "
           f"{'host hit':>8} {'us/copy':>8}")
     for r in rows:
         per = "" if r["loop_us_per_copy"] is None else f"{r['loop_us_per_copy']:8.1f}"
-        print(f"{r['page_size']:4d} {r['policy']:24s} {r['req_per_s']:8.0f} {r['vs_no_host']:7.2f}x {r['backups']:8d} "
+        print(f"{r['page_size']:4d} {r['policy']:24s} {r['req_per_s']:8.0f} {r['vs_no_host']:7.2f}x "
+              f"{r['cpu_vs_no_host']:6.2f}x {r['backups']:8d} "
               f"{r['loads']:6d} {r['hit_rate']:7.4f} {r['host_hit_rate']:8.4f} {per:>8}")
     return rows
 
@@ -293,30 +312,37 @@ MODES = {
     "sync": run_sync,
     "actor": lambda cfg, w: _loop_run(_actor(cfg, w)),
     "batched": lambda cfg, w: _loop_run(_batched(cfg, w)),
-    # KV events on (docs/EVENTS.md): recorded and batched per turn, nobody subscribed...
+    # KV events on (docs/EVENTS.md): recorded and batched per turn, nobody subscribed, pages
+    # hashed with each `hash_algo` (`batched+events` is `batched+events-sha256`, the default)...
     "batched+events": lambda cfg, w: _loop_run(_batched(cfg.replace(kv_events=True), w)),
+    **{f"batched+events-{algo}": (lambda cfg, w, algo=algo: _loop_run(_batched(
+        cfg.replace(kv_events=True, hash_algo=algo), w))) for algo in HASH_ALGOS},
     # ...and published over ZMQ on 127.0.0.1 (encoding and sending on the publisher's thread)
     "batched+zmq": lambda cfg, w: _loop_run(_batched(
         cfg.replace(kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*"), w)),
+    **{f"batched+zmq-{algo}": (lambda cfg, w, algo=algo: _loop_run(_batched(
+        cfg.replace(kv_events=True, kv_events_endpoint="tcp://127.0.0.1:*", hash_algo=algo), w))) for algo in HASH_ALGOS},
 }
 
 
 # -- peers --------------------------------------------------------------------------------
 def peer_commands(py: str, peerbench: Path, p: dict[str, int], pages: list[int],
                   vllm_pages: list[int]) -> dict[str, list[str]]:
-    common = ["--sessions", str(p["sessions"]), "--turns", str(p["turns"]), "--sys-len", str(p["sys_len"]),
-              "--turn-len", str(p["turn_len"]), "--vocab", str(p["vocab"]), "--conc", str(p["conc"]),
-              "--pool", str(p["pool"]), "--seed", str(p["seed"])]
+    """The peers through `benchmarks/peers/tree_peers.py`: the peers' protocol and helpers, their
+    inputs built before the timer as ours are (their own drivers build them inside it)."""
+    common = ["--peerbench", str(peerbench), "--sessions", str(p["sessions"]), "--turns", str(p["turns"]),
+              "--sys-len", str(p["sys_len"]), "--turn-len", str(p["turn_len"]), "--vocab", str(p["vocab"]),
+              "--conc", str(p["conc"]), "--pool", str(p["pool"]), "--seed", str(p["seed"])]
     ps = ",".join(map(str, pages))
-    sg = str(peerbench / "sglang_radix_bench.py")
+    driver = str(ROOT / "benchmarks" / "peers" / "tree_peers.py")
     cmds = {
-        "sglang_radix": [py, sg, "--backend", "radix", "--page-sizes", ps, *common],
-        "sglang_unified_rust": [py, sg, "--backend", "unified", "--core", "rust", "--page-sizes", ps, *common],
+        "sglang_radix": [py, driver, "--backend", "radix", "--page-sizes", ps, *common],
+        "sglang_unified_rust": [py, driver, "--backend", "unified", "--page-sizes", ps, *common],
     }
     vps = [x for x in vllm_pages if x in pages]
     if vps:
-        cmds["vllm"] = [py, str(peerbench / "vllm_prefix_bench.py"), "--block-sizes", ",".join(map(str, vps)),
-                        "--hash", "sha256", *common]
+        cmds["vllm"] = [py, driver, "--backend", "vllm", "--page-sizes", ",".join(map(str, vps)), "--hash", "sha256",
+                        *common]
     return cmds
 
 
@@ -339,8 +365,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller trace (no hit-rate cross-check)")
     ap.add_argument("--deep", action="store_true", help="deep conversations: 80 turns, ~17k-token contexts")
     ap.add_argument("--repeats", type=int, default=5, help="repeats per mode (median; >= 5)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed runs of each mode (and page size) first, to leave one-off costs out")
     ap.add_argument("--page-sizes", default="1,16")
-    ap.add_argument("--modes", default="sync,actor,batched")
+    ap.add_argument("--modes", default="sync,actor,batched",
+                    help="comma-separated, of: " + ", ".join(MODES))
     ap.add_argument("--peers", default=None, metavar="PYTHON", help="python of the peer venv: also run the peers")
     ap.add_argument("--peer-repeats", type=int, default=3)
     ap.add_argument("--host", action="store_true",
@@ -374,22 +403,30 @@ def main() -> None:
         emit_json({"bench": "tree_host", "trace": params, "requests": w.num_requests, "repeats": a.repeats,
                    "measured": "batched actor API with a host tier (CPU copy engine), requests/s",
                    "baseline": "the same without a host tier", "loop": "uvloop",
-                   "results": host_bench(w, pages, params["pool"], a.repeats)})
+                   "warmup_runs": a.warmup, "results": host_bench(w, pages, params["pool"], a.repeats, a.warmup)})
         return
     cfgs = {ps: make_config(ps, params["pool"]) for ps in pages}
     walls: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     hits: dict[tuple[int, str], set[float]] = {(ps, m): set() for ps in pages for m in modes}
+    run_hits: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
+    cpus: dict[tuple[int, str], list[float]] = {(ps, m): [] for ps in pages for m in modes}
     peer_res: dict[str, dict[int, list[dict[str, Any]]]] = {}
     vllm_pages = [int(x) for x in a.vllm_page_sizes.split(",") if x]
     peer_cmds = peer_commands(a.peers, peerbench, params, pages, vllm_pages) if a.peers else {}
+    for ps in pages:
+        for m in modes:
+            for _ in range(a.warmup):
+                MODES[m](cfgs[ps], w)
     for rep in range(a.repeats):
         # interleave: every repeat runs every mode at every page size, order rotated
         order = [(ps, m) for ps in pages for m in modes]
         k = rep % len(order)
         for ps, m in order[k:] + order[:k]:
-            wall, hit = MODES[m](cfgs[ps], w)
+            wall, cpu, hit = MODES[m](cfgs[ps], w)
             walls[ps, m].append(wall)
+            cpus[ps, m].append(cpu)
             hits[ps, m].add(round(hit, 6))
+            run_hits[ps, m].append(round(hit, 6))
             print(f"# rep {rep} page {ps} {m:8s} {w.num_requests / wall:10.0f} req/s  hit {hit:.4f}", flush=True)
         if rep < a.peer_repeats:
             for name, cmd in peer_cmds.items():
@@ -406,7 +443,16 @@ def main() -> None:
             ws = walls[ps, m]
             (hit,) = hits[ps, m] if len(hits[ps, m]) == 1 else (sorted(hits[ps, m]),)
             row[m] = {"req_per_s": round(w.num_requests / statistics.median(ws), 1),
-                      "req_per_s_runs": [round(w.num_requests / x) for x in ws], "hit_rate": hit}
+                      "req_per_s_runs": [round(w.num_requests / x) for x in ws], "hit_rate": hit,
+                      "hit_rate_runs": run_hits[ps, m],
+                      # process CPU seconds per run (every thread): steadier than wall on a shared machine
+                      "cpu_s_runs": [round(x, 4) for x in cpus[ps, m]],
+                      "req_per_cpu_s": round(w.num_requests / statistics.median(cpus[ps, m]), 1)}
+        if "batched" in modes:
+            for m in modes:
+                if m.startswith("batched+"):
+                    row[f"ratio_{m}_vs_batched"] = round(row[m]["req_per_s"] / row["batched"]["req_per_s"], 3)
+                    row[f"cpu_ratio_{m}_vs_batched"] = round(row[m]["req_per_cpu_s"] / row["batched"]["req_per_cpu_s"], 3)
         if "sync" in modes:
             base = row["sync"]["req_per_s"]
             for m in ("actor", "batched"):
@@ -444,6 +490,7 @@ def main() -> None:
         "requests": w.num_requests,
         "waves": len(w.waves),
         "repeats": a.repeats,
+        "warmup_runs": a.warmup,
         "peer_repeats": min(a.peer_repeats, a.repeats) if a.peers else 0,
         "measured": "batched actor API (CacheRuntime.step, 2 messages per wave), requests/s",
         "baseline": "synchronous CacheCore in the same process, requests/s",

@@ -27,6 +27,7 @@ from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.memory.state_pool import StatePool
 from runtime.memory.swa import SWA_POOL
 from runtime.messages import TreeMessage
+from runtime.storage.integrity import PageSeal
 from runtime.storage.state_blobs import StateBlobFormat
 from runtime.supervisor import Supervisor
 from runtime.trace import JsonlSink, SlotTracer
@@ -216,6 +217,7 @@ def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None,
             (swa_pool, host_swa_pool) if host_swa_pool is not None else None)
     else:
         engine = make_rank_engines(config, device_pools, host_pools, engine_factory)
+    seal = PageSeal(config.storage_key)  # (one per runtime: tags every page stored, checks every page read)
     transfer = TransferActor(
         engine, max_inflight_loads=config.max_inflight_loads,
         max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
@@ -227,8 +229,9 @@ def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None,
                          {SWA_POOL: swa_pool.shape.bytes_per_token} if swa_pool is not None else None),
         rank_host_pools=host_pools if config.tp_ranks > 1 else (),
         state_io=(StateBlobIO(host_state_pool, StateBlobFormat.of(config.state_shape,
-                                                                  config.page_size * config.bytes_per_token))
-                  if host_state_pool is not None and config.state_shape is not None else None))
+                                                                  config.page_size * config.bytes_per_token), seal)
+                  if host_state_pool is not None and config.state_shape is not None else None),
+        seal=seal)
     readiness = (LayerReadiness.pending if config.tp_ranks == 1
                  else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
     core = CacheCore(config, tracer, readiness_factory=readiness)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.config_sources import config_from_dict, config_from_env, config_from_file
+from runtime.config_sources import check_types, config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
 from runtime.memory.state_pool import StateComponent, StateShape
 
@@ -31,6 +31,11 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 # per-token KV parts: "mha" K and V (MHA / GQA); "mla" one latent vector (DeepSeek's MLA: the
 # normalized c_kv and the rotated k_pe, written num_kv_heads=1, head_dim = their width)
 KV_LAYOUTS = {"mha": 2, "mla": 1}
+MIN_KEY_BYTES = 16  # a storage_key (a MAC key, runtime.storage.integrity) shorter than this is guessable
+# The page hash of KV events and storage keys (docs/STORAGE.md, "Page hashes"): SHA-256 (a
+# cryptographic hash: no one can make two prefixes share a page's address), or xxHash's XXH3-128
+# (several times faster, not collision resistant against an adversary choosing tokens)
+HASH_ALGOS = ("sha256", "xxhash")
 
 
 def parse_state_components(spec: str) -> tuple[StateComponent, ...]:
@@ -63,6 +68,8 @@ class RuntimeConfig:
     kv_dtype: str = "float32"
     model_id: str = "model"
     weight_version: str = "0"
+    # the page hash of KV events and storage keys (HASH_ALGOS); part of the storage identity
+    hash_algo: str = "sha256"
     # Tensor parallelism: this runtime's rank of tp_size, each rank holding its own KV heads
     # (num_kv_heads is the rank's); the shard is part of the storage identity (docs/STORAGE.md)
     tp_rank: int = 0
@@ -118,6 +125,10 @@ class RuntimeConfig:
     prefetch_timeout_per_1k_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
     storage_timeout_s: float = 5.0  # deadline of one backend call; past it the op is overdue (docs/STORAGE.md)
+    # Keyed page tags (docs/STORAGE.md, "Page integrity"): with a key (>= 16 bytes; HICACHE_STORAGE_KEY),
+    # a page read from storage must carry a MAC made with it, so pages written without it are refused.
+    # Never shown: not in repr, logs, stats or error messages
+    storage_key: str | None = dataclasses.field(default=None, repr=False)
     # KV cache events in vLLM's wire format (docs/EVENTS.md): recorded when on, for in-process
     # subscribers (`Runtime.kv_events()`), and published over ZMQ when an endpoint is given
     kv_events: bool = False
@@ -144,6 +155,11 @@ class RuntimeConfig:
             if not cond:
                 raise ConfigError(msg)
 
+        spec = self.sliding_layers
+        if isinstance(spec, (tuple, list)) and all(type(x) is int for x in spec):
+            object.__setattr__(self, "sliding_layers", ",".join(map(str, spec)))  # one form: the string
+        check_types(self)  # every field its type (ints, finite floats, real bools), then the ranges
+
         for name in ("num_layers", "num_kv_heads", "head_dim", "device_slots", "mailbox_capacity", "copy_workers",
                      "max_inflight_loads", "max_queued_backups", "write_through_threshold"):
             value = getattr(self, name)
@@ -159,6 +175,7 @@ class RuntimeConfig:
         need(self.device_slots % ps == 0, f"device_slots ({self.device_slots}) must be a multiple of page_size ({ps})")
         need(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         need(self.kv_layout in KV_LAYOUTS, f"kv_layout must be one of {sorted(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        need(self.hash_algo in HASH_ALGOS, f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         if self.kv_layout == "mla":
             need(self.num_kv_heads == 1, f"kv_layout 'mla' keeps one latent per token: num_kv_heads must be 1 "
                                          f"(head_dim = kv_lora_rank + qk_rope_head_dim), got {self.num_kv_heads}")
@@ -208,6 +225,9 @@ class RuntimeConfig:
         need(isinstance(self.storage_timeout_s, (int, float)) and not isinstance(self.storage_timeout_s, bool)
              and 0 < self.storage_timeout_s < float("inf"),
              f"storage_timeout_s must be a positive number of seconds, got {self.storage_timeout_s!r}")
+        if self.storage_key is not None:  # (the value is never put in a message)
+            need(isinstance(self.storage_key, str) and len(self.storage_key.encode()) >= MIN_KEY_BYTES,
+                 f"storage_key must be a string of at least {MIN_KEY_BYTES} bytes (a MAC key; its value is not shown)")
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
@@ -265,9 +285,6 @@ class RuntimeConfig:
         need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
 
     def _check_sliding(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
-        spec = self.sliding_layers
-        if isinstance(spec, (tuple, list)) and all(type(x) is int for x in spec):
-            object.__setattr__(self, "sliding_layers", ",".join(map(str, spec)))  # one form: the string
         layers = self.sliding_layer_set  # parses sliding_layers (ConfigError naming the field)
         if not layers:
             need(self.sliding_window == 0 and self.swa_tokens is None,

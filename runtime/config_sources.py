@@ -3,12 +3,21 @@
 The dataclass itself keeps typed values (ints for byte counts, real bools); everything a
 deployment writes as text is converted here, field by field, from the field's annotation:
 
-- int / float fields take their type or a string of it (`"16"`, `"2.5"`); a bool or a float is
-  not taken for an int field (a `16.0` page size is a mistake, not a 16);
-- bool fields take a bool or one of `true/false/1/0/yes/no/on/off` (any case);
+- int fields take an int or a string of ASCII digits with an optional leading `-` (`"16"`; no
+  `+`, underscores, spaces or other scripts' digits: `"1_6"`, `" 16 "`, `"１６"` are refused),
+  within the signed 64-bit range; a bool or a float is not taken for an int field (a `16.0` page
+  size is a mistake, not a 16);
+- float fields take a finite int or float, or a plain ASCII decimal string (`"2.5"`, `"1e-3"`);
+  `inf`, `nan` (JSON's `Infinity` / `NaN` too) are refused;
+- bool fields take a bool; from the environment also one of `true/false/1/0/yes/no/on/off`
+  (any case), and nowhere else a string (`decode_offload: "yes"` in a file is refused);
 - optional fields (`X | None`) take `None` or the string `none` / `null` (any case);
 - byte-valued fields (the names ending in `_bytes`) take an int, an integral float (JSON's
   `8e9`) or a size string: `"4096"`, `"8GiB"`, `"512 MiB"`, `"1.5GB"` (`parse_size`).
+
+msgspec's lax conversion is not used for this: it reads `"16.0"` and `16.0` as the int 16,
+`"inf"` as a float and ints of any length. `check_types` applies the same types to a
+`RuntimeConfig` built in code (its `__post_init__`), so every way in refuses the same values.
 
 Every problem is a `ConfigError` naming the field (and the environment variable or file it came
 from) and the value; unknown names are refused with the nearest field name suggested. Range and
@@ -21,6 +30,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import re
 import tomllib
@@ -49,7 +59,13 @@ SIZE_UNITS: dict[str, int] = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
 }
 _UNIT_NAMES = ("B", "KB", "MB", "GB", "TB", "PB", "KiB", "MiB", "GiB", "TiB", "PiB")
-_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", re.IGNORECASE)
+_SIZE_RE = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+) ?([a-z]*)", re.IGNORECASE)  # [0-9]: ASCII digits only
+# Numbers given as text: ASCII only (str.isdigit and `\d` also match other scripts' digits), no
+# spaces, underscores or `+` (which int() and float() accept); ints within int64
+INT_MAX = 2**63 - 1
+_INT_RE = re.compile(r"-?[0-9]{1,19}")
+_FLOAT_RE = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?")
+_SECRET_FIELDS = frozenset({"storage_key"})  # a value never put into a message
 
 
 def parse_size(value: object, field: str = "size") -> int:
@@ -69,13 +85,15 @@ def parse_size(value: object, field: str = "size") -> int:
         return int(value)
     if not isinstance(value, str):
         raise ConfigError(f"{field} must be a byte count or a size such as '8GiB', got {value!r}")
-    text = value.strip()
+    text = value
     if text.startswith("-"):
         raise ConfigError(f"{field} must not be negative, got {value!r}")
     match = _SIZE_RE.fullmatch(text)
     if match is None:
         raise ConfigError(f"{field} must be a byte count or a size such as '8GiB' or '1.5GB', got {value!r}")
     number, unit = match.groups()
+    if len(number) > 200:  # (Fraction would hit Python's limit on int digits: an untyped ValueError)
+        raise ConfigError(f"{field}: the number in {value!r:.60} is too long")
     scale = SIZE_UNITS.get(unit.lower() or "b")
     if scale is None:
         raise ConfigError(f"{field} has an unknown unit {unit!r} in {value!r} (units: {', '.join(_UNIT_NAMES)})")
@@ -114,44 +132,77 @@ def _suggest(name: str, candidates: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _convert(kind: _FieldKind, value: object, where: str) -> object:
-    """`value` as the field's typed value; `where` names the field (and its source) in errors."""
+class _LongInt(str):
+    """A JSON integer literal longer than any int field takes (kept as its digits, refused by the
+    field it is given to: Python's own limit would fail the whole parse with an untyped error)."""
+
+    def __repr__(self) -> str:
+        return f"an integer of {len(self.lstrip('-'))} digits"
+
+
+def _json_int(text: str) -> int | _LongInt:
+    return int(text) if len(text) <= 20 else _LongInt(text)
+
+
+def _shown(kind: _FieldKind, value: object) -> str:
+    """`value` for an error message: never a secret's, and an int too long to print by its size."""
+    if kind.name in _SECRET_FIELDS:
+        return "(its value is not shown)"
+    if type(value) is int and not -INT_MAX - 1 <= value <= INT_MAX:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)
+
+
+def _typed(kind: _FieldKind, value: object) -> bool:
+    """`value` is already of the field's type (the dataclass's own values)."""
+    if value is None:
+        return kind.optional
+    if kind.scalar is int:
+        return type(value) is int and -INT_MAX - 1 <= value <= INT_MAX
+    if kind.scalar is float:  # (an int is a number too)
+        return -INT_MAX - 1 <= value <= INT_MAX if type(value) is int else type(value) is float and math.isfinite(value)
+    return type(value) is kind.scalar
+
+
+def _convert(kind: _FieldKind, value: object, where: str, text_bools: bool = False) -> object:
+    """`value` as the field's typed value; `where` names the field (and its source) in errors;
+    `text_bools`: a bool field also takes the environment's strings (true/false/1/0/yes/no/on/off)."""
     if value is None or (kind.optional and isinstance(value, str) and value.strip().lower() in _NULL):
         if not kind.optional:
             raise ConfigError(f"{where} may not be null")
         return None
     if kind.size:
         return parse_size(value, where)
+    if _typed(kind, value):
+        return float(value) if kind.scalar is float else value
     if kind.scalar is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ConfigError(f"{where} must be a bool (true/false/1/0/yes/no/on/off), got {value!r}")
+        if text_bools and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        spelled = " (true/false/1/0/yes/no/on/off in the environment)" if text_bools else " (true or false)"
+        raise ConfigError(f"{where} must be a bool{spelled}, got {value!r}")
     if kind.scalar is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value.strip(), 10)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, str) and not isinstance(value, _LongInt) and _INT_RE.fullmatch(value) \
+                and -INT_MAX - 1 <= int(value) <= INT_MAX:
+            return int(value)
+        raise ConfigError(f"{where} must be an integer, got {_shown(kind, value)} (ASCII digits, 64-bit)")
     if kind.scalar is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                return float(value)
-            except OverflowError:
-                pass
-        elif isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                pass
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if not isinstance(value, str):
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    return value
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value) and math.isfinite(float(value)):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {_shown(kind, value)} (finite; ASCII digits)")
+    raise ConfigError(f"{where} must be a string, got {_shown(kind, value)}")
+
+
+def check_types(config: object) -> None:
+    """Every field of a dataclass built in code holds its type: ints within int64, finite floats
+    (ints taken), bools as bools, strings, None only where optional. A `ConfigError` naming the
+    first field that does not."""
+    for kind in _field_kinds(type(config)).values():
+        value = getattr(config, kind.name)
+        if not _typed(kind, value):
+            want = {int: "an integer", float: "a number", bool: "a bool", str: "a string"}[kind.scalar]
+            why = {int: " (64-bit)", float: " (finite)", bool: " (True or False)", str: ""}[kind.scalar]
+            raise ConfigError(f"{kind.name} must be {want}{' or None' if kind.optional else ''}, "
+                              f"got {_shown(kind, value)}{why}")
 
 
 def config_from_dict(cls: type[RuntimeConfig], data: Mapping[str, object], source: str = "") -> RuntimeConfig:
@@ -197,7 +248,8 @@ def config_from_env(cls: type[RuntimeConfig], environ: Mapping[str, str], prefix
         if name not in kinds:
             known = [prefix + n.upper() for n in kinds]
             raise ConfigError(f"environment variable {var} names no config field{_suggest(var, known)}")
-        merged[name] = _convert(kinds[name], environ[var], f"{name} (from {var}={environ[var]!r})")
+        shown = var if name in _SECRET_FIELDS else f"{var}={environ[var]!r}"
+        merged[name] = _convert(kinds[name], environ[var], f"{name} (from {shown})", text_bools=True)
     return config_from_dict(cls, merged)
 
 
@@ -213,10 +265,10 @@ def config_from_file(cls: type[RuntimeConfig], path: str | os.PathLike[str]) -> 
                 data: object = tomllib.load(fh)
         else:
             with p.open("r", encoding="utf-8") as fh:
-                data = json.load(fh, object_pairs_hook=_no_duplicate_keys)
+                data = json.load(fh, object_pairs_hook=_no_duplicate_keys, parse_int=_json_int)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(p)!r}: {exc}") from exc
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, ValueError) as exc:  # (JSONDecodeError, UnicodeDecodeError: ValueErrors)
         raise ConfigError(f"config file {str(p)!r} is not valid {suffix[1:].upper()}: {exc}") from exc
     return config_from_dict(cls, data, f" (in {p.name})")  # type: ignore[arg-type]  # checked there
 

@@ -164,11 +164,14 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             _fail(f"session {sess.sid!r} holds {len(sess.slots)} slots for {sess.kv_len} tokens")
         claim("device", sess.slots, sess.owner, f"session {sess.sid!r}")
     _check_offload(core, claim, roots, quiescent)
+    unissued = core.copies.unissued()  # this turn's backups: pinned when their batch leaves
     for op in copy_ops.values():
         if op.direction is Direction.BACKUP:
             claim("host", op.host, op.host_owner, f"backup op {op.op_id} destination")
         elif op.orphaned:  # its nodes were rolled back: its slots wait for its ack
             claim("device", op.device, Owner.node(op.node.id), f"orphaned load {op.op_id}")
+        if op.op_id in unissued:
+            continue
         for page in _pages(op.device, ps):
             pins["device"][page] += 1
         for page in _pages(op.host, ps):

@@ -208,6 +208,9 @@ STATS: tuple[Stat, ...] = (
        "backend calls that returned a value outside the contract (a miss)", "hicache_storage_ops",
        outcome="contract_violation"),
     _s("storage", "ops_failed", X, "storage_ops_failed", C, "errors + backend_errors"),
+    _s("storage", "rejected_pages", X, "storage_pages_rejected", C,
+       "pages read whose tag did not check out against the bytes in the host pool (corrupt, or written "
+       "without the storage key): misses, never served", "hicache_storage_rejected_pages"),
     _s("storage", "ops_overdue", X, "storage_ops_overdue", C, "backend calls that outlived storage_timeout_s",
        "hicache_storage_ops_overdue"),
     _s("storage", "ops_submitted", X, "storage_ops_submitted", C, "storage ops handed to the transfer actor",

@@ -12,9 +12,11 @@ appended to a JSONL file that `python -m runtime.audit FILE` can replay (`runtim
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
@@ -65,7 +67,8 @@ class JsonlSink:
 
     Every record gets ``seq``: 1, 2, 3, ... in emission order (the auditor checks there is no
     gap; a file appended to by a later run starts again at 1, which the auditor reads as a new
-    run). Each event is written with a single ``write`` of one complete line (JSON escapes any
+    run) and ``ts``: wall-clock microseconds since the epoch (so runs of several processes in
+    one file line up on a timeline: `runtime.timeline`). Each event is written with a single ``write`` of one complete line (JSON escapes any
     newline inside a value); Python's buffer batches them. ``flush`` pushes the buffer to the
     OS; ``close`` flushes and closes and is idempotent. Events emitted after ``close`` are
     dropped and counted in ``dropped`` (an actor stopping late never fails on a closed file).
@@ -93,6 +96,7 @@ class JsonlSink:
             return
         self._seq += 1
         event["seq"] = self._seq
+        event["ts"] = time.time_ns() // 1000
         f.write(json.dumps(event, separators=(",", ":"), default=str) + "\n")
 
     def flush(self) -> None:
@@ -152,3 +156,28 @@ class SlotTracer:
             close = getattr(sink, "close", None)
             if close is not None:
                 close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m runtime.trace timeline TRACE.jsonl [-o OUT.json]``: the trace as a timeline
+    (Trace Event Format, for Perfetto or chrome://tracing; `runtime.timeline`)."""
+    from runtime.timeline import TimelineError, write_timeline
+
+    p = argparse.ArgumentParser(prog="python -m runtime.trace", description="slot-lifecycle trace tools")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("timeline", help="write the trace as Trace Event Format JSON (Perfetto, chrome://tracing)")
+    t.add_argument("trace", help="JSONL trace (RuntimeConfig.trace_path)")
+    t.add_argument("-o", "--output", help="output file (default: TRACE with .timeline.json)")
+    args = p.parse_args(argv)
+    out = args.output or (args.trace[: -len(".jsonl")] if args.trace.endswith(".jsonl") else args.trace) + ".timeline.json"
+    try:
+        n = write_timeline(args.trace, out)
+    except (OSError, TimelineError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{out}: {n} trace events; open it in https://ui.perfetto.dev or chrome://tracing")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

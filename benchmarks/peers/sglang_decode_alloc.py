@@ -35,10 +35,14 @@ consecutive tokens share a page until the page boundary.
 Output: one JSON line per (page_size, n) on stdout ({"page_size", "n", "p50_ms", "p99_ms",
 "steps", "context", "version"}); human-readable lines go to stderr.
 
-Run with the peer venv (../shared/peerbench/README.md), from the repository root:
+Run with the peer venv (set up per the peer bench directory's README; PEER_PY is its python,
+e.g. ../peer-venv/bin/python next to the repository), from the repository root:
 
-    /work/peer-venv/bin/python benchmarks/peers/sglang_decode_alloc.py
-    /work/peer-venv/bin/python benchmarks/peers/sglang_decode_alloc.py --context 256 --page-sizes 1,16 --ns 1,16,64,256,1024 --steps 200
+    $PEER_PY benchmarks/peers/sglang_decode_alloc.py
+    $PEER_PY benchmarks/peers/sglang_decode_alloc.py --context 256 --page-sizes 1,16 --ns 1,16,64,256,1024 --steps 200
+
+Its inputs are built before the timer (the batch, the requests, their context slots): only the
+allocation step is timed, as bench_decode.py times only our decode step.
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ from runtime.messages import (
     TransferStats,
 )
 from runtime.stats import LatencyHistogram
-from runtime.storage.backend import ContractViolation, StorageError, checked_count, checked_flags, read_prefix
+from runtime.storage.backend import ContractViolation, StorageError, checked_count, read_prefix, write_pages
+from runtime.storage.integrity import PageSeal
 from runtime.trace import get_logger
 from runtime.transfer.engine import CopyEngine, merged_plan
 from runtime.transfer.state_io import StateBlobIO
@@ -103,12 +104,14 @@ class TransferActor(Actor[TransferMessage]):
                  mailbox_capacity: int, bytes_per_slot: int = 0, storage: Any = None,
                  host_pool: Any = None, storage_timeout_s: float = 5.0,
                  pool_slot_bytes: dict[str, int] | None = None, rank_host_pools: Sequence[Any] = (),
-                 state_io: StateBlobIO | None = None) -> None:
+                 state_io: StateBlobIO | None = None, seal: PageSeal | None = None) -> None:
         """`bytes_per_slot`: a KV slot's bytes (a token's); `pool_slot_bytes`: a slot's bytes in the
         plan's other pools (a recurrent state's components), for the byte counters;
         `rank_host_pools`: under one control plane over tensor-parallel ranks, every rank's host
         pool (rank 0's is `host_pool`), each rank's storage I/O its own (`SubmitStorage.rank_keys`);
-        `state_io`: a hybrid model's host state pool as storage ops write and read its snapshots."""
+        `state_io`: a hybrid model's host state pool as storage ops write and read its snapshots;
+        `seal`: the page tags written with every page and checked on every page read (one per
+        runtime: its count of refused pages outlives a detach / attach of the backend)."""
         super().__init__(mailbox_capacity)
         self.engine = engine
         self.bridge: CompletionBridge | None = None
@@ -131,6 +134,7 @@ class TransferActor(Actor[TransferMessage]):
         self.state_io = state_io
         self.storage_inflight: dict[int, SubmitStorage] = {}
         self.storage_timeout_s = storage_timeout_s
+        self.seal = seal if seal is not None else PageSeal()
         self._storage_timers: dict[int, asyncio.TimerHandle] = {}
         self.storage_overdue: set[int] = set()  # in flight past their deadline (a subset of storage_inflight)
         # in flight when this actor stopped: settled as abandoned (counted once); a call that returns
@@ -296,19 +300,20 @@ class TransferActor(Actor[TransferMessage]):
         backend = self.storage
         if write:
             srcs = [rows[p] for p in pages] if rows is not None else [pool.read_page(p) for p in pages]
-            ok = checked_flags("set_batch", backend.set_batch(list(keys), srcs), len(keys))
+            ok = write_pages(backend, keys, srcs, self.seal)
             return sum(ok), ok
         if not pages:  # a lookup
             return checked_count("exists_prefix", backend.exists_prefix(list(keys)), len(keys)), ()
         if rows is not None:
             # page_first keeps a page contiguous in the canonical form: read straight into the pool
             # (the pages are pinned and prefetch-owned; a page that misses is freed unused)
-            return read_prefix(backend, list(keys), [rows[p] for p in pages]), ()
+            return read_prefix(backend, list(keys), [rows[p] for p in pages], self.seal), ()
         shape = pool.shape
         stage = torch.empty((len(keys), shape.num_layers, shape.parts, pool.page_size, shape.num_kv_heads,
                              shape.head_dim), dtype=shape.dtype)  # untouched: pages never read cost no memory
         bufs = list(stage)
-        k = read_prefix(backend, list(keys), bufs)  # a missing page ends the hit (presence is a hint)
+        # a missing page, or one whose tag does not check out, ends the hit (presence is a hint)
+        k = read_prefix(backend, list(keys), bufs, self.seal)
         for i in range(k):
             pool.write_page(pages[i], bufs[i])
         return k, ()
@@ -471,6 +476,7 @@ class TransferActor(Actor[TransferMessage]):
             "queued_backups": len(self.waiting[Direction.BACKUP]),
             "mailbox_depth": self.mailbox.depth,
             "inflight_storage_ops": len(self.storage_inflight),
+            "storage_pages_rejected": self.seal.rejected,
             **{name: hist.snapshot() for name, hist in self.latency.items()},
         }
 

@@ -6,13 +6,8 @@ message (`take`), and publishes them as one batch. A record is a plain tuple of 
 hashes, concatenated; their tokens' int32 bytes): the wire objects, one 16-byte `bytes` and one
 `int` per page and token, are built by whoever reads the batch (`materialize`: an in-process
 subscriber's task, the ZMQ publisher's thread), never in the tree actor's turn. Nothing here touches a ledger or the tree's
-shape: it reads nodes' keys and keeps each node's page hashes in the node (`Node.page_hashes`,
-16 bytes a page, concatenated), so a page is hashed once while it lives, not once per event.
-
-A node's hashes are the storage tier's page hashes of its path (`runtime.storage.hashing`):
-`h(i) = H(h(i-1) || page i's tokens as little-endian int32)`, seeded by the namespace and KV
-identity. A tree key is exactly those int32 bytes, so a node's pages are hashed from its key in
-one compiled call (`runtime.storage.hash_chain`).
+shape: it reads nodes' keys and their page hashes (`PageHasher`: kept in each node and shared
+with the storage tier's writes, so a page is hashed once while it lives, not once per event).
 """
 
 from __future__ import annotations
@@ -22,9 +17,9 @@ from typing import Union
 
 import numpy as np
 
-from runtime.storage.hash_chain import chain_hashes
-from runtime.storage.hashing import HASH_BYTES, KVIdentity, chain_seed
+from runtime.storage.hashing import HASH_BYTES, KVIdentity
 from runtime.tree.nodes import Node
+from runtime.tree.page_hasher import PageHasher
 
 from .wire import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -37,11 +32,14 @@ _HB = HASH_BYTES
 
 class KVEventRecorder:
     # -- state -------------------------------------------------------------------
-    def __init__(self, page_size: int, identity: KVIdentity) -> None:
+    def __init__(self, page_size: int, identity: KVIdentity, hasher: PageHasher | None = None) -> None:
+        """`hasher`: the tree's page hashes, shared with its storage tier (else one of its own)."""
         self.page_size = page_size
         self.identity = identity
+        self.hasher = hasher if hasher is not None else PageHasher(page_size, identity)
         self._page_bytes = page_size * 4  # a page of int32 tokens in a tree key
-        self._seeds: dict[Hashable, bytes] = {}  # namespace -> h(-1)
+        self._hashes = self.hasher.node
+        self._parent_hash = self.hasher.parent_hash
         self.pending: list[Record] = []
         self.events_recorded = 0
 
@@ -78,10 +76,7 @@ class KVEventRecorder:
 
     def on_split(self, lower: Node, upper: Node) -> None:
         """A split moved `lower`'s first pages to the new `upper`: so do their hashes."""
-        blob = lower.page_hashes
-        if blob is not None:
-            cut = upper.num_tokens // self.page_size * _HB
-            upper.page_hashes, lower.page_hashes = blob[:cut], blob[cut:]
+        self.hasher.on_split(lower, upper)
 
     # -- a flush ---------------------------------------------------------------------
     def mark(self) -> int:
@@ -105,43 +100,6 @@ class KVEventRecorder:
     def _append(self, event: Record) -> None:
         self.pending.append(event)
         self.events_recorded += 1
-
-    def _parent_hash(self, node: Node) -> bytes | None:
-        parent = node.parent
-        if parent is None or parent.parent is None:  # a root: the chain starts here
-            return None
-        return self._hashes(parent)[-_HB:]
-
-    def _seed(self, extra_key: Hashable) -> bytes:
-        seed = self._seeds.get(extra_key)
-        if seed is None:
-            seed = self._seeds[extra_key] = chain_seed(extra_key, self.identity)
-        return seed
-
-    def _hashes(self, node: Node) -> bytes:
-        """`node`'s page hashes, computed for the pages not hashed yet (a new node, or a leaf a
-        request extended), its ancestors' first."""
-        blob = node.page_hashes
-        pb = self._page_bytes
-        if blob is not None and len(blob) // _HB * pb == len(node.key):
-            return blob
-        chain = []  # node and its ancestors that need hashing, deepest first
-        cur = node
-        while cur.parent is not None:  # (stops at the first ancestor fully hashed, or the root)
-            b = cur.page_hashes
-            if b is not None and len(b) // _HB * pb == len(cur.key):
-                break
-            chain.append(cur)
-            cur = cur.parent
-        prev = self._seed(node.extra_key) if cur.parent is None else cur.page_hashes[-_HB:]  # type: ignore[index]
-        for cur in reversed(chain):
-            b = cur.page_hashes or b""
-            if b:
-                prev = b[-_HB:]
-            new = chain_hashes(prev, cur.key[len(b) // _HB * pb:], pb)
-            cur.page_hashes = b + new if b else new
-            prev = cur.page_hashes[-_HB:]
-        return node.page_hashes  # type: ignore[return-value]
 
 
 def materialize(records: list[Record], page_size: int) -> list[Event]:

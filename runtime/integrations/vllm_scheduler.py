@@ -89,8 +89,8 @@ class HiCacheConnectorScheduler:
         # live requests' token ids as checked arrays, from their lookup to their finish: a
         # request's list is converted once, and only the tokens vLLM appends after it later
         self._token_ids: dict[str, np.ndarray] = {}
-        # their page keys (storage) as far as hashed, kept with their tokens: each page is hashed
-        # once per request, from its lookup to its backup's storage write
+        # their page keys (storage) as far as hashed, kept with their tokens: asked again after a
+        # preemption, a request's lookup hashes only the pages it added since
         self._keys: dict[str, list[bytes]] = {}
         self._loads: list[LoadJob] = []
         # requests whose load the workers have not reported received yet: vLLM frees a finished
@@ -222,10 +222,9 @@ class HiCacheConnectorScheduler:
             self._forget_tokens(rid)
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
         tokens = self._tokens_of(request)
-        keys = self._keys.get(rid)
         self._forget_tokens(rid)
         namespace = self._namespace(request)
-        plan = self.core.backup(rid, tokens, namespace, request.num_computed_tokens, block_ids, keys)
+        plan = self.core.backup(rid, tokens, namespace, request.num_computed_tokens, block_ids)
         if plan is not None:
             self._backups.append((rid, plan))
             if self.events is not None:  # (its pages join the tier at its ack)

@@ -14,6 +14,7 @@ nothing to do; a CUDA worker would start the loads on a side stream and wait per
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,9 @@ from runtime.errors import ConfigError
 from runtime.integrations.vllm_messages import CopyAcks, JobResult, LoadJob, StorageOutcome, TieredMeta
 from runtime.integrations.vllm_metrics import Deltas, HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
-from runtime.storage.backend import checked_flags, read_prefix
+from runtime.storage.backend import read_prefix, write_pages
 from runtime.storage.health import HealthTracked
+from runtime.storage.integrity import PageSeal
 from runtime.transfer.block_copier import PagedKVCopier
 from runtime.tree.storage_tier import StorageRequest
 
@@ -54,6 +56,8 @@ class HiCacheConnectorWorker:
         parallel = vllm_config.parallel_config
         self.tp_rank = parallel.rank % parallel.tensor_parallel_size  # (its storage keys are its rank's)
         self.storage = storage
+        # page tags written and checked here (docs/STORAGE.md, "Page integrity"; keyed by HICACHE_STORAGE_KEY)
+        self.seal = PageSeal(os.environ.get("HICACHE_STORAGE_KEY"))
         self.copier: PagedKVCopier | None = None
         self._jobs: deque[tuple[Future[JobResult], str, str]] = deque()  # (result, kind, request id), in order
         # one thread for loads (a request waits for its load) and one for backups and storage
@@ -179,7 +183,7 @@ class HiCacheConnectorWorker:
         if load.read is not None:
             op_id, keys, pages = load.read.op_id, self._own_keys(load.read), load.read.pages
             try:
-                got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages]), None
+                got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages], self.seal), None
                 self.counts.add(storage_read_bytes=got * self.page_bytes)
             except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
                 got, err = 0, repr(exc)
@@ -215,8 +219,7 @@ class HiCacheConnectorWorker:
         op_id, keys, pages = request.op_id, self._own_keys(request), request.pages
         copier = self._copier()
         try:
-            ok = checked_flags("set_batch", self.storage.set_batch(list(keys), [copier.page_buffer(p) for p in pages]),
-                               len(keys))
+            ok = write_pages(self.storage, keys, [copier.page_buffer(p) for p in pages], self.seal)
             written = sum(ok)
             self.counts.add(storage_written_bytes=written * self.page_bytes, storage_write_failures=len(ok) - written)
             return {}, {op_id: (0, None, ok)}, set()

@@ -3,23 +3,22 @@
 Layout (``root`` is the directory; any number of processes may share it)::
 
     root/.hicache-state            24 bytes: magic, used bytes, scan epoch (flock'd to update)
-    root/ab/<32 hex>.kv            one page: page_bytes of payload + a 40-byte trailer
+    root/ab/<32 hex>.kv            one page: page_bytes of payload + a 32-byte trailer
     root/ab/.<hex>.<pid>.<nonce>.<size>.tmp   a write in progress (never read)
 
 ``ab`` is the first two hex digits of the key (256 fan-out directories).
 
 Atomicity: a page is written to a temporary name in its final directory (optionally
 fsync'd), then renamed onto ``<hex>.kv``; readers open only ``*.kv`` names, check the file
-size and the trailer (magic, payload length, key digest), and `readinto` the destination
-(one ``preadv`` into the caller's buffer and the trailer; the payload starts at offset 0, so
-page-aligned buffers get page-aligned copies).
+size and the trailer (magic, payload length), and `readinto` the destination (one ``preadv``
+into the caller's buffer and the trailer; the payload starts at offset 0, so page-aligned
+buffers get page-aligned copies).
 
-Integrity: the trailer also holds a checksum of the payload seeded by the key (XXH64,
-`runtime.storage.checksum`), verified on every read: a flipped byte, or a page file copied or
-forged under another key's name, is a miss for that page (``corrupt_pages``, one
-``storage_page_corrupt`` event), and the file is deleted so that the page can be written
-again. The trailer's magic carries the format version: files of an older version have
-another size or magic and read as misses. A writer killed at any point
+Integrity: the trailer also holds the page's tag, which the storage tier computed from the host
+pool's bytes and checks against the bytes it reads (`runtime.storage.integrity`); this backend
+only stores it and hands it back. A page whose check fails is removed by the tier (`remove`),
+so that it can be written again. The trailer's magic carries the format version: files of an
+older version have another size or magic and read as misses. A writer killed at any point
 leaves at most a ``.tmp`` file, which is never read and is deleted by the next scan once
 its pid is dead (or it is older than ``stale_tmp_s``).
 
@@ -51,7 +50,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import struct
 import threading
@@ -60,15 +58,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime.errors import ConfigError, StateError
-from runtime.storage.backend import Buffer, CallGate, byte_view, check_batch, check_keys, gated
-from runtime.storage.checksum import page_checksum
+from runtime.storage.backend import Buffer, CallGate, byte_view, check_batch, check_keys, check_tags, gated
+from runtime.storage.integrity import TAG_BYTES
 from runtime.trace import get_logger
 
 FSYNC_POLICIES = ("none", "file", "dir")
-# magic (format version), payload length, sha256(key)[:16], XXH64(payload, seed=key_seed(key)).
-# v1 (HCKVPG01, 32 bytes, no checksum) files differ in size and magic: they read as misses.
-TRAILER = struct.Struct("<8sQ16sQ")
-TRAILER_MAGIC = b"HCKVPG02"
+# magic (format version), payload length, the page's tag (the storage tier's; zeros: none given).
+# v2 (HCKVPG02, 40 bytes: the backend's own checksum) files differ in size: they read as misses.
+TRAILER = struct.Struct(f"<8sQ{TAG_BYTES}s")
+TRAILER_MAGIC = b"HCKVPG03"
 STATE = struct.Struct("<8sqq")
 STATE_MAGIC = b"HCSTATE1"
 STATE_NAME = ".hicache-state"
@@ -77,10 +75,6 @@ TMP_SUFFIX = ".tmp"
 FANOUT = [f"{i:02x}" for i in range(256)]
 
 _log = get_logger("hicache.storage.file")
-
-
-def _key_digest(key: bytes) -> bytes:
-    return hashlib.sha256(key).digest()[:16]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -99,6 +93,9 @@ class FileBackend:
     # `exists_prefix` is a stat per key in a local directory: the transfer actor may probe the first
     # key on the event loop and answer a read of absent pages without a worker thread
     exists_is_local = True
+    # reads are local calls: `read_prefix` reads about a page at a time and checks each page's tag
+    # while it is still in the CPU cache (runtime.storage.backend)
+    read_chunk_bytes = 1 << 20
 
     def __init__(
         self,
@@ -143,8 +140,7 @@ class FileBackend:
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "read_errors",
             "pages_written", "pages_present", "write_errors", "write_no_room", "bytes_read", "bytes_written",
-            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "corrupt_pages", "removed_pages",
-            "dir_recreated"), 0)
+            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "removed_pages", "dir_recreated"), 0)
         if cleanup_on_open:
             self.cleanup()
 
@@ -300,30 +296,32 @@ class FileBackend:
         return n
 
     @gated
-    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer],
+                  tags: list[bytes | None] | None = None) -> list[bool]:
         check_batch(keys, dests, "get_batch")
         views = [byte_view(d, self.page_bytes, writable=True) for d in dests]
         now = time.time_ns()
         n = len(keys)
         out = []
-        hits = misses = errors = corrupt = 0
+        hits = misses = errors = 0
         for i, (key, mv) in enumerate(zip(keys, views)):
-            r = self._read_one(key, mv, now + (n - i))
-            out.append(r == 1)
-            if r == 1:
+            tag = self._read_one(key, mv, now + (n - i))
+            out.append(isinstance(tag, bytes))
+            if isinstance(tag, bytes):
                 hits += 1
-            elif r == 0:
+                if tags is not None:
+                    tags[i] = tag
+            elif tag == 0:
                 misses += 1
-            elif r == -1:
-                errors += 1
             else:
-                corrupt += 1
-        self._count(get_calls=1, pages_read=hits, read_misses=misses, read_errors=errors, corrupt_pages=corrupt,
+                errors += 1
+        self._count(get_calls=1, pages_read=hits, read_misses=misses, read_errors=errors,
                     bytes_read=hits * self.page_bytes)
         return out
 
     @gated
-    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
+    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer],
+                   tags: list[bytes | None] | None = None) -> int:
         """Read the leading present pages into ``dests``, stopping at the first page that is missing
         or unreadable; returns how many were read whole. `exists_prefix` + `get_batch` in one pass
         (no stat pass; each page's size and trailer are checked as `get_batch` does)."""
@@ -333,19 +331,19 @@ class FileBackend:
         now = time.time_ns()
         n = len(keys)
         hits = 0
-        r = 1
+        r: bytes | int = b""
         for i in range(n):
             r = self._read_one(keys[i], views[i], now + (n - i))
-            if r != 1:
+            if not isinstance(r, bytes):
                 break
+            if tags is not None:
+                tags[i] = r
             hits += 1
-        self._count(get_calls=1, pages_read=hits, read_misses=int(r == 0), read_errors=int(r == -1),
-                    corrupt_pages=int(r == -2), bytes_read=hits * pb)
+        self._count(get_calls=1, pages_read=hits, read_misses=int(r == 0), read_errors=int(r == -1), bytes_read=hits * pb)
         return hits
 
-    def _read_one(self, key: bytes, mv: memoryview, stamp_ns: int) -> int:
-        """1 read, 0 missing, -1 unreadable (wrong size or format version, I/O error), -2 corrupt
-        (a current-format page whose key digest or payload checksum does not verify; deleted)."""
+    def _read_one(self, key: bytes, mv: memoryview, stamp_ns: int) -> bytes | int:
+        """The page's tag (read), 0 (missing) or -1 (unreadable: wrong size or format version, I/O error)."""
         path = self._path(key)[2]
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -368,49 +366,26 @@ class FileBackend:
                 if more <= 0:
                     return -1
                 got += more
-            magic, length, digest, checksum = TRAILER.unpack(trailer)
+            magic, length, tag = TRAILER.unpack(trailer)
             if magic != TRAILER_MAGIC or length != self.page_bytes:
                 return -1
-            if digest != _key_digest(key):
-                self._corrupt(key, path, st, "key")
-                return -2
-            if checksum != page_checksum(key, mv):
-                self._corrupt(key, path, st, "checksum")
-                return -2
             if stamp_ns - st.st_mtime_ns > self.touch_interval_ns:
                 try:
                     os.utime(fd, ns=(stamp_ns, stamp_ns))
                 except OSError:
                     pass  # another user's file: LRU touch is best effort
-            return 1
+            return tag
         except OSError as exc:
             _log.warning("storage_read_error", path=path, error=str(exc))
             return -1
         finally:
             os.close(fd)
 
-    def _corrupt(self, key: bytes, path: str, st: os.stat_result, reason: str) -> None:
-        """Log a page that failed verification and delete its file, so that the next write of the
-        key stores it again (else `set_batch` would count the bad file as present forever). Under
-        the directory lock, and only if ``path`` is still the file that was read: renames happen
-        under that lock, so a good page renamed onto the name meanwhile is never deleted."""
-        deleted = False
-        try:
-            with self._lock() as fd:
-                now = os.stat(path)
-                if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
-                    os.unlink(path)
-                    deleted = True
-                    used, epoch = self._read_state(fd)
-                    if used >= 0:
-                        self._write_state(fd, used - st.st_size, epoch)
-        except OSError:
-            pass  # gone already, or not ours to delete: the page stays a miss
-        _log.warning("storage_page_corrupt", key=key.hex(), path=path, reason=reason, deleted=deleted)
-
     @gated
-    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer],
+                  tags: Sequence[bytes] | None = None) -> list[bool]:
         check_batch(keys, srcs, "set_batch")
+        tags = check_tags(tags, len(keys))
         views = [byte_view(s, self.page_bytes, writable=False) for s in srcs]
         n = len(keys)
         now = time.time_ns()
@@ -426,17 +401,14 @@ class FileBackend:
                 continue
             seen[key] = i
             hx, d, final = self._path(key)
-            try:
-                if os.stat(final).st_size == self.file_bytes:
-                    result[i] = True
-                    present += 1
-                    try:
-                        os.utime(final, ns=(now + (n - i), now + (n - i)))
-                    except OSError:
-                        pass
-                    continue
-            except OSError:
-                pass
+            if self._stored_tag(final) == tags[i]:  # present: the same page (else replaced: corrupt, forged)
+                result[i] = True
+                present += 1
+                try:
+                    os.utime(final, ns=(now + (n - i), now + (n - i)))
+                except OSError:
+                    pass
+                continue
             todo.append((i, key, hx, d, final))
         written = errors = no_room = 0
         if todo and not os.path.exists(self._state_path):  # (removed under us: one stat per batch)
@@ -447,7 +419,7 @@ class FileBackend:
             errors = fit - len(temps)  # (a temporary file that could not be made: a read-only directory)
             dirs: set[str] = set()
             filled = [(i, tmp, final) for (i, key, _hx, _d, final), (tmp, fd) in zip(todo, temps)
-                      if self._write_one(key, views[i], tmp, fd, now + (n - i))]
+                      if self._write_one(tags[i], views[i], tmp, fd, now + (n - i))]
             renamed = self._rename_all(filled)
             for (i, _key, _hx, d, _final), (tmp, _fd) in zip(todo, temps):
                 ok = tmp in renamed
@@ -472,6 +444,22 @@ class FileBackend:
         self._count(set_calls=1, pages_written=written, pages_present=present, write_errors=errors,
                     write_no_room=no_room, bytes_written=written * self.page_bytes)
         return result
+
+    def _stored_tag(self, path: str) -> bytes | None:
+        """The tag in the trailer of page file `path` (None: no such page file of this format)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size != self.file_bytes:
+                return None
+            magic, length, tag = TRAILER.unpack(os.pread(fd, TRAILER.size, self.page_bytes))
+            return tag if magic == TRAILER_MAGIC and length == self.page_bytes else None
+        except (OSError, struct.error):
+            return None
+        finally:
+            os.close(fd)
 
     def _reserve(self, todo: list[tuple[int, bytes, str, str, str]]) -> tuple[list[tuple[str, int]], int]:
         """Create the temporary files for as many leading pages of ``todo`` as the cap allows,
@@ -523,23 +511,33 @@ class FileBackend:
         renamed: set[str] = set()
         failed: list[str] = []
         if filled:
-            with self._lock():
+            with self._lock() as fd:
+                replaced = 0  # bytes of page files a rename replaced (another page's, refused or older)
                 for _i, tmp, final in filled:
+                    try:
+                        size = os.stat(final).st_size
+                    except OSError:
+                        size = 0
                     try:
                         os.rename(tmp, final)
                         renamed.add(tmp)
+                        replaced += size
                     except OSError as exc:
                         _log.warning("storage_write_error", path=final, error=str(exc))
                         failed.append(tmp)
+                if replaced:
+                    used, epoch = self._read_state(fd)
+                    if used >= 0:
+                        self._write_state(fd, used - replaced, epoch)
         for tmp in failed:
             self._drop_temp(tmp)
         return renamed
 
-    def _write_one(self, key: bytes, mv: memoryview, tmp: str, fd: int, stamp_ns: int) -> bool:
+    def _write_one(self, tag: bytes, mv: memoryview, tmp: str, fd: int, stamp_ns: int) -> bool:
         """Fill temporary file ``tmp`` (open as ``fd``) with the page and its trailer; closes ``fd``."""
         try:
             try:
-                trailer = TRAILER.pack(TRAILER_MAGIC, self.page_bytes, _key_digest(key), page_checksum(key, mv))
+                trailer = TRAILER.pack(TRAILER_MAGIC, self.page_bytes, tag)
                 done = os.writev(fd, [mv, trailer])
                 while done < self.file_bytes:  # short write: go on where it stopped
                     if done < self.page_bytes:

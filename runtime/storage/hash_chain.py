@@ -1,4 +1,5 @@
-"""The page-hash chain of `runtime.storage.hashing`, compiled with numba: one call per run of pages.
+"""The page-hash chains of `runtime.storage.hashing`: SHA-256 compiled with numba (one call per run
+of pages), or xxHash's XXH3-128 through the `xxhash` package (`chain_function` picks one).
 
 ``h(i) = sha256(h(i-1) || page i's int32 tokens)[:16]``, with SHA-256 written out (FIPS 180-4) in
 a loop numba compiles. Through hashlib a page costs ~0.9 µs of interpreter time (object creation
@@ -11,10 +12,12 @@ every page size and random tokens, and test_hashing.py pins known hashes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numba
 import numpy as np
 
-__all__ = ["chain_hashes"]
+__all__ = ["chain_hashes", "chain_hashes_xxh3", "chain_function"]
 
 _HASH_BYTES = 16  # (hashing.HASH_BYTES: a page hash is the digest's first 16 bytes)
 
@@ -99,3 +102,24 @@ def chain_hashes(prev: bytes, data: bytes, page_bytes: int) -> bytes:
     if n:
         _chain(np.frombuffer(prev, np.uint8), np.frombuffer(data, np.uint8), page_bytes, out)
     return out.tobytes()
+
+
+def chain_hashes_xxh3(prev: bytes, data: bytes, page_bytes: int) -> bytes:
+    """`chain_hashes` with ``h(i) = XXH3-128(h(i-1) || page i's tokens)`` (its whole 16-byte digest):
+    one C call a page (~0.1 µs at 1-token pages, a third of the compiled SHA-256's)."""
+    import xxhash  # (a dependency; imported where chosen, so a SHA-256 runtime never needs it loaded)
+
+    digest = xxhash.xxh3_128_digest
+    out = []
+    for i in range(0, len(data) - page_bytes + 1, page_bytes):
+        prev = digest(prev + data[i:i + page_bytes])
+        out.append(prev)
+    return b"".join(out)
+
+
+_CHAINS: dict[str, Callable[[bytes, bytes, int], bytes]] = {"sha256": chain_hashes, "xxhash": chain_hashes_xxh3}
+
+
+def chain_function(algo: str) -> Callable[[bytes, bytes, int], bytes]:
+    """The chain of `algo` (`runtime.config.HASH_ALGOS`)."""
+    return _CHAINS[algo]

@@ -4,7 +4,10 @@
 
 - ``H`` is SHA-256 (the seed through ``hashlib``, the pages through `runtime.storage.hash_chain`) truncated to its first 16 bytes (``HASH_BYTES``). 128 bits
   keep the chance of any collision among 2**40 stored pages below 2**-48; truncation only
-  shortens keys and file names.
+  shortens keys and file names. With ``hash_algo="xxhash"`` (`KVIdentity.hash_algo`) the pages
+  are chained with XXH3-128 instead (its whole 16-byte digest): as unlikely to collide by
+  chance, but not collision resistant against someone choosing tokens on purpose (the seed
+  stays SHA-256; the algorithm is part of the identity, so the two never share a page).
 - the tokens of a page are ``page_size`` int32 values in little-endian byte order;
 - ``seed = H(seed_bytes(extra_key, identity))``, a fixed, versioned, length-prefixed
   encoding of the namespace and of the KV identity (model id, weight version, KV dtype,
@@ -32,9 +35,9 @@ from typing import Union
 
 import numpy as np
 
-from runtime.config import KV_LAYOUTS
+from runtime.config import HASH_ALGOS, KV_LAYOUTS
 from runtime.errors import LengthError, ValidationError
-from runtime.storage.hash_chain import chain_hashes
+from runtime.storage.hash_chain import chain_function
 
 DIGEST_NAME = "sha256-128"
 HASH_BYTES = 16
@@ -90,9 +93,11 @@ class KVIdentity:
     # what a token's KV is (`RuntimeConfig.kv_layout`): "mha" (K and V) or "mla" (one latent vector).
     # An MLA page never shares a hash with an MHA page of the same byte size and geometry.
     kv_layout: str = "mha"
+    # the page hash (`RuntimeConfig.hash_algo`): pages hashed with different ones never share a key
+    hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
-        for name in ("model_id", "weight_version", "kv_dtype", "page_layout", "shard", "kv_layout"):
+        for name in ("model_id", "weight_version", "kv_dtype", "page_layout", "shard", "kv_layout", "hash_algo"):
             if not isinstance(getattr(self, name), str):
                 raise ValidationError(f"KVIdentity.{name} must be a str, got {getattr(self, name)!r}")
         if self.shard not in ("", REPLICATED):
@@ -100,6 +105,8 @@ class KVIdentity:
             if m is None or not 0 <= int(m[1]) < int(m[2]) or m[2] == "1":
                 raise ValidationError(f"KVIdentity.shard must be '', {REPLICATED!r} or 'tp<rank>of<size>' with "
                                       f"0 <= rank < size and size >= 2, got {self.shard!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValidationError(f"KVIdentity.hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValidationError(f"KVIdentity.kv_layout must be one of {sorted(KV_LAYOUTS)}, got {self.kv_layout!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -123,17 +130,22 @@ class KVIdentity:
             head_dim=config.head_dim,  # type: ignore[attr-defined]
             shard=REPLICATED if layout == "mla" else shard,
             kv_layout=layout,
+            hash_algo=getattr(config, "hash_algo", "sha256"),
         )
 
     def encode(self) -> bytes:
         """Fixed byte encoding: length-prefixed UTF-8 strings, then three little-endian u64, then
         the page layout as a length-prefixed string when it, the shard or the KV layout is set, then
-        the shard as one when it or the KV layout is set, then the KV layout when not "mha".
-        Defaults add nothing (the runtime's own layout, one rank, K and V encode as before these
-        fields existed, so their hashes did not change); each trailing string implies the ones
-        before it (maybe empty), so zero to three of them parse back one way only."""
+        the shard as one when it or the KV layout is set, then the KV layout when it or the hash
+        is not the default, then the hash algorithm when not "sha256". Defaults add nothing (the
+        runtime's own layout, one rank, K and V, SHA-256 encode as before these fields existed, so
+        their hashes did not change); each trailing string implies the ones before it (maybe
+        empty), so zero to four of them parse back one way only."""
         tail = b""
-        if self.kv_layout != "mha":
+        if self.hash_algo != "sha256":
+            tail = (_enc_str(self.page_layout) + _enc_str(self.shard) + _enc_str(self.kv_layout)
+                    + _enc_str(self.hash_algo))
+        elif self.kv_layout != "mha":
             tail = _enc_str(self.page_layout) + _enc_str(self.shard) + _enc_str(self.kv_layout)
         elif self.shard:
             tail = _enc_str(self.page_layout) + _enc_str(self.shard)
@@ -223,5 +235,6 @@ def page_hashes(
         if not isinstance(parent, (bytes, bytearray)) or len(parent) != HASH_BYTES:
             raise ValidationError(f"parent must be a {HASH_BYTES}-byte page hash")
         prev = bytes(parent)
-    blob = chain_hashes(prev, np.ascontiguousarray(arr[: n_pages * page_size]).tobytes(), page_size * 4)
+    chain = chain_function(identity.hash_algo)
+    blob = chain(prev, np.ascontiguousarray(arr[: n_pages * page_size]).tobytes(), page_size * 4)
     return [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]

@@ -69,6 +69,30 @@ class _Channel:
     probing: bool = False  # a probe is in flight (other calls are still skipped)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("calls", "failures", "skipped"), 0))
 
+    def begin(self, policy: HealthPolicy, now: float) -> bool:
+        """A call is about to be made: False when the channel is down and no probe is due."""
+        self.used = True
+        if self.failing >= policy.down_after:  # down: only a probe goes through, once due
+            if self.probing or now < self.retry_at:
+                self.counts["skipped"] += 1
+                return False
+            self.probing = True
+        self.counts["calls"] += 1
+        return True
+
+    def settle(self, failed: bool, policy: HealthPolicy, now: float) -> None:
+        """A call made through `begin` ended; a failure that takes the channel down starts (or
+        doubles) its backoff."""
+        self.probing = False
+        if not failed:
+            self.failing, self.backoff = 0, 0.0
+            return
+        self.counts["failures"] += 1
+        self.failing += 1
+        if self.failing >= policy.down_after:
+            self.backoff = min(policy.max_backoff_s, self.backoff * 2 if self.backoff else policy.backoff_s)
+            self.retry_at = now + self.backoff
+
 
 def _log_change(old: Health, new: Health, reason: str) -> None:
     (_log.info if new is Health.HEALTHY else _log.warning)("storage_health_changed", old=old.value, new=new.value,
@@ -94,6 +118,7 @@ class HealthTracked:
         # `read_prefix` prefers a one-pass `get_prefix`: offered when the inner backend has one
         if getattr(inner, "get_prefix", None) is None:
             self.get_prefix = None  # type: ignore[assignment]
+        self.read_chunk_bytes = getattr(inner, "read_chunk_bytes", 0)  # (`read_prefix`: local calls, checked per chunk)
 
     @property
     def state(self) -> Health:
@@ -103,14 +128,15 @@ class HealthTracked:
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         return self._call("lookup", lambda: self.inner.exists_prefix(keys), 0)
 
-    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
-        return self._call("read", lambda: self.inner.get_batch(keys, dests), [False] * len(keys))
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer],
+                  tags: list[bytes | None] | None = None) -> list[bool]:
+        return self._call("read", lambda: self.inner.get_batch(keys, dests, tags), [False] * len(keys))
 
-    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
-        return self._call("read", lambda: self.inner.get_prefix(keys, dests), 0)  # type: ignore[attr-defined]
+    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer], tags: list[bytes | None] | None = None) -> int:
+        return self._call("read", lambda: self.inner.get_prefix(keys, dests, tags), 0)  # type: ignore[attr-defined]
 
-    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
-        return self._call("write", lambda: self.inner.set_batch(keys, srcs), [False] * len(keys),
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer], tags: Sequence[bytes] | None = None) -> list[bool]:
+        return self._call("write", lambda: self.inner.set_batch(keys, srcs, tags), [False] * len(keys),
                           failed=lambda ok: len(ok) > 0 and not any(ok))
 
     def close(self) -> None:
@@ -131,13 +157,8 @@ class HealthTracked:
               failed: Callable[[Any], bool] = lambda _: False) -> Any:
         ch = self._channels[channel]
         with self._lock:
-            ch.used = True
-            if ch.failing >= self.policy.down_after:  # down: only a probe goes through, once due
-                if ch.probing or self._clock() < ch.retry_at:
-                    ch.counts["skipped"] += 1
-                    return skipped
-                ch.probing = True
-            ch.counts["calls"] += 1
+            if not ch.begin(self.policy, self._clock()):
+                return skipped
         try:
             result = call()
         except Exception as exc:
@@ -148,15 +169,7 @@ class HealthTracked:
 
     def _record(self, ch: _Channel, channel: str, error: str | None) -> None:
         with self._lock:
-            ch.probing = False
-            if error is None:
-                ch.failing, ch.backoff = 0, 0.0
-            else:
-                ch.counts["failures"] += 1
-                ch.failing += 1
-                if ch.failing >= self.policy.down_after:
-                    ch.backoff = min(self.policy.max_backoff_s, ch.backoff * 2 if ch.backoff else self.policy.backoff_s)
-                    ch.retry_at = self._clock() + ch.backoff
+            ch.settle(error is not None, self.policy, self._clock())
             old, new = self._state, self._health()
             if new is old:
                 return

@@ -8,13 +8,13 @@ each other. Objects are immutable once written and evicted (approximately LRU) b
 when the pool fills, so presence is a hint.
 
 Keys are ``key_prefix + page_hash.hex()``; values are exactly ``page_bytes`` bytes. Each page
-has a companion object ``<page key>/xxh64``: 8 bytes, the page's checksum (XXH64 of the payload
-seeded by the key, `runtime.storage.checksum`, as in the file backend's trailer). A companion
-key and not a trailer in the page object: a page object read straight into the registered host
-pool must be exactly one pool page long. The page is written first, its checksum second, and a
-read verifies the bytes it received against the checksum (one more small ``get_batch`` per
-read), so a page without a checksum (being written, evicted apart, or written by an older
-version) or with a wrong one is a miss; a wrong one is counted (``corrupt_pages``) and logged.
+has a companion object ``<page key>/tag``: the page's tag (16 bytes), which the storage tier
+computed from the host pool's bytes and checks against the bytes it reads
+(`runtime.storage.integrity`), as in the file backend's trailer. A companion key and not a
+trailer in the page object: a page object read straight into the registered host pool must be
+exactly one pool page long. The page is written first, its tag second, and a read fetches the
+tags of the pages it read (one more small ``get_batch`` per read), so a page without a tag
+(being written, evicted apart, or written by an older version) is a miss.
 
 Data paths:
 - *zero-copy*: a buffer that lies inside memory registered with `register_buffer` (the host
@@ -39,7 +39,6 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -61,10 +60,11 @@ from runtime.storage.backend import (
     byte_view,
     check_batch,
     check_keys,
+    check_tags,
     gated,
     leading_hits,
 )
-from runtime.storage.checksum import page_checksum
+from runtime.storage.integrity import TAG_BYTES
 from runtime.trace import get_logger
 
 _log = get_logger("hicache.storage.mooncake")
@@ -73,8 +73,7 @@ _PR_SET_PDEATHSIG = 1
 # looked up here, not in the forked child (a dlopen there could wait on a lock another thread held)
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 MASTER_PROBE_S = 0.5  # a master that accepts no connection within this long is gone (teardown at exit)
-SUM_SUFFIX = "/xxh64"  # companion object of a page: its checksum, 8 bytes little-endian
-_SUM = struct.Struct("<Q")
+TAG_SUFFIX = "/tag"  # companion object of a page: its tag (the storage tier's, TAG_BYTES)
 INSTALL_HINT = "install it with scripts/install_mooncake.sh (Debian libibverbs1 libnl-3-200 libnl-route-3-200 + " \
                "pip mooncake-transfer-engine-non-cuda)"
 _SIZE_SUFFIXES = (("tb", 1 << 40), ("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("t", 1 << 40),
@@ -221,7 +220,7 @@ class MooncakeBackend:
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "pages_written",
             "write_failures", "zero_copy_pages_read", "zero_copy_pages_written", "bytes_read", "bytes_written",
-            "errors", "corrupt_pages", "removed_pages"), 0)
+            "errors", "removed_pages"), 0)
 
     # -- registration --------------------------------------------------------------------------
     @gated
@@ -317,7 +316,8 @@ class MooncakeBackend:
         return n
 
     @gated
-    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> list[bool]:
+    def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer],
+                  tags: list[bytes | None] | None = None) -> list[bool]:
         check_batch(keys, dests, "get_batch")
         zc_i, zc_a, plain = self._split(dests, writable=True)
         skeys = self._keys(keys)
@@ -327,42 +327,37 @@ class MooncakeBackend:
             self._get_into([skeys[i] for i in zc_i], zc_a, zc_i, out)
         if plain:
             self._get_plain(skeys, dests, plain, out)
-        corrupt = self._verify(keys, skeys, dests, out)
+        self._get_tags(skeys, out, tags)
         zc_ok = sum(1 for i in zc_i if out[i])
         hits = sum(out)
-        self._count(get_calls=1, pages_read=hits, read_misses=len(out) - hits - corrupt, corrupt_pages=corrupt,
-                    zero_copy_pages_read=zc_ok, bytes_read=hits * pb)
+        self._count(get_calls=1, pages_read=hits, read_misses=len(out) - hits, zero_copy_pages_read=zc_ok,
+                    bytes_read=hits * pb)
         return out
 
-    def _verify(self, keys: Sequence[bytes], skeys: list[str], dests: Sequence[Buffer], out: list[bool]) -> int:
-        """Check every page read (``out[i]``) against its stored checksum, in place in its destination
-        (a zero-copy read stays zero-copy). A page without a checksum is a miss, one with a wrong
-        checksum is a miss that is logged and returned in the count of corrupt pages."""
+    def _get_tags(self, skeys: list[str], out: list[bool], tags: list[bytes | None] | None) -> None:
+        """Fetch the tag of every page read (``out[i]``) into ``tags[i]``; a page without one (being
+        written, evicted apart from it, an older version's) is a miss."""
         hit = [i for i, ok in enumerate(out) if ok]
         if not hit:
-            return 0
+            return
         try:
-            sums = self._store.get_batch([skeys[i] + SUM_SUFFIX for i in hit])
-        except Exception as exc:  # noqa: BLE001 - unverifiable: a miss
+            got = self._store.get_batch([skeys[i] + TAG_SUFFIX for i in hit])
+        except Exception as exc:  # noqa: BLE001 - no tag: a miss
             self._error("get_batch", exc)
-            sums = [None] * len(hit)
-        corrupt = 0
-        pb = self.page_bytes
-        for i, raw in zip(hit, sums):
-            if raw is None or len(raw) != _SUM.size:
+            got = [None] * len(hit)
+        for i, raw in zip(hit, got):
+            if raw is None or len(raw) != TAG_BYTES:
                 out[i] = False
-            elif _SUM.unpack(raw)[0] != page_checksum(bytes(keys[i]), byte_view(dests[i], pb, writable=False)):
-                out[i] = False
-                corrupt += 1
-                _log.warning("storage_page_corrupt", key=bytes(keys[i]).hex(), object=skeys[i], reason="checksum")
-        return corrupt
+            elif tags is not None:
+                tags[i] = bytes(raw)
 
-    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer]) -> int:
+    def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer],
+                   tags: list[bytes | None] | None = None) -> int:
         """Read the leading present pages into ``dests``; returns how many were read whole. One
         ``batch_get_into`` of every key, without the existence RPC that `exists_prefix` + `get_batch`
         pays: a missing key fails on its own in the same call (as cheaply as asking for it), so only
         pages behind a hole are read for nothing."""
-        return leading_hits(self.get_batch(keys, dests))
+        return leading_hits(self.get_batch(keys, dests, tags))
 
     def _get_into(self, skeys: list[str], addrs: list[int], idx: list[int], out: list[bool]) -> None:
         pb = self.page_bytes
@@ -406,8 +401,21 @@ class MooncakeBackend:
                 out[i] = True
 
     @gated
-    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer]) -> list[bool]:
+    def set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer],
+                  tags: Sequence[bytes] | None = None) -> list[bool]:
         check_batch(keys, srcs, "set_batch")
+        tags = check_tags(tags, len(keys))
+        out, foreign = self._set_batch(keys, srcs, tags)
+        if foreign:  # objects of another page were there, now removed: store this page once more
+            again, _ = self._set_batch([keys[i] for i in foreign], [srcs[i] for i in foreign],
+                                       [tags[i] for i in foreign])
+            for i, ok in zip(foreign, again):
+                out[i] = ok
+        return out
+
+    def _set_batch(self, keys: Sequence[bytes], srcs: Sequence[Buffer], tags: list[bytes]) -> tuple[list[bool], list[int]]:
+        """One put of the pages and their tags: per page stored, and the indices of pages whose
+        key held another page's objects (removed, not stored: `_put_tags`)."""
         zc_all, zc_addr_all, plain_all = self._split(srcs, writable=False)
         addr_of = dict(zip(zc_all, zc_addr_all))
         skeys = self._keys(keys)
@@ -448,45 +456,52 @@ class MooncakeBackend:
                         out[i] = e == 1
             except Exception as exc:  # noqa: BLE001
                 self._error("put_batch", exc)
-        self._put_sums(keys, skeys, srcs, [i for i in first.values() if out[i]], out)
+        foreign = self._put_tags(skeys, tags, [i for i in first.values() if out[i]], out)
         for i, j in dup:
             out[i] = out[j]
         ok = sum(out[i] for i in first.values())
-        self._count(set_calls=1, pages_written=ok, write_failures=len(first) - ok, zero_copy_pages_written=zc_ok,
-                    bytes_written=ok * pb)
-        return out
+        self._count(set_calls=1, pages_written=ok, write_failures=len(first) - ok - len(foreign),
+                    zero_copy_pages_written=zc_ok, bytes_written=ok * pb)
+        return out, [i for i, _k in enumerate(skeys) if first[_k] in foreign]
 
-    def _put_sums(self, keys: Sequence[bytes], skeys: list[str], srcs: Sequence[Buffer], stored: list[int],
-                  out: list[bool]) -> None:
-        """Store the checksum of every page stored (``stored``: indices); a page whose checksum could
-        not be stored is not stored (``out[i] = False``: a reader would miss it). A checksum already
-        present counts as stored, like a page."""
+    def _put_tags(self, skeys: list[str], tags: list[bytes], stored: list[int], out: list[bool]) -> list[int]:
+        """Store the tag of every page stored (``stored``: indices), then read the tags back: a put
+        of an existing object is a silent no-op in Mooncake (the first write wins), so only the
+        read-back tells whether the tag there is this one. This tag: the page is stored. None: not
+        stored (``out[i] = False``: a reader would miss it). Another tag: the objects there are
+        not this page (corrupt, forged, another key's): both are removed and the page counts as
+        not stored (returned: `set_batch` stores them again)."""
         if not stored:
-            return
-        pb = self.page_bytes
-        sum_keys = [skeys[i] + SUM_SUFFIX for i in stored]
-        vals = [_SUM.pack(page_checksum(bytes(keys[i]), byte_view(srcs[i], pb, writable=False))) for i in stored]
+            return []
+        sum_keys = [skeys[i] + TAG_SUFFIX for i in stored]
         try:
-            rc = self._store.put_batch(sum_keys, vals, self._rconf)
-            if rc == 0:
-                return
-            self._error("put_batch", rc)
-            present = self._store.batch_is_exist(sum_keys)
+            rc = self._store.put_batch(sum_keys, [tags[i] for i in stored], self._rconf)
+            if rc != 0:
+                self._error("put_batch", rc)
+            found = self._store.get_batch(sum_keys)
         except Exception as exc:  # noqa: BLE001
             self._error("put_batch", exc)
-            present = [0] * len(stored)
-        for i, e in zip(stored, present):
-            out[i] = out[i] and e == 1
+            found = [None] * len(stored)
+        foreign = [i for i, raw in zip(stored, found) if raw is not None and bytes(raw) != tags[i]]
+        if foreign:
+            try:
+                self._store.batch_remove([skeys[i] for i in foreign] + [skeys[i] + TAG_SUFFIX for i in foreign], True)
+            except Exception as exc:  # noqa: BLE001 - stays a page no read accepts
+                self._error("remove", exc)
+        for i, raw in zip(stored, found):
+            out[i] = out[i] and raw is not None and bytes(raw) == tags[i]
+        return foreign
 
     @gated
     def remove(self, keys: Sequence[bytes]) -> int:
-        """Remove pages and their checksums (`clear_storage`); returns how many pages went. Forced:
-        our own reads have drained, and a recent one's lease would otherwise keep the page; a read
-        of another client racing it fails the checksum check and is a miss."""
+        """Remove pages and their tags (`clear_storage`, and pages the storage tier's check refused);
+        returns how many pages went. Forced: our own reads have drained, and a recent one's lease
+        would otherwise keep the page; a read of another client racing it finds no tag, or a page
+        that fails the check, and is a miss."""
         check_keys(keys)
         skeys = self._keys(list(dict.fromkeys(bytes(k) for k in keys)))
         try:
-            codes = self._store.batch_remove(skeys + [k + SUM_SUFFIX for k in skeys], True)
+            codes = self._store.batch_remove(skeys + [k + TAG_SUFFIX for k in skeys], True)
         except Exception as exc:  # noqa: BLE001
             self._error("remove", exc)
             raise StorageError(f"Mooncake batch_remove failed: {exc!r}") from exc

@@ -2,7 +2,8 @@
 
 Workers: one single-thread executor per direction: copies of one direction run in
 submission order, and a load never waits behind a large backup (the CPU analogue of
-separate load and write-back CUDA streams). ``copy_threads`` (default 2) splits each
+separate load and write-back CUDA streams). A backup of at most ``INLINE_BACKUP_BYTES`` is
+copied inline in ``submit`` instead (no hand-off; acks still go out in issue order). ``copy_threads`` (default 2) splits each
 copy step by pages over the worker plus shared helper threads (`shard_pages`); a step
 smaller than ``SHARD_MIN_BYTES`` per thread stays on the worker.
 
@@ -50,6 +51,10 @@ FaultHook = Callable[[int, int], None]
 # A thread hand-off costs tens of microseconds: split a copy step only when every thread
 # gets at least this much to copy.
 SHARD_MIN_BYTES = 256 << 10
+# A backup this small is copied inline in `submit` (its completion is done when it returns): the
+# copy costs less than handing it to the worker thread, which on a loaded machine costs the
+# caller's thread a context switch and a GIL round trip (docs/BENCHMARKS.md, write-through).
+INLINE_BACKUP_BYTES = SHARD_MIN_BYTES
 
 
 def check_pool_pairs(pools: Mapping[str, tuple[DevicePool, HostPool]]) -> None:
@@ -77,6 +82,7 @@ class CpuCopyEngine:
         copy_threads: int | None = None,
         load_groups: str = "geometric",
         fault: FaultHook | None = None,
+        inline_backup_bytes: int = INLINE_BACKUP_BYTES,
     ) -> None:
         check_pool_pairs(pools)
         if workers_per_direction < 1:
@@ -96,6 +102,7 @@ class CpuCopyEngine:
         self._rows = {name: (RowView(d.page_rows()), RowView(h.page_rows())) for name, (d, h) in self._pools.items()}
         self._page_sizes = {name: d.page_size for name, (d, _) in self._pools.items()}
         self._fault = fault
+        self._inline_backup_bytes = inline_backup_bytes  # (0: every backup goes to its worker)
         self._executors = {
             d: cf.ThreadPoolExecutor(workers_per_direction, thread_name_prefix=f"hicache-copy-{d.name.lower()}")
             for d in Direction
@@ -118,14 +125,26 @@ class CpuCopyEngine:
         # one future per copy step, shared by its layers: the bridge watches it once (one loop
         # wake-up per step, not per layer, while the copy threads need the cores)
         group_futs = [cf.Future() for _ in groups]
+        inline = not per_layer and self._plan_bytes(resolved) <= self._inline_backup_bytes
         with self._lock:
             if self._closed:
                 raise RuntimeClosed("copy engine is closed")
             if plan.op_id in self._inflight:
                 raise ValidationError(f"op {plan.op_id} is already in flight")
-            fut = self._executors[plan.direction].submit(self._run, resolved, num_layers, groups, group_futs)
-            self._inflight[plan.op_id] = fut
-        fut.add_done_callback(lambda _f, op=plan.op_id: self._forget(op))
+            if not inline:
+                fut = self._executors[plan.direction].submit(self._run, resolved, num_layers, groups, group_futs)
+                self._inflight[plan.op_id] = fut
+        if inline:
+            fut = cf.Future()
+            fut.set_running_or_notify_cancel()
+            try:
+                self._run(resolved, num_layers, groups, group_futs)
+            except Exception as exc:  # noqa: BLE001 - a failed copy, reported through its completion
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+        else:
+            fut.add_done_callback(lambda _f, op=plan.op_id: self._forget(op))
         done = FutureCompletion(fut)
         if per_layer:
             layers = tuple(c for (lo, hi), f in zip(groups, group_futs) for c in (FutureCompletion(f),) * (hi - lo))
@@ -144,6 +163,13 @@ class CpuCopyEngine:
             ex.shutdown(wait=True)
         if self._helpers is not None:
             self._helpers.shutdown(wait=True)
+
+    def _plan_bytes(self, resolved: ResolvedPlan) -> int:
+        total = 0
+        for rt in resolved.transfers:
+            device, _ = self._pools[rt.pool]
+            total += rt.src_pages.size * device.shape.parts * device.shape.num_layers * row_bytes_of(device)
+        return total
 
     # ---- worker -------------------------------------------------------------------------
 

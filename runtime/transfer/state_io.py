@@ -24,7 +24,8 @@ import torch
 
 from runtime.memory.state_pool import StatePool
 from runtime.messages import StateBlob
-from runtime.storage.backend import checked_count, checked_flags
+from runtime.storage.backend import checked_count, read_pages, write_pages
+from runtime.storage.integrity import PageSeal
 from runtime.storage.state_blobs import StateBlobFormat
 
 __all__ = ["StateBlobIO"]
@@ -33,9 +34,10 @@ _SPARES = 2  # staging buffers kept for reuse
 
 
 class StateBlobIO:
-    def __init__(self, pool: StatePool, fmt: StateBlobFormat) -> None:
+    def __init__(self, pool: StatePool, fmt: StateBlobFormat, seal: PageSeal | None = None) -> None:
         self.pool = pool
         self.format = fmt
+        self.seal = seal if seal is not None else PageSeal()  # chunks are tagged and checked like KV pages
         self._spare: list[np.ndarray] = []  # staging buffers not in use (`_staging`)
         self._lock = threading.Lock()
 
@@ -54,7 +56,7 @@ class StateBlobIO:
                 self.pool.read_slot_into(blob.slot, torch.from_numpy(flat))
                 flat[fmt.state_bytes:] = 0
                 srcs += list(bufs)
-            ok = checked_flags("set_batch", backend.set_batch(keys, srcs), len(keys))
+            ok = write_pages(backend, keys, srcs, self.seal)
         finally:
             self._give(staged)
         n = fmt.chunks
@@ -84,7 +86,7 @@ class StateBlobIO:
                 out.append(False)
                 continue
             with self._staging() as bufs:
-                ok = checked_flags("get_batch", backend.get_batch(list(blob.keys), list(bufs)), len(blob.keys))
+                ok = read_pages(backend, list(blob.keys), list(bufs), self.seal)
                 if all(ok):
                     self.pool.write_slot(blob.slot, torch.from_numpy(self.format.join(bufs)))
             out.append(all(ok))

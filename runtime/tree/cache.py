@@ -104,7 +104,8 @@ class CacheCore:
 
     def enable_events(self) -> None:
         """Record KV cache events of every tier change (`take_events` hands them over)."""
-        self.residency.enable_events(KVEventRecorder(self.page_size, KVIdentity.from_config(self.config)))
+        identity = KVIdentity.from_config(self.config)
+        self.residency.enable_events(KVEventRecorder(self.page_size, identity, self.residency.use_hasher(identity)))
 
     def take_events(self) -> list[Any]:
         """The KV event records made since the last call (none while events are off; the wire
@@ -594,14 +595,14 @@ class CacheCore:
             return
         if op_id not in self.copies.ops:
             raise InternalError(f"ack of copy {op_id}, which is not in flight")
-        out = self.copies.apply_ack(op_id, error)
-        if out.failed is not None:
-            for rid in out.failed_users:
-                rec = self.requests.get(rid)
-                if rec is not None:
-                    rec.failed = out.failed
-        if out.backed_up and self.storage is not None:
-            self.storage.write(out.op.node, out.op.length, out.op.host)
+        for out in self.copies.apply_ack(op_id, error):  # (a batch of backups: each of them)
+            if out.failed is not None:
+                for rid in out.failed_users:
+                    rec = self.requests.get(rid)
+                    if rec is not None:
+                        rec.failed = out.failed
+            if out.backed_up and self.storage is not None:
+                self.storage.write(out.op.node, out.op.length, out.op.host)
 
     def take_effects(self) -> Effects:
         copies = self.copies.take_plans()

@@ -7,6 +7,12 @@ node it covers until its ack (seed 000); at the ack its nodes are recovered by w
 that node (`split_chain`), so a split while it ran changes nothing (seed 002). A failed load is
 rolled back, with the loads started under it; the requests that used them are named in the
 ack's outcome for the request table to fail.
+
+Backups are batched per turn: `backup` records the op, locks its node and takes its host pages
+at once (so the rest of the turn sees it in flight), and the turn's backups leave together at
+`take_plans` as one plan under the first one's op id (the carrier): one pin and one unpin per
+ledger, one plan, one ack for the batch, each op still applied alone at that ack. Until then
+they are `unissued` (their pages not pinned yet).
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from runtime.errors import InternalError
 from runtime.memory.owners import Owner, Tier
-from runtime.messages import Direction, TransferPlan
+from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.trace import get_logger
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness, ReadinessFactory
@@ -50,6 +57,10 @@ class CopyTracker:
         self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
         self.loading: dict[int, LoadReadiness] = {}  # node id -> readiness of its in-flight load
         self._plans: list[tuple[TransferPlan, LoadReadiness | None]] = []
+        # this turn's backups, not issued yet (with their other pools' transfers), and the issued
+        # batches in flight: carrier op id -> its backups, in issue order
+        self._open: list[tuple[CopyOp, tuple[PoolTransfer, ...]]] = []
+        self.batches: dict[int, _Batch] = {}
         self.stats: dict[str, int] = {"backups_issued": 0, "loads_issued": 0, "copy_failures": 0,
                                       "writeback_deferred": 0}
 
@@ -68,19 +79,45 @@ class CopyTracker:
         op_id = next(self._op_ids)
         device = node.device.copy()
         res.tree.lock(node)
-        res.device.pin(device, op_id, trusted=True)
-        res.host.pin(host, op_id, trusted=True)
         state = res.states.start_backup(node, op_id) if res.states is not None else None
-        self.ops[op_id] = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
-                                 node_owner(node), evict_after=evict_after, state=state)
+        op = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
+                    node_owner(node), evict_after=evict_after, state=state)
+        self.ops[op_id] = op
         self.backup_pending[node.id] = op_id
-        res.emit("backup", Tier.HOST, host, node=node.id, op=op_id)
         more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
         if res.sliding is not None:
             more += res.sliding.start_backup(op_id, device, host)
-        self._plans.append((make_plan(op_id, Direction.BACKUP, device, host, more), None))
+        self._open.append((op, more))
         self.stats["backups_issued"] += 1
         return True
+
+    def unissued(self) -> set[int]:
+        """Op ids of the backups recorded this turn whose batch has not left yet (pages unpinned)."""
+        return {op.op_id for op, _ in self._open}
+
+    def _issue_backups(self) -> None:
+        """The turn's backups leave as one batch: their pages pinned at once, one plan under the
+        first one's op id (every page of every backup, per pool in order)."""
+        if not self._open:
+            return
+        batch, self._open = self._open, []
+        ops = [op for op, _ in batch]
+        carrier = ops[0].op_id
+        if len(ops) == 1:
+            device, host = ops[0].device, ops[0].host
+            more = batch[0][1]
+        else:
+            device = np.concatenate([op.device for op in ops])
+            host = np.concatenate([op.host for op in ops])
+            more = _merged_transfers([t for _, ts in batch for t in ts])
+        res = self.residency
+        res.device.pin(device, carrier, trusted=True)
+        res.host.pin(host, carrier, trusted=True)  # type: ignore[union-attr]
+        if res.tracer is not None and res.tracer.active:  # (the copy that pins them: the carrier)
+            for op in ops:
+                res.emit("backup", Tier.HOST, op.host, node=op.node.id, op=carrier)
+        self.batches[carrier] = _Batch(carrier, ops, device, host)
+        self._plans.append((make_plan(carrier, Direction.BACKUP, device, host, more), None))
 
     def write_back(self, nodes: list[Node]) -> None:
         """Start the backups an eviction needs first (`Residency.evict_device`); their nodes'
@@ -119,7 +156,9 @@ class CopyTracker:
         return op
 
     def take_plans(self) -> list[tuple[TransferPlan, LoadReadiness | None]]:
-        """The plans issued since the last call, for the transfer actor (each with its readiness)."""
+        """The plans issued since the last call, for the transfer actor (each with its readiness);
+        the turn's backups leave here, as one batch."""
+        self._issue_backups()
         plans, self._plans = self._plans, []
         return plans
 
@@ -162,12 +201,27 @@ class CopyTracker:
         return node.id in self.backup_pending or node.id in self.loading
 
     # -- acks ---------------------------------------------------------------------
-    def apply_ack(self, op_id: int, error: str | None) -> AckOutcome:
+    def apply_ack(self, op_id: int, error: str | None) -> list[AckOutcome]:
+        """Apply the ack of plan `op_id`: a load, or a batch of backups (each applied alone, in
+        issue order). A sync caller may ack before taking the plans: the turn's backups leave first."""
+        self._issue_backups()
+        batch = self.batches.pop(op_id, None)
         res = self.residency
-        op = self.ops.pop(op_id)
-        res.device.unpin(op.device, op_id, trusted=True)
-        assert res.host is not None
-        res.host.unpin(op.host, op_id, trusted=True)
+        if batch is None:
+            op = self.ops[op_id]
+            if op.direction is Direction.BACKUP:
+                raise InternalError(f"ack of backup {op_id}, which travels in the batch of another op")
+            res.device.unpin(op.device, op_id, trusted=True)
+            res.host.unpin(op.host, op_id, trusted=True)  # type: ignore[union-attr]
+            return [self._apply_one(op, error)]
+        res.device.unpin(batch.device, op_id, trusted=True)  # (unpinned first: a write-back frees them)
+        res.host.unpin(batch.host, op_id, trusted=True)  # type: ignore[union-attr]
+        return [self._apply_one(op, error) for op in batch.ops]
+
+    def _apply_one(self, op: CopyOp, error: str | None) -> AckOutcome:
+        res = self.residency
+        op_id = op.op_id
+        del self.ops[op_id]
         if op.state is not None:  # (unpinned first: a rollback or a write-back eviction frees them)
             assert res.states is not None
             if op.direction is Direction.BACKUP:
@@ -266,3 +320,25 @@ class CopyTracker:
         if missing_ok:
             return None
         raise InternalError(f"no load in flight has readiness of op {readiness.op_id}")
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Backups that left together: one plan and one ack under the first one's op id, their pages
+    pinned once (`device`, `host`: every backup's, in order)."""
+
+    op_id: int
+    ops: list[CopyOp]
+    device: np.ndarray
+    host: np.ndarray
+
+
+def _merged_transfers(transfers: list[PoolTransfer]) -> tuple[PoolTransfer, ...]:
+    """The batch's other pools' transfers (recurrent state, sliding window), one per pool."""
+    if not transfers:
+        return ()
+    by_pool: dict[str, list[PoolTransfer]] = {}
+    for t in transfers:
+        by_pool.setdefault(t.pool, []).append(t)
+    return tuple(PoolTransfer(pool, torch.cat([t.src for t in ts]), torch.cat([t.dst for t in ts]))
+                 for pool, ts in by_pool.items())

@@ -17,15 +17,17 @@ from typing import Any
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.errors import CapacityError
+from runtime.errors import CapacityError, InternalError
 from runtime.events.recorder import CPU, GPU, KVEventRecorder
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 from runtime.memory.state_pool import STATE_POOL_PREFIX
 from runtime.memory.swa import PairedLedger, SwaSlots
+from runtime.storage.hashing import KVIdentity
 from runtime.trace import SlotTracer
 from runtime.tree.policies import policy_by_name
 from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, tests)
+from runtime.tree.page_hasher import PageHasher
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
 from runtime.tree.records import EMPTY, aligned
 from runtime.tree.recurrent import RecurrentStates
@@ -59,11 +61,22 @@ class Residency:
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | None = None
+        # the nodes' page hashes, shared by KV events and storage writes (`use_hasher`)
+        self.hasher: PageHasher | None = None
         self.states: RecurrentStates | None = (
             RecurrentStates(state_slots, host_state_slots, state_pools, self.tree.policy) if state_slots > 0 else None)
 
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder
+
+    def use_hasher(self, identity: KVIdentity) -> PageHasher:
+        """The tree's page hasher (made at the first call): one identity per tree, since a node
+        keeps one set of page hashes."""
+        if self.hasher is None:
+            self.hasher = PageHasher(self.page_size, identity)
+        elif self.hasher.identity != identity:
+            raise InternalError(f"page hashes of identity {identity} asked for; the tree's are of {self.hasher.identity}")
+        return self.hasher
 
     @classmethod
     def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None) -> "Residency":
@@ -150,7 +163,7 @@ class Residency:
         if self.states is not None:
             self.states.drop(node)
         slots = self.tree.detach_device(node)
-        self.device.free(slots, node_owner(node), node=node.id, reason="evict")
+        self.device.free(slots, node_owner(node), trusted=True, node=node.id, reason="evict")
         if self.events is not None:
             self.events.removed(node, GPU)
         self.emit("evict", Tier.DEVICE, slots, node=node.id)
@@ -172,10 +185,10 @@ class Residency:
                 self.sliding.forget_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
-                self.device.free(device, node_owner(node), node=node.id, reason="evict")
+                self.device.free(device, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["device_evicted_tokens"] += len(device)
             if host is not None and self.host is not None:
-                self.host.free(host, node_owner(node), node=node.id, reason="evict")
+                self.host.free(host, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["host_evicted_tokens"] += len(host)
             if (parent is None or parent.parent is None or parent.children or parent.device is not None
                     or parent.host is not None or parent.lock_ref > 0):
@@ -270,7 +283,7 @@ class Residency:
             part = host[offset: offset + node.num_tokens].copy()
             offset += node.num_tokens
             if node is not deepest:
-                self.host.assign(part, host_owner, node_owner(node), node=node.id)  # type: ignore[union-attr]
+                self.host.assign(part, host_owner, node_owner(node), trusted=True, node=node.id)  # type: ignore[union-attr]
             self.tree.attach_host(node, part)
             if self.events is not None:
                 self.events.stored(node, CPU)
@@ -349,8 +362,8 @@ class Residency:
 
     def on_split(self, lower: Node, upper: Node) -> None:
         """A split hands the upper part's slots (and page hashes) to the new node."""
-        if self.events is not None:
-            self.events.on_split(lower, upper)
+        if self.hasher is not None:
+            self.hasher.on_split(lower, upper)
         if self.sliding is not None:
             self.sliding.on_split(lower, upper)
         if upper.device is not None:

@@ -87,6 +87,7 @@ class StorageTier:
         # one control plane over tensor-parallel ranks: every rank's identity, its keys its own (the
         # tree's own records, `known` and KV events, name a page by rank 0's key); () with one list
         self.ranks = rank_identities(identity, config.tp_ranks)
+        self.hasher = residency.use_hasher(identity)  # nodes' page hashes, shared with KV events
         self.rank_keys: dict[bytes, tuple[bytes, ...]] = {}  # a known page's (rank 0's key) other ranks' keys
         self.ops: dict[int, StorageOp] = {}
         self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
@@ -107,18 +108,16 @@ class StorageTier:
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
 
     # -- writes ------------------------------------------------------------------
-    def write(self, node: Node, length: int, host: np.ndarray, hashes: Sequence[bytes] | None = None) -> None:
+    def write(self, node: Node, length: int, host: np.ndarray) -> None:
         """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
-        (a landed backup's or offload's snapshot), to storage: those not known stored yet.
-        `hashes`: the page hashes of the whole path, if the caller has them (not hashed again)."""
+        (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
         res = self.residency
         if self.paused or not storage_key_ok(node.extra_key) or res.host is None:
             return
         ps = res.page_size
         path = res.tree.path_tokens(node)
         first = (len(path) - length) // ps
-        every = list(hashes) if hashes is not None and len(hashes) == len(path) // ps \
-            else self._hashes(path, node.extra_key)
+        every = self.hasher.path(node)
         hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
         blobs = self._state_writes(node, length, every)
@@ -140,13 +139,12 @@ class StorageTier:
         self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys))
         self.stats["storage_writes_issued"] += 1
 
-    def write_chain(self, node: Node, length: int, hashes: Sequence[bytes] | None = None) -> None:
+    def write_chain(self, node: Node, length: int) -> None:
         """Write the last `length` tokens of `node`'s path, just handed to the tree as host copies,
-        to storage (skipped while a node of it has no host copy yet: its backup's ack writes it).
-        `hashes`: as `write`'s."""
+        to storage (skipped while a node of it has no host copy yet: its backup's ack writes it)."""
         chain = self.residency.tree.split_chain(node, length)
         if all(n.host is not None for n in chain):
-            self.write(node, length, np.concatenate([n.host for n in chain]), hashes)
+            self.write(node, length, np.concatenate([n.host for n in chain]))
 
     # -- prefetch ----------------------------------------------------------------
     def prepare(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable) -> int:

@@ -66,7 +66,6 @@ class TierCopy:
     start: int = 0
     extra_key: Hashable = None
     owner: Owner | None = None  # backup: the owner of its host pages until its ack
-    keys: list[bytes] | None = None  # backup: the page keys of `tokens`, if the caller had them (its write's)
     read: int = 0  # load: the storage read it copies from first (an asynchronous load), else 0
 
 
@@ -101,7 +100,7 @@ NO_HIT, NO_LOAD = TierHit(), TierLoad()
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TierHold:
     """A hit reported to the engine, held for its request until its load: the host path the
     load reads, locked (nothing evicts it), and host pages taken for its storage read of tokens
@@ -212,20 +211,20 @@ class TiersOnlyCore:
         node = _lockable(m.last_node)
         if node is not None:
             res.tree.lock(node)  # (first: the host room taken next must not evict the path it reads)
-        hold = TierHold(rid, host_end, node)
         want = (stored_end - host_end) // self.page_size
+        owner, got = None, _NO_SLOTS
         if want > 0:
-            hold.owner = Owner.request(rid, next(self._generations))
-            got = self._take_host(want, hold.owner, rid)
+            owner = Owner.request(rid, next(self._generations))
+            got = self._take_host(want, owner, rid)
             end = host_end + len(got)
             if end <= computed:  # (the pages it got would all be read only to be skipped)
-                res.host.free(got, hold.owner, rid=rid, reason="hold_cut")
+                res.host.free(got, owner, rid=rid, reason="hold_cut")
                 got, end = _NO_SLOTS, host_end
-            hold.host = got
             if end < stored_end:
                 self.stats["hits_cut"] += 1
                 self.stats["tokens_hit_cut"] += stored_end - max(end, computed)
                 stored_end = end
+        hold = TierHold(rid, host_end, node, got, owner)
         hit = _hit(computed, host_end, stored_end)
         if hit.total == 0:
             self._drop_hold(hold, 0)
@@ -305,11 +304,10 @@ class TiersOnlyCore:
         return TierLoad(plan, top - computed, read, (first - computed) // ps, (first - host_end) // ps), used
 
     def backup(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
-               block_ids: Sequence[int], keys: list[bytes] | None = None) -> TransferPlan | None:
+               block_ids: Sequence[int]) -> TransferPlan | None:
         """Back up the whole pages of the first `computed` tokens (their KV is in `block_ids`)
         that the host tier lacks, into host pages evicted for them if need be. None when it holds
-        them all already, or no host room can be had (nothing changed). `keys`: `page_keys` of a
-        prefix of `tokens`, if the caller kept them (its storage write hashes only the rest)."""
+        them all already, or no host room can be had (nothing changed)."""
         tokens = _tokens(tokens)
         if type(computed) is not int or not 0 <= computed <= len(tokens):
             raise LengthError(f"computed must be an int in [0, {len(tokens)}], got {computed!r}")
@@ -334,10 +332,8 @@ class TiersOnlyCore:
                 res.tree.unlock(prefix)
             self.stats["tokens_backup_skipped"] += n - start
             return None
-        if self.storage is not None and keys:  # (the write at its ack: keys of its whole path)
-            keys = self._more_keys(tokens, extra_key, keys, n)
         op = self._issue(rid, Direction.BACKUP, host, prefix, tokens=tokens[:n], start=start,
-                         extra_key=extra_key, owner=owner, keys=keys or None)
+                         extra_key=extra_key, owner=owner)
         self.stats["tokens_backed_up"] += n - start
         return make_plan(op.op_id, Direction.BACKUP, device[start:], host)
 
@@ -378,7 +374,7 @@ class TiersOnlyCore:
             if error is None:  # (under its lock: the prefix it extends is still there)
                 _, node = res.adopt_host_run(op.tokens, op.extra_key, op.start, op.host, op.owner, op.rid, ())
                 if self.storage is not None and node is not None:  # write-through of the path's
-                    self.storage.write_chain(node, len(op.tokens), op.keys)  # pages not known stored (healing)
+                    self.storage.write_chain(node, len(op.tokens))  # pages not known stored (healing)
             else:
                 self.stats["backup_errors"] += 1
                 res.host.free(op.host, op.owner, rid=op.rid, reason="backup_failed")

@@ -7,6 +7,7 @@ bare; they say so with "Takes no options." in their docstring).
 from __future__ import annotations
 
 import ast
+import json
 import re
 import os
 import subprocess
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.trace_events import format_problems
 
 pytest.importorskip("transformers")
 
@@ -43,7 +46,12 @@ def test_example_runs(script: Path, tmp_path: Path):
     assert proc.returncode == 0, f"{script.name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     if script.name == "demo.py":
         out = proc.stdout
-        assert "turn 2]" in out and "audit clean" in out, out[-3000:]
-        summary = re.search(r"^prompt tokens \d+: device (\d+) \| host (\d+)", out, re.M)
-        assert summary and int(summary[1]) > 0 and int(summary[2]) > 0, out[-3000:]  # hits from two tiers
+        assert "turn 2]" in out and "restart:" in out and out.count("audit clean") == 2, out[-3000:]
+        summary = re.search(r"^prompt tokens \d+: device (\d+) \| host (\d+) \| storage (\d+)", out, re.M)
+        # device hits live, storage hits after the restart (the tiny run's host hits depend on timing)
+        assert summary and int(summary[1]) > 0 and int(summary[3]) > 0, out[-3000:]
+        assert "without reuse" in out and "= queue" in out, out[-3000:]
         assert (tmp_path / "trace.jsonl").stat().st_size > 0
+        timeline = json.loads((tmp_path / "trace.timeline.json").read_text())
+        assert {e["pid"] for e in timeline["traceEvents"]} == {1, 2}  # the live run and the restarted one
+        assert format_problems(timeline) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 
 import pytest
 
@@ -206,3 +207,44 @@ async def test_a_prompt_larger_than_the_pool_fails_alone(model):
             with pytest.raises(ServingError):
                 await big
             assert len((await ok).tokens) == 2
+
+
+@pytest.mark.parametrize("yield_after", [4, None])
+async def test_a_mostly_cached_turn_does_not_wait_for_long_decodes(model, ref_model, yield_after):
+    """Two long replies fill the device pool; a turn whose prompt is mostly cached arrives. With
+    decodes yielding to waiting prefills (the default) its first token comes while both long
+    replies are still running, and every output still equals `generate`'s (the yielded ones
+    resume from their cached KV). ``yield_after=None`` (no yielding) is the broken variant: the
+    turn then waits for a whole reply to finish, which the same timeline check catches."""
+    # 13 pages: the earlier turn's 3 and the long replies' 4-5 each; the new turn needs 3 more
+    cfg = config(model, device_slots=13 * PAGE, host_tokens=512)
+    done: dict[str, float] = {}
+    async with CacheRuntime.open(cfg) as rt:
+        async with ServingLoop(rt, PagedKVModel(model, rt.device_pool), max_running=8,
+                               yield_after=yield_after) as srv:
+            history = ids(48, 30)
+            await srv.generate(history, max_new_tokens=1, rid="earlier")
+            longs = {rid: (ids(56, 31 + k), await srv.submit(ids(56, 31 + k), max_new_tokens=24, rid=rid))
+                     for k, rid in enumerate(("long-a", "long-b"))}
+            for rid, (_, fut) in longs.items():
+                fut.add_done_callback(lambda _f, rid=rid: done.setdefault(rid, time.perf_counter()))
+            for _ in range(5000):
+                if srv.num_running == 2 and min(len(r.generated) for r in srv._running) >= 6:
+                    break
+                await asyncio.sleep(0.001)
+            else:
+                pytest.fail("the long replies never ran together")
+            turn = history + ids(40, 32)
+            t_submit = time.perf_counter()
+            c = await srv.generate(turn, max_new_tokens=4, rid="turn")
+            first_token_at = t_submit + c.metrics.ttft_s
+            outs = {rid: await fut for rid, (_, fut) in longs.items()}
+    assert c.metrics.cached_tokens >= 32
+    before_both_long_replies_end = first_token_at < min(done.values())
+    if yield_after is None:
+        assert srv.stats["yields"] == 0 and not before_both_long_replies_end
+    else:
+        assert srv.stats["yields"] >= 1 and before_both_long_replies_end
+    assert c.tokens == greedy_generate_reference(ref_model, turn, 4)
+    for rid, (prompt, _) in longs.items():
+        assert outs[rid].tokens == greedy_generate_reference(ref_model, prompt, 24), rid

@@ -244,8 +244,8 @@ def test_a_storage_read_cut_short_makes_vllm_recompute_the_rest_and_outputs_do_n
     backend = b.worker.storage
     real = backend.get_prefix
 
-    def first_page_only(keys, dests):
-        return min(1, real(keys[:1], dests[:1]))
+    def first_page_only(keys, dests, tags=None):
+        return min(1, real(keys[:1], dests[:1], tags))
 
     backend.get_prefix = first_page_only
     for e in (plain, b):

@@ -117,10 +117,10 @@ def test_each_rank_stores_and_loads_its_own_shard(model_dir, tmp_path, tp):
 def test_a_worker_reading_rank_0s_keys_is_caught(model_dir, tmp_path, monkeypatch):
     """Broken variant: the scheduler gives every rank rank 0's key list. Both ranks then write
     under rank 0's keys and one copy of each page is stored; the fresh instance's storage loads
-    leave rank 1's blocks with rank 0's heads: the block check flags them and the outputs change.
+    leave rank 0's blocks with rank 1's heads: the block check flags them and the outputs change.
 
     The writers are ordered (rank 0's write of an op before rank 1's, which finds the pages stored
-    and keeps them): left to their threads, the two ranks' concurrent writes of a page race to
+    with another tag, other bytes, and replaces them): left to their threads, the two ranks' concurrent writes of a page race to
     rename it last, and a request whose loaded pages were won half by each rank samples exactly
     what a plain vLLM does (the fake sampler sums every rank's KV: rank 0's heads read by rank 1
     and rank 1's by rank 0 cancel): the likely cause of its one failure in a full-suite run, whose
@@ -130,7 +130,7 @@ def test_a_worker_reading_rank_0s_keys_is_caught(model_dir, tmp_path, monkeypatc
     monkeypatch.setattr(StorageTier, "keys_per_rank", rank_0s_keys)
     a, b, wrong = stored_then_loaded(model_dir, tmp_path, 2, ordered_writes=True)
     assert len(list((tmp_path / "kv").glob("*/*.kv"))) == PAGES  # one copy, not one per rank
-    assert wrong[0] == [] and wrong[1]  # rank 1 loaded rank 0's heads, rank 0 its own
+    assert wrong[1] == [] and wrong[0]  # rank 0 loaded rank 1's heads, rank 1 its own
     plain = engine(model_dir, 2, connector=None)
     conversation(plain)
     assert b.outputs != plain.outputs

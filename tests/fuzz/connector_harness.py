@@ -128,14 +128,14 @@ class CheckedBackend:
     def exists_prefix(self, keys: Any) -> int:
         return self.inner.exists_prefix(keys)
 
-    def get_batch(self, keys: Any, dests: Any) -> list[bool]:
-        got = self.inner.get_batch(keys, dests)
+    def get_batch(self, keys: Any, dests: Any, tags: Any = None) -> list[bool]:
+        got = self.inner.get_batch(keys, dests, tags)
         self._compare("read", keys, dests, got)
         return got
 
-    def set_batch(self, keys: Any, srcs: Any) -> list[bool]:
+    def set_batch(self, keys: Any, srcs: Any, tags: Any = None) -> list[bool]:
         self._compare("written", keys, srcs, [True] * len(keys))
-        return self.inner.set_batch(keys, srcs)
+        return self.inner.set_batch(keys, srcs, tags)
 
     def close(self) -> None:
         self.inner.close()

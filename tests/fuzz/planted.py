@@ -12,8 +12,8 @@ Each plant wraps or replaces one function of the core the way a regression would
 - `decode_swaps_slots`: `decode_step` hands each request another request's new slot.
 - `failed_load_keeps_loads_below`: a load that fails leaves the loads started under it (by
   later admissions of longer prompts) in place, as if its chain were alone.
-- `split_keeps_page_hashes`: a split leaves the KV event recorder's page hashes with the lower
-  part (its events then name pages by the wrong hashes).
+- `split_keeps_page_hashes`: a split leaves the nodes' page hashes (`PageHasher`, shared by KV
+  events and storage writes) with the lower part (events then name pages by the wrong hashes).
 - `stale_batch_rows`: the request table keeps reusing a decode batch's rows after one of its
   requests ended (its row freed, perhaps reused by another request).
 - `clear_leaves_pages`: `clear_storage` forgets the pages known stored (and says so in KV
@@ -179,11 +179,11 @@ def _stale_batch_rows() -> Callable[[], None]:
 
 
 def _split_keeps_page_hashes() -> Callable[[], None]:
-    from runtime.events.recorder import KVEventRecorder
+    from runtime.tree.page_hasher import PageHasher
 
-    on_split = KVEventRecorder.on_split
-    KVEventRecorder.on_split = lambda self, lower, upper: None  # the lower part keeps all its hashes
-    return lambda: setattr(KVEventRecorder, "on_split", on_split)
+    on_split = PageHasher.on_split
+    PageHasher.on_split = lambda self, lower, upper: None  # the lower part keeps all its hashes
+    return lambda: setattr(PageHasher, "on_split", on_split)
 
 
 def _clear_leaves_pages() -> Callable[[], None]:

@@ -14,7 +14,9 @@ from runtime.config import KV_DTYPES
 from runtime.errors import ConfigError
 from runtime.runtime import CacheRuntime, make_storage
 from runtime.storage import mooncake_backend
+from runtime.storage.backend import write_pages
 from runtime.storage.hashing import KVIdentity, page_hashes
+from runtime.storage.integrity import PageSeal
 from tests.integration.support import bad_positions, toks
 from tests.integration.test_storage_tier import N, backend, cfg, quiescent, readmit_ok, serve, settle_all, stored_pages
 
@@ -52,12 +54,13 @@ async def test_every_dtype_through_every_tier_and_a_planted_page_is_caught(tmp_p
         assert await readmit_ok(rt, "a2", a) == N  # storage -> host -> device, every position right
         st = await rt.stats()
         assert st["storage"]["read_bytes"] == N * config.bytes_per_token
-        # plant b's page 2 under a's page 2 key (a valid page file, the wrong prefix's KV)
+        # plant b's page 2 under a's page 2 key (a valid page file, the wrong prefix's KV, with the
+        # unkeyed tag anyone can compute: no storage_key here, so only the fingerprints catch it)
         ident = KVIdentity.from_config(config)
         ka, kb = (page_hashes(t[:N], config.page_size, None, ident) for t in (a, b))
         buf = np.zeros(fb.page_bytes, np.uint8)
         assert list(fb.get_batch([kb[2]], [buf])) == [True]
-        assert fb.remove([ka[2]]) == 1 and list(fb.set_batch([ka[2]], [buf])) == [True]
+        assert fb.remove([ka[2]]) == 1 and write_pages(fb, [ka[2]], [buf], PageSeal()) == (True,)
         await rt.flush()
         assert await readmit(rt, "a3", a) == list(range(2 * config.page_size, 3 * config.page_size))
         await quiescent(rt)

@@ -32,9 +32,12 @@ async def consume(sub: ZmqEventSubscriber, index: PrefixIndex, seen: list[int]) 
         seen.append(seq)
 
 
-async def test_zmq_index_equals_match_prefix(tmp_path):
+@pytest.mark.parametrize("hash_algo", ["sha256", "xxhash"])
+async def test_zmq_index_equals_match_prefix(tmp_path, hash_algo):
+    """Events and storage name a page by the same hash, whichever the configured one is."""
     config = small_config(device_slots=96, host_tokens=192, copy_engine="cpu", kv_events=True,
-                          kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay_endpoint="tcp://127.0.0.1:*")
+                          kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay_endpoint="tcp://127.0.0.1:*",
+                          hash_algo=hash_algo)
     storage = FileBackend(str(tmp_path), config.page_size * config.bytes_per_token)
     rng = random.Random(5)
     systems = [toks(12, 100 + i) for i in range(3)]

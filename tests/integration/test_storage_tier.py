@@ -483,8 +483,8 @@ class SamplingFileBackend(FileBackend):
         self.max_seen = 0
         self.samples = 0
 
-    def set_batch(self, keys, srcs):
-        ok = super().set_batch(keys, srcs)
+    def set_batch(self, keys, srcs, tags=None):
+        ok = super().set_batch(keys, srcs, tags)
         with self._lock():
             self.max_seen = max(self.max_seen, dir_bytes(self.directory))
             self.samples += 1

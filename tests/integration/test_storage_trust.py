@@ -36,14 +36,14 @@ class LyingReads:
     def exists_prefix(self, keys):
         return self.inner.exists_prefix(keys)
 
-    def get_prefix(self, keys, dests):
+    def get_prefix(self, keys, dests, tags=None):
         return self.lie(len(keys))
 
-    def get_batch(self, keys, dests):
-        return self.inner.get_batch(keys, dests)
+    def get_batch(self, keys, dests, tags=None):
+        return self.inner.get_batch(keys, dests, tags)
 
-    def set_batch(self, keys, srcs):
-        return self.inner.set_batch(keys, srcs)
+    def set_batch(self, keys, srcs, tags=None):
+        return self.inner.set_batch(keys, srcs, tags)
 
     def close(self) -> None:
         self.inner.close()

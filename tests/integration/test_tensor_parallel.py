@@ -285,9 +285,10 @@ async def test_clear_storage_removes_every_ranks_shard(tmp_path):
 
 
 async def test_a_rank_reading_another_ranks_shard_is_caught(tmp_path, monkeypatch):
-    """Broken variant: every rank is given rank 0's key list. Rank 0 writes its shard, rank 1's
-    write finds those pages present (pages are immutable), and after the flush every rank reads
-    rank 0's heads: the oracle flags every position of rank 1."""
+    """Broken variant: every rank is given rank 0's key list. Rank 0 writes its shard, then rank
+    1's write finds those pages stored with another tag (other bytes: not its page) and replaces
+    them, and after the flush every rank reads rank 1's heads: the oracle flags every position of
+    rank 0."""
     def rank_0s_keys(self, tokens, extra_key, keys, pages):
         return (tuple(keys),) * len(self.ranks) if self.ranks and keys else ()
     monkeypatch.setattr(StorageTier, "keys_per_rank", rank_0s_keys)
@@ -296,8 +297,8 @@ async def test_a_rank_reading_another_ranks_shard_is_caught(tmp_path, monkeypatc
     with FileBackend(tmp_path, cfg.page_size * cfg.bytes_per_token) as fb:
         async with CacheRuntime.open(cfg, storage=fb) as rt:
             cached, bad = await store_and_reload(rt, prompt)
-    assert cached == N and bad == [[], list(range(N))]
-    assert len(list(tmp_path.glob("*/*.kv"))) == N // cfg.page_size  # one copy: rank 0's
+    assert cached == N and bad == [list(range(N)), []]
+    assert len(list(tmp_path.glob("*/*.kv"))) == N // cfg.page_size  # one copy: rank 1's
 
 
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])

@@ -157,3 +157,50 @@ def test_size_strings_denote_exact_bytes(numerator, digits, unit):
 def test_negative_sizes_are_refused(nbytes, unit):
     with pytest.raises(ConfigError, match="host_bytes must not be negative"):
         parse_size(f"-{nbytes}{unit}", "host_bytes")
+
+
+# Any text for an int or a float field, from the environment or a dict: read exactly as the plain
+# ASCII number it spells (int(), float() of it) or refused with a ConfigError naming the field,
+# never read some other way. Checked to be able to fail: with the previous conversion
+# (`int(value.strip(), 10)`, `float(value.strip())`) it finds " 0", "0_0", "٠" or "inf" at once.
+number_text = st.one_of(
+    st.text(st.sampled_from("0123456789-+_. eE٠１infatyINFATY"), max_size=8),
+    st.text(max_size=6),
+    st.from_regex(r"-?[0-9]{1,25}", fullmatch=True),
+)
+
+
+def plain_int(text: str) -> int | None:
+    digits = text.removeprefix("-")
+    if digits and len(digits) <= 19 and all("0" <= c <= "9" for c in digits) and -(2**63) <= int(text) < 2**63:
+        return int(text)
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(number_text)
+def test_int_text_is_plain_ascii_digits_or_refused(text):
+    want = plain_int(text)
+    for read in (lambda: RuntimeConfig.from_env({"HICACHE_PREFETCH_THRESHOLD": text}).prefetch_threshold,
+                 lambda: RuntimeConfig.from_dict({"prefetch_threshold": text}).prefetch_threshold):
+        if want is not None and want >= 0:
+            assert read() == want
+        else:  # (a negative one is refused by the range check, naming the field as well)
+            with pytest.raises(ConfigError, match="prefetch_threshold"):
+                read()
+
+
+@settings(max_examples=400, deadline=None)
+@given(number_text)
+def test_float_text_is_a_plain_finite_decimal_or_refused(text):
+    import math
+    import re
+
+    plain = re.fullmatch(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?", text, re.ASCII)
+    want = float(text) if plain and math.isfinite(float(text)) else None
+    read = lambda: RuntimeConfig.from_env({"HICACHE_PREFETCH_TIMEOUT_BASE_S": text}).prefetch_timeout_base_s  # noqa: E731
+    if want is not None and want >= 0:
+        assert read() == want
+    else:
+        with pytest.raises(ConfigError, match="prefetch_timeout_base_s"):
+            read()

@@ -27,7 +27,7 @@ PACKAGE = ROOT / "runtime"
 # lowest first; a module may import from its own layer and those before it (a package prefix
 # covers its submodules; the longest prefix decides)
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("runtime.errors", "runtime.trace", "runtime.phase"),  # foundation
+    ("runtime.errors", "runtime.trace", "runtime.timeline", "runtime.phase"),  # foundation (the timeline: the trace file converted, imports nothing)
     ("runtime.memory",),  # pools and slot ledgers
     ("runtime.config", "runtime.config_sources", "runtime.messages", "runtime.completion",
      "runtime.validation", "runtime.stats", "runtime.fingerprint"),  # values the parts exchange
@@ -173,8 +173,6 @@ WRITES: dict[tuple[str, str], str] = {
     ("runtime/audit.py", "runs"): "the audit's own report record",
     ("runtime/completion.py", "finished"): "the bridge's own waiter record",
     ("runtime/completion.py", "timer"): "the bridge's own waiter record",
-    ("runtime/events/recorder.py", "page_hashes"): "the recorder keeps a node's page hashes in the node (one "
-                                                   "slot it alone writes)",
     ("runtime/integrations/hf_hybrid.py", "_hicache_hook"): _HF,
     ("runtime/integrations/hf_hybrid.py", "_hicache_rec"): _HF,
     ("runtime/integrations/hf_hybrid.py", "_hicache_state_hook"): _HF,
@@ -188,7 +186,8 @@ WRITES: dict[tuple[str, str], str] = {
     **{("runtime/integrations/serving.py", a): _SERVING for a in (
         "snapshot_at", "device_tokens", "generated_tokens", "host_tokens", "latency_s", "queue_s",
         "recomputed_tokens", "resume_cached_tokens", "resume_recomputed_tokens", "storage_tokens", "tokens_per_s",
-        "kv_len", "readiness", "slots", "start", "state_from", "state_slot", "t_first", "preemptions", "ttft_s",
+        "kv_len", "readiness", "slots", "start", "state_from", "state_slot", "t_first", "ttft_s",
+        "prefill_s",
         "admissions")},
     ("runtime/integrations/vllm_events.py", "learning"): "the connector's own page record",
     ("runtime/integrations/vllm_events.py", "media"): "the connector's own page record",
@@ -213,6 +212,8 @@ WRITES: dict[tuple[str, str], str] = {
         "last_access", "priority", "lock_ref", "device", "hit_count", "host", "host_protect", "_dq", "_hq", "key",
         "parent", "n_dev_children", "n_host_children")},
     **{("runtime/tree/radix.py", a): _LOOK for a in ("last_device_node", "last_node", "partial")},
+    ("runtime/tree/page_hasher.py", "page_hashes"): "the page hasher keeps a node's page hashes in the node "
+                                                    "(one slot it alone writes; events and storage read it)",
     ("runtime/tree/radix.py", "writeable"): _NUMPY,
     ("runtime/tree/request_table.py", "row"): "the table files a record at its row (records.py: its one writer "
                                               "of row and table)",

@@ -178,7 +178,8 @@ async def test_cancelled_awaiter_of_cpu_copy_copy_still_completes():
     dev, host = DevicePool(shape, 64, 4), HostPool(shape, 64, 4)
     dev.buffer.copy_(torch.randn(dev.buffer.shape).to(shape.dtype))
     gate = threading.Event()
-    engine = CpuCopyEngine({"kv": (dev, host)}, fault=lambda op, layer: gate.wait(2))
+    # (a backup on its worker thread: one this small would be copied inline, in submit)
+    engine = CpuCopyEngine({"kv": (dev, host)}, fault=lambda op, layer: gate.wait(2), inline_backup_bytes=0)
     try:
         async with CompletionBridge() as bridge:
             src = torch.arange(0, 32)

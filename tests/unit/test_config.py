@@ -25,7 +25,7 @@ def error(fn, *args, **kwargs) -> str:
 
 @pytest.mark.parametrize("text, nbytes", [
     ("4096", 4096), ("0", 0), ("8GiB", 8 * GiB), ("8gib", 8 * GiB), ("512MiB", 512 * 2**20),
-    ("512 MiB", 512 * 2**20), (" 1KiB ", 1024), ("1.5GB", 1_500_000_000), ("1.1GB", 1_100_000_000),
+    ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("1.1GB", 1_100_000_000),
     ("1.5GiB", 3 * 2**29), ("4gb", 4 * 10**9), ("2TB", 2 * 10**12), ("1PiB", 2**50), ("10B", 10),
     (".5KiB", 512), ("3.KB", 3000), (4096, 4096), (8e9, 8 * 10**9),
 ])
@@ -38,6 +38,8 @@ def test_parse_size_accepts_bytes_and_units(text, nbytes):
     ("0.5B", "not a whole number of bytes"), ("1.0000000001KiB", "not a whole number"), (1.5, "whole"),
     ("", "size such as"), ("GiB", "size such as"), ("1e9", "size such as"), (True, "byte count"),
     (float("inf"), "whole"), (float("nan"), "whole"), ([1], "byte count"),
+    (" 1KiB ", "size such as"), ("1_024", "size such as"), ("１０２４", "size such as"), ("8  GiB", "size such as"),
+    ("9" * 5001, "too long"),
 ])
 def test_parse_size_refuses_with_the_field_named(text, says):
     msg = error(parse_size, text, "storage_cap_bytes")
@@ -49,7 +51,7 @@ def test_parse_size_refuses_with_the_field_named(text, says):
 def test_from_dict_converts_by_field_type():
     cfg = RuntimeConfig.from_dict({
         "page_size": "8", "device_slots": 512, "host_ratio": "3", "host_bytes": "1GiB",
-        "decode_offload": "Yes", "debug_invariants": "0", "offload_stride": "NONE", "vocab_size": "null",
+        "decode_offload": True, "debug_invariants": False, "offload_stride": "NONE", "vocab_size": "null",
         "prefetch_timeout_base_s": "0.5", "storage_timeout_s": 7, "kv_dtype": "bfloat16",
     })
     assert (cfg.page_size, cfg.device_slots, cfg.host_ratio, cfg.host_bytes) == (8, 512, 3.0, GiB)
@@ -208,7 +210,7 @@ def test_file_then_env_layering(tmp_path):
 
 @pytest.mark.parametrize("changes, says", [
     (dict(tp_size=0), "tp_size must be a positive integer, got 0"),
-    (dict(tp_size=True), "tp_size must be a positive integer, got True"),
+    (dict(tp_size=True), "tp_size must be an integer, got True"),
     (dict(tp_rank=2, tp_size=2), "tp_rank must be an int in [0, tp_size) = [0, 2), got 2"),
     (dict(tp_rank=-1, tp_size=2), "tp_rank must be an int in [0, tp_size) = [0, 2), got -1"),
     (dict(tp_rank=1), "tp_rank must be an int in [0, tp_size) = [0, 1), got 1"),
@@ -220,8 +222,8 @@ def test_tp_rank_and_size_are_validated(changes, says):
 
 @pytest.mark.parametrize("changes, says", [
     (dict(tp_ranks=0), "tp_ranks must be a positive integer, got 0"),
-    (dict(tp_ranks=True), "tp_ranks must be a positive integer, got True"),
-    (dict(tp_ranks=2.0, tp_size=2), "tp_ranks must be a positive integer, got 2.0"),
+    (dict(tp_ranks=True), "tp_ranks must be an integer, got True"),
+    (dict(tp_ranks=2.0, tp_size=2), "tp_ranks must be an integer, got 2.0"),
     (dict(tp_ranks=2), "tp_ranks 2: one control plane drives every rank of the instance, so tp_size must equal it"),
     (dict(tp_ranks=2, tp_size=4), "tp_size must equal it and tp_rank be 0 (got tp_size 4, tp_rank 0)"),
     (dict(tp_ranks=2, tp_size=2, tp_rank=1), "(got tp_size 2, tp_rank 1)"),
@@ -284,8 +286,92 @@ def test_kv_layout_from_sources(tmp_path):
 
 @pytest.mark.parametrize("changes, says", [
     (dict(kv_layout="MLA"), "kv_layout must be one of ['mha', 'mla'], got 'MLA'"),
-    (dict(kv_layout=None), "kv_layout must be one of"),
+    (dict(kv_layout=None), "kv_layout must be a string, got None"),
     (dict(kv_layout="mla", num_kv_heads=2), "kv_layout 'mla' keeps one latent per token: num_kv_heads must be 1"),
 ])
 def test_kv_layout_is_validated_naming_the_field(changes, says):
     assert says in error(RuntimeConfig, **changes)
+
+
+# -- strict values: every way in refuses the same text -----------------------------------
+# Each was accepted before this table existed ("1_6", "１６", " 16 " read as 16; host_ratio "inf"
+# and JSON Infinity accepted, then an OverflowError at open; a 5,001-digit JSON integer an
+# untyped ValueError; decode_offload "yes" accepted by RuntimeConfig): checked failing against
+# the previous runtime/config_sources.py and runtime/config.py (41 cases fail there; the rows that
+# pass there, "16.0", "0x10", "1e1" and 5,001 digits as text, "0x1p1", were refused before too).
+
+BAD_INTS = ["1_6", "１６", " 16 ", "16 ", "+16", "16.0", "0x10", "1e1", "٣", "9" * 20, "9" * 5001]
+BAD_FLOATS = ["inf", "-inf", "nan", "Infinity", "NaN", "1e400", " 2.5", "2_5.0", "２.５", "0x1p1"]
+
+
+@pytest.mark.parametrize("text", BAD_INTS)
+def test_an_int_from_text_is_ascii_digits_only(text, tmp_path):
+    assert "page_size (from HICACHE_PAGE_SIZE" in error(RuntimeConfig.from_env, {"HICACHE_PAGE_SIZE": text})
+    assert error(RuntimeConfig.from_dict, {"page_size": text}).startswith("page_size must be an integer")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"page_size": text}), encoding="utf-8")
+    assert error(RuntimeConfig.from_file, path).startswith("page_size (in c.json) must be an integer")
+
+
+@pytest.mark.parametrize("text", BAD_FLOATS)
+def test_a_float_from_text_is_finite_and_plain(text, tmp_path):
+    assert "host_ratio (from HICACHE_HOST_RATIO" in error(RuntimeConfig.from_env, {"HICACHE_HOST_RATIO": text})
+    assert error(RuntimeConfig.from_dict, {"host_ratio": text}).startswith("host_ratio must be a number")
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_float_field_is_finite_in_code_and_in_files(value, tmp_path):
+    assert error(RuntimeConfig, host_ratio=value).startswith("host_ratio must be a number")
+    assert error(RuntimeConfig.from_dict, {"host_ratio": value}).startswith("host_ratio must be a number")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"host_ratio": value}))  # JSON's Infinity / -Infinity / NaN
+    assert error(RuntimeConfig.from_file, path).startswith("host_ratio (in c.json) must be a number")
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"host_ratio = {'nan' if value != value else ('inf' if value > 0 else '-inf')}\n")
+    assert error(RuntimeConfig.from_file, toml).startswith("host_ratio (in c.toml) must be a number")
+
+
+def test_integers_are_bounded_everywhere(tmp_path):
+    huge = "9" * 5001
+    path = tmp_path / "c.json"
+    path.write_text('{"page_size": %s}' % huge)
+    msg = error(RuntimeConfig.from_file, path)
+    assert msg.startswith("page_size (in c.json) must be an integer") and "5001 digits" in msg
+    path.write_text('{"host_bytes": %s}' % huge)  # a byte field too
+    assert error(RuntimeConfig.from_file, path).startswith("host_bytes")
+    path.write_text('{"model_id": %s}' % huge)  # (a string field is not given the digits as text)
+    assert error(RuntimeConfig.from_file, path).startswith("model_id (in c.json) must be a string")
+    for value in (2**63, -(2**63) - 1, 10**5000):
+        assert error(RuntimeConfig, device_slots=value).startswith("device_slots must be an integer")
+        assert error(RuntimeConfig.from_dict, {"device_slots": value}).startswith("device_slots must be an integer")
+    path.write_text('{"host_ratio": %s}' % huge)  # an int for a float field, too long to be a number
+    assert error(RuntimeConfig.from_file, path).startswith("host_ratio (in c.json) must be a number")
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "1", "on", 1, 0, None, 1.0])
+def test_a_bool_field_takes_only_a_bool_outside_the_environment(value, tmp_path):
+    # (1 and 0 were already refused by from_dict; every value was accepted or let through by RuntimeConfig)
+    assert error(RuntimeConfig, decode_offload=value).startswith("decode_offload must be a bool")
+    assert error(RuntimeConfig.from_dict, {"decode_offload": value}).startswith("decode_offload")
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"decode_offload": value}))
+    assert error(RuntimeConfig.from_file, path).startswith("decode_offload (in c.json)")
+
+
+@pytest.mark.parametrize("text, want", [("true", True), ("TRUE", True), ("yes", True), ("on", True), ("1", True),
+                                        ("false", False), ("No", False), ("off", False), ("0", False)])
+def test_the_environment_takes_the_documented_bool_strings(text, want):
+    assert RuntimeConfig.from_env({"HICACHE_DECODE_OFFLOAD": text}).decode_offload is want
+
+
+@pytest.mark.parametrize("text", [" true", "true ", "y", "t", "2", "yes please", ""])
+def test_the_environment_refuses_other_bool_strings(text):
+    assert "decode_offload (from HICACHE_DECODE_OFFLOAD" in error(RuntimeConfig.from_env, {"HICACHE_DECODE_OFFLOAD": text})
+
+
+def test_the_storage_key_is_never_in_an_error():
+    secret = "s3cr3t-but-short"[:10]
+    for msg in (error(RuntimeConfig, storage_key=secret), error(RuntimeConfig.from_env, {"HICACHE_STORAGE_KEY": secret}),
+                error(RuntimeConfig, storage_key=b"bytes-key-of-16-bytes")):
+        assert secret not in msg and "bytes-key" not in msg and "storage_key" in msg
+    assert RuntimeConfig.from_env({"HICACHE_STORAGE_KEY": "k" * 16}).storage_key == "k" * 16

@@ -29,6 +29,8 @@ from runtime.memory.owners import Owner, Tier
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.messages import Direction, PoolTransfer, StorageAck, TransferAck, TransferPlan
 from runtime.supervisor import State, Supervisor
+from runtime.storage.backend import write_pages
+from runtime.storage.integrity import PageSeal
 from runtime.transfer.fake_engine import FakeCopyEngine
 
 SHAPE = KVShape(num_layers=4, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -563,15 +565,21 @@ class LyingBackend:
     def exists_prefix(self, keys):
         return self.lies.get("exists_prefix", lambda n: n)(len(keys))
 
-    def get_prefix(self, keys, dests):  # noqa: F811 - shadowed per instance when not lied about
-        for d in dests:
-            d[:] = 7  # a read writes the destination pages (page_first: pool rows)
+    @staticmethod
+    def _fill(keys, dests, tags) -> None:
+        for i, (k, d) in enumerate(zip(keys, dests)):
+            d[:] = 7  # a read writes the destination pages (page_first: pool rows), with their true tags
+            tags[i] = PageSeal().tag(k, d)
+
+    def get_prefix(self, keys, dests, tags=None):  # noqa: F811 - shadowed per instance when not lied about
+        self._fill(keys, dests, tags)
         return self.lies["get_prefix"](len(keys))
 
-    def get_batch(self, keys, dests):
+    def get_batch(self, keys, dests, tags=None):
+        self._fill(keys, dests, tags)
         return self.lies.get("get_batch", lambda n: [True] * n)(len(keys))
 
-    def set_batch(self, keys, srcs):
+    def set_batch(self, keys, srcs, tags=None):
         return self.lies.get("set_batch", lambda n: [True] * n)(len(keys))
 
     def close(self) -> None:
@@ -711,7 +719,7 @@ async def test_a_held_backend_call_is_overdue_at_its_deadline_and_acked_when_it_
     fb = FaultyBackend(inner, FaultPlan(hold_at={1}, methods={method}))
     keys = [f"key1-{i}".encode() for i in range(3)]
     if kind != "write":
-        inner.set_batch(keys, [np.full(PAGE_BYTES, i, np.uint8) for i in range(3)])
+        write_pages(inner, keys, [np.full(PAGE_BYTES, i, np.uint8) for i in range(3)], PageSeal())
     loop = asyncio.get_running_loop()
     try:
         async with storage_actor(fb, timeout_s=0.3) as (sup, transfer, acks):
@@ -778,6 +786,7 @@ class KeyedBackend:
 
     def __init__(self, refuse: set[bytes] = frozenset()) -> None:
         self.pages: dict[bytes, bytes] = {}
+        self.tags: dict[bytes, bytes | None] = {}  # stored with each page (the storage tier's)
         self.refuse = refuse
         self.calls: list[tuple[str, tuple[bytes, ...]]] = []
 
@@ -785,18 +794,20 @@ class KeyedBackend:
         self.calls.append(("exists_prefix", tuple(keys)))
         return next((i for i, k in enumerate(keys) if k not in self.pages), len(keys))
 
-    def get_batch(self, keys, dests):
+    def get_batch(self, keys, dests, tags=None):
         self.calls.append(("get_batch", tuple(keys)))
-        for k, d in zip(keys, dests):
+        for i, (k, d) in enumerate(zip(keys, dests)):
             if k in self.pages:
                 np.asarray(memoryview(d).cast("B"))[:] = np.frombuffer(self.pages[k], np.uint8)
+                if tags is not None:
+                    tags[i] = self.tags[k]
         return [k in self.pages for k in keys]
 
-    def set_batch(self, keys, srcs):
+    def set_batch(self, keys, srcs, tags=None):
         self.calls.append(("set_batch", tuple(keys)))
-        for k, s in zip(keys, srcs):
+        for k, s, t in zip(keys, srcs, tags or [None] * len(keys)):
             if k not in self.refuse:
-                self.pages[k] = bytes(memoryview(s).cast("B"))
+                self.pages[k], self.tags[k] = bytes(memoryview(s).cast("B")), t
         return [k not in self.refuse for k in keys]
 
     def close(self) -> None:

@@ -144,7 +144,7 @@ def test_storage_under_pipeline_parallelism_is_refused(tmp_path):
 
 # -- sizing ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("size", "nbytes"), [
-    ("64MiB", 64 * 2**20), ("64MB", 64 * 10**6), ("1.5GB", 1_500_000_000), (" 8 kib", 8192), (16384, 16384),
+    ("64MiB", 64 * 2**20), ("64MB", 64 * 10**6), ("1.5GB", 1_500_000_000), ("8 kib", 8192), (16384, 16384),
     (1e6, 10**6), ("16384", 16384)])
 def test_host_bytes_take_binary_and_decimal_units_as_runtime_config_reads_them(size, nbytes):
     config = read({"host_bytes": size})

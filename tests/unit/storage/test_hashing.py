@@ -327,3 +327,37 @@ def test_from_config_mla_is_replicated_at_every_tp_size():
 def test_kv_layout_validation(bad):
     with pytest.raises(ValidationError):
         KVIdentity("m", "w", "bfloat16", 30, 1, 64, kv_layout=bad)
+
+
+# -- the hash choice (RuntimeConfig.hash_algo) ---------------------------------------------------
+def test_xxhash_chain_matches_the_documented_spec():
+    """h(i) = XXH3-128(h(i-1) || page i's int32 tokens), seeded by SHA-256 of the seed bytes, whose
+    identity names the algorithm (so no xxhash page ever shares a key with a SHA-256 one)."""
+    import xxhash
+
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return struct.pack("<I", len(b)) + b
+
+    ident = KVIdentity("HuggingFaceTB/SmolLM2-135M", "main", "bfloat16", 30, 3, 64, hash_algo="xxhash")
+    assert ident.encode() == IDENT.encode() + s("") + s("") + s("mha") + s("xxhash")
+    prev = hashlib.sha256(seed_bytes("tenant-a", ident)).digest()[:16]
+    want = []
+    for p in range(3):
+        prev = xxhash.xxh3_128_digest(prev + struct.pack("<16i", *range(16 * p, 16 * p + 16)))
+        want.append(prev)
+    got = page_hashes(TOKENS, 16, "tenant-a", ident)
+    assert got == want and not set(got) & set(page_hashes(TOKENS, 16, "tenant-a", IDENT))
+    assert page_hashes(TOKENS[16:], 16, None, ident, parent=got[0]) == got[1:]  # (a parent continues it)
+
+
+def test_hash_algo_is_validated_and_read_from_the_config():
+    from runtime.config import RuntimeConfig
+    from runtime.errors import ConfigError
+
+    with pytest.raises(ValidationError):
+        KVIdentity("m", "w", "bfloat16", 30, 1, 64, hash_algo="md5")
+    with pytest.raises(ConfigError, match="hash_algo"):
+        RuntimeConfig(hash_algo="xxh3")
+    assert KVIdentity.from_config(RuntimeConfig(hash_algo="xxhash")).hash_algo == "xxhash"
+    assert KVIdentity.from_config(RuntimeConfig()).hash_algo == "sha256"

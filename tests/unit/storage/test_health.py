@@ -25,13 +25,13 @@ class Fake:
             raise OSError("lookup failed")
         return len(keys)
 
-    def get_batch(self, keys, dests):
+    def get_batch(self, keys, dests, tags=None):
         self.calls.append("get")
         if self.fail_reads:
             raise OSError("read failed")
         return [True] * len(keys)
 
-    def set_batch(self, keys, srcs):
+    def set_batch(self, keys, srcs, tags=None):
         self.calls.append("set")
         if self.fail_writes:
             raise OSError("write failed")
@@ -107,7 +107,7 @@ def test_a_read_only_directory_is_degraded_once_and_reads_keep_serving():
 
 def test_a_write_that_stores_some_pages_is_no_failure():
     b, fake, _, changes = tracked()
-    fake.set_batch = lambda keys, srcs: [True] + [False] * (len(keys) - 1)  # (a cap: room for one)
+    fake.set_batch = lambda keys, srcs, tags=None: [True] + [False] * (len(keys) - 1)  # (a cap: room for one)
     for _ in range(5):
         write(b, 3)
     assert b.state is Health.HEALTHY and not changes

@@ -117,7 +117,7 @@ class TestMooncakeBackend:
         assert np.array_equal(dests[3], page(13))
 
     def test_remove(self, backend):
-        """`clear_storage`'s call: the named pages and their checksums go, at once after a read (a
+        """`clear_storage`'s call: the named pages and their tags go, at once after a read (a
         read lease does not keep them: the removal is forced); others stay."""
         keys = [key(i, "rm") for i in range(4)]
         assert backend.set_batch(keys, [page(30 + i) for i in range(4)]) == [True] * 4
@@ -185,45 +185,69 @@ class TestMooncakeBackend:
         assert backend.exists_prefix([key(1, "ws")]) == 1  # present, but not a page of ours
         assert backend.get_batch([key(1, "ws")], [np.zeros(PB, np.uint8)]) == [False]
 
-    def test_every_read_is_verified_against_the_page_checksum(self, backend):
-        """Each page has a companion checksum object (XXH64 seeded by the key). A page whose bytes
-        do not match it (a flipped byte; another key's page and checksum copied under this key) is
-        a counted miss, on the zero-copy path too; a page without a checksum is a plain miss. Before
-        the fix it failed at its first line: there were no page checksums (runtime.storage.checksum)."""
-        from runtime.storage.checksum import page_checksum
-        from runtime.storage.mooncake_backend import SUM_SUFFIX
+    def test_every_page_keeps_its_tag(self, backend):
+        """Each page has a companion tag object (the storage tier's tag, stored and handed back
+        as is). A page without a tag is a miss; `read_prefix` refuses a page whose bytes do not
+        match its tag (a flipped byte; another key's page and tag copied under this key), on the
+        zero-copy path too, and removes it; a write over a page with another tag replaces it."""
+        from runtime.storage.backend import read_prefix, write_pages
+        from runtime.storage.integrity import PageSeal
+        from runtime.storage.mooncake_backend import TAG_SUFFIX
 
+        seal = PageSeal()
         good = [key(i, "ck") for i in range(3)]
-        assert backend.set_batch(good, [page(500 + i) for i in range(3)]) == [True] * 3
+        assert write_pages(backend, good, [page(500 + i) for i in range(3)], seal) == (True,) * 3
         sk = backend._keys(good)
-        assert backend._store.batch_is_exist([k + SUM_SUFFIX for k in sk]) == [1, 1, 1]
+        assert backend._store.batch_is_exist([k + TAG_SUFFIX for k in sk]) == [1, 1, 1]
+        tags: list = [None] * 3
+        dests = [np.zeros(PB, np.uint8) for _ in range(3)]
+        assert backend.get_batch(good, dests, tags) == [True] * 3
+        assert tags == seal.tags(good, [page(500 + i) for i in range(3)])
         put = backend._store.put
-        flipped, forged, unsummed = key(0, "ckflip"), key(0, "ckforge"), key(0, "cknosum")
+        flipped, forged, untagged = key(0, "ckflip"), key(0, "ckforge"), key(0, "cknotag")
         bad = page(510).copy()
         bad[PB // 2] ^= 0x01
-        fk, gk, uk = backend._keys([flipped, forged, unsummed])
-        assert put(fk, bad.tobytes()) == 0
-        assert put(fk + SUM_SUFFIX, page_checksum(flipped, memoryview(page(510))).to_bytes(8, "little")) == 0
-        assert put(gk, page(500).tobytes()) == 0  # page 0 and its checksum, copied under another key
-        assert put(gk + SUM_SUFFIX, bytes(backend._store.get(sk[0] + SUM_SUFFIX))) == 0
+        fk, gk, uk = backend._keys([flipped, forged, untagged])
+        assert put(fk, bad.tobytes()) == 0 and put(fk + TAG_SUFFIX, seal.tag(flipped, page(510))) == 0
+        assert put(gk, page(500).tobytes()) == 0  # page 0 and its tag, copied under another key
+        assert put(gk + TAG_SUFFIX, bytes(backend._store.get(sk[0] + TAG_SUFFIX))) == 0
         assert put(uk, page(511).tobytes()) == 0
-        before = backend.stats()
         dests = [np.zeros(PB, np.uint8) for _ in range(4)]
-        assert backend.get_batch([good[0], flipped, forged, unsummed], dests) == [True, False, False, False]
-        assert np.array_equal(dests[0], page(500))
-        after = backend.stats()
-        assert after["corrupt_pages"] - before["corrupt_pages"] == 2
-        assert after["read_misses"] - before["read_misses"] == 1  # the page without a checksum
-        pool = torch.zeros(3, PB, dtype=torch.uint8)  # zero-copy reads are verified in place
+        assert backend.get_batch([good[0], flipped, forged, untagged], dests) == [True, True, True, False]
+        before = seal.rejected
+        assert read_prefix(backend, [good[0], good[1], flipped], dests[:3], seal) == 2
+        assert seal.rejected == before + 1 and backend.exists_prefix([flipped]) == 0  # refused: removed
+        pool = torch.zeros(3, PB, dtype=torch.uint8)  # zero-copy reads are checked in place
         backend.register_buffer(pool)
         try:
-            assert backend.get_prefix([good[0], good[1], flipped], [pool[i] for i in range(3)]) == 2
-            assert backend.get_prefix([flipped, good[2]], [pool[0], pool[1]]) == 0
-            assert backend.stats()["corrupt_pages"] - before["corrupt_pages"] == 4
-            assert backend.get_batch(good, [pool[i] for i in range(3)]) == [True] * 3
+            assert read_prefix(backend, [forged, good[2]], [pool[0], pool[1]], seal) == 0
+            assert seal.rejected == before + 2
+            assert read_prefix(backend, good, [pool[i] for i in range(3)], seal) == 3
             assert all(np.array_equal(pool[i].numpy(), page(500 + i)) for i in range(3))
         finally:
             backend.unregister_buffer(pool)
+        # a page present under another tag is not this page: the write replaces it
+        other = PageSeal("another key, 16 bytes or more")
+        assert read_prefix(backend, good[:1], dests[:1], other) == 0  # (refused, and removed)
+        assert write_pages(backend, good[1:2], [page(501)], other) == (True,)
+        assert read_prefix(backend, good[1:2], dests[:1], other) == 1 and np.array_equal(dests[0], page(501))
+
+    @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+    def test_runtime_refuses_lying_transfers_and_forged_pages(self, mooncake_cluster, layout):
+        """The storage tier's check through the runtime on Mooncake: bytes flipped after the backend
+        returned (a lying transfer, into the registered pool on page_first) and pages planted
+        without the storage key are never served, and counted (tests/integration/test_storage_integrity.py)."""
+        import asyncio
+
+        from tests.integration.test_storage_integrity import forged_pages, lying_transport
+
+        def factory(prefix: str):  # one key prefix per scenario: its runtimes share the pages
+            return lambda config: MooncakeBackend(
+                config.page_size * config.bytes_per_token,
+                mooncake_cluster.config(global_segment_size=16 << 20, local_buffer_size=16 << 20, key_prefix=prefix))
+
+        asyncio.run(lying_transport(factory(f"lying-{layout}/"), layout))
+        asyncio.run(forged_pages(factory(f"forged-{layout}/"), layout))
 
     def test_validation(self, backend):
         with pytest.raises(ValidationError):

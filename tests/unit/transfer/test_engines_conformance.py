@@ -327,7 +327,7 @@ def test_cpu_load_does_not_wait_behind_backup():
             gate.wait(5)
 
     dev, host = make_pools("cpu", 4, "layer_first")
-    engine = CpuCopyEngine({"kv": (dev, host)}, fault=fault)
+    engine = CpuCopyEngine({"kv": (dev, host)}, fault=fault, inline_backup_bytes=0)  # (a worker's backup)
     try:
         backup = engine.submit(plan(1, Direction.BACKUP, slots([0], 4), slots([0], 4)))
         load = engine.submit(plan(2, Direction.LOAD, slots([1], 4), slots([2], 4)))
@@ -486,5 +486,36 @@ def test_every_kv_dtype_roundtrip(kind, dtype, layout, ps):
         wait(engine.submit(plan(2, Direction.LOAD, hp, back)))
         assert torch.equal(as_bytes(dev.read_slots(back)), expect)
         assert not as_bytes(dev.read_slots(np.setdiff1d(np.arange(dev.num_slots), back.numpy()))).any()
+    finally:
+        engine.close()
+
+
+def test_cpu_small_backup_is_copied_inline_and_a_large_one_by_its_worker():
+    """A backup of at most `inline_backup_bytes` is done when `submit` returns (no thread hand-off),
+    with its fault still reported through its completion; a larger one goes to the worker."""
+    dev, host = make_pools("cpu", 4, "layer_first")
+    faults = []
+
+    def page(pool, p):  # (layer_first: [C, L, slots, H, D])
+        return pool.buffer[:, :, p * 4: (p + 1) * 4]
+
+    def fault(op_id, layer):
+        if op_id == 2:
+            faults.append(op_id)
+            raise RuntimeError("injected")
+
+    page_bytes = dev.shape.parts * dev.shape.num_layers * dev.page_size * dev.shape.token_elems * dev.shape.itemsize
+    engine = CpuCopyEngine({"kv": (dev, host)}, fault=fault, inline_backup_bytes=page_bytes)
+    try:
+        small = engine.submit(plan(1, Direction.BACKUP, slots([1], 4), slots([3], 4)))
+        assert small.done.query() and engine.inflight() == []
+        assert torch.equal(page(host, 3), page(dev, 1))
+        failed = engine.submit(plan(2, Direction.BACKUP, slots([2], 4), slots([0], 4)))
+        assert failed.done.query() and faults == [2]
+        with pytest.raises(RuntimeError, match="injected"):
+            failed.done.synchronize()
+        large = engine.submit(plan(3, Direction.BACKUP, slots([0, 2], 4), slots([1, 2], 4)))
+        large.done.synchronize()
+        assert torch.equal(page(host, 2), page(dev, 2))
     finally:
         engine.close()

@@ -31,8 +31,9 @@ def ack_all(core: CacheCore, direction: Direction | None = None, error: str | No
     """Apply the acks of every copy in flight (of `direction`), in issue order; returns their ids."""
     done = [op_id for op_id, op in sorted(core.copies.ops.items()) if direction is None or op.direction is direction]
     for op_id in done:
-        core.apply_ack(op_id, error)
-        check_invariants(core)
+        if op_id in core.copies.ops:  # (a batch's backups are acked with its first)
+            core.apply_ack(op_id, error)
+            check_invariants(core)
     core.take_effects()
     return done
 

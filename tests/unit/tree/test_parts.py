@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from runtime.config import RuntimeConfig
+from runtime.errors import InternalError
 from runtime.memory.owners import Owner
 from runtime.storage.hashing import KVIdentity
 from runtime.messages import Direction, OffloadAck, OffloadFinish
@@ -80,11 +81,44 @@ def test_copy_tracker_backup_pins_then_its_ack_hands_host_pages_to_the_node():
     assert readiness is None and copies.take_plans() == []
     assert plan.transfers[0].src.tolist() == node.device.tolist()
     assert res.device.pin_count(int(node.device[0])) == 1 and node.lock_ref == 1
-    out = copies.apply_ack(plan.op_id, None)
+    (out,) = copies.apply_ack(plan.op_id, None)
     assert out.backed_up and out.failed is None
     assert node.host is not None and node.lock_ref == 0 and not copies.ops and not copies.backup_pending
     assert res.host.owned_slots(Owner.node(node.id)).tolist() == sorted(node.host.tolist())
     assert res.device.pin_count(int(node.device[0])) == 0
+
+
+def test_copy_tracker_batches_a_turns_backups_into_one_plan_pinned_once_and_acked_once():
+    res = Residency.from_config(config())
+    copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
+    a, b = cached(res, toks(16, 0)), cached(res, toks(8, 1))
+    assert copies.backup(a) and copies.backup(b)
+    # recorded at once (in flight, locked, host pages taken), pinned only when the batch leaves
+    assert copies.busy(a) and copies.busy(b) and a.lock_ref == b.lock_ref == 1
+    assert copies.unissued() == set(copies.ops) and res.device.pin_count(int(a.device[0])) == 0
+    (plan, _), = copies.take_plans()
+    assert not copies.unissued() and plan.op_id == min(copies.ops)
+    assert plan.transfers[0].src.tolist() == a.device.tolist() + b.device.tolist()
+    assert res.device.pin_count(int(b.device[0])) == 1
+    with pytest.raises(InternalError):  # the second backup travels in the first one's batch
+        copies.apply_ack(max(copies.ops), None)
+    outs = copies.apply_ack(plan.op_id, None)
+    assert [o.op.node for o in outs] == [a, b] and all(o.backed_up for o in outs)
+    assert a.host is not None and b.host is not None and not copies.ops and not copies.backup_pending
+    assert res.device.pin_count(int(a.device[0])) == res.host.pin_count(int(b.host[0])) == 0
+
+
+def test_copy_tracker_failed_batch_frees_every_backups_host_pages():
+    res = Residency.from_config(config())
+    copies = CopyTracker(res, itertools.count(1), 2, ManualReadiness)
+    a, b = cached(res, toks(16, 0)), cached(res, toks(8, 1))
+    free = res.host.num_free_pages()
+    copies.backup(a), copies.backup(b)
+    (plan, _), = copies.take_plans()
+    outs = copies.apply_ack(plan.op_id, "boom")
+    assert not any(o.backed_up for o in outs) and copies.stats["copy_failures"] == 2
+    assert a.host is None and b.host is None and res.host.num_free_pages() == free
+    assert a.lock_ref == b.lock_ref == 0 and not copies.backup_pending
 
 
 def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
@@ -101,7 +135,7 @@ def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
     copies.add_user(op.readiness, "u")
     assert copies.loads_under([node]) == [op.readiness] and copies.busy(node)
     assert copies.insert_cap(toks(16, 0), 16, None) == 0  # nothing may hang below a running load
-    out = copies.apply_ack(op.op_id, "boom")
+    (out,) = copies.apply_ack(op.op_id, "boom")
     assert out.failed == "boom" and out.failed_users == {"u"}
     assert node.device is None and res.device.num_free_pages() == 16 and not copies.loading
 
