@@ -52,7 +52,6 @@ from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_llama import PagedKVModel, kv_geometry, load_smollm2, tiny_llama  # noqa: E402
 from runtime.integrations.serving import Completion, ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from runtime.storage.hash_chain import chain_hashes  # noqa: E402
 from runtime.timeline import write_timeline  # noqa: E402
 from runtime.trace import configure_logging  # noqa: E402
 
@@ -210,9 +209,6 @@ def runtime_config(model: Any, tok: Any, args: argparse.Namespace, *, trace: boo
 
 
 def load_model(args: argparse.Namespace) -> tuple[Any, Any, list[int], str]:
-    # the storage tier's first page hash loads numba's compiled hash chain (about a second, on the
-    # event loop): done here, with the model, so the first user's turn does not wait for it
-    chain_hashes(bytes(16), bytes(64), 64)
     if args.tiny:
         model, tok = tiny_llama(seed=args.seed), None
         return model.to(args.device), tok, [model.config.eos_token_id], "tiny random Llama (4 layers, vocab 512)"

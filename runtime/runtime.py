@@ -68,6 +68,7 @@ from runtime.messages import (
 )
 from runtime.messages import DrainOffload, OffloadStats  # decode offload
 from runtime.stats import nest
+from runtime.storage.hash_chain import load_chain
 from runtime.supervisor import State, wait_shielded
 from runtime.trace import get_logger
 from runtime.validation import (
@@ -150,6 +151,8 @@ class CacheRuntime:
                  metrics_registry=metrics_registry)
         try:
             rt._register_metrics()  # a refusal here closes what __init__ built (nothing started)
+            if rt.config.kv_events or rt.config.storage_backend != "none" or storage is not None:
+                await asyncio.to_thread(load_chain, rt.config.hash_algo)  # not in the first admit's turn
             await rt._sup.start()  # a cancel here still closes: the actors' task exists already
             await rt._start_metrics()
             yield rt
@@ -419,6 +422,7 @@ class CacheRuntime:
         if self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
         check_backend(self.config, backend)
+        await asyncio.to_thread(load_chain, self.config.hash_algo)
         await self._sup.ask(self._tree.mailbox, AttachStorage(backend, Reply()))
 
     async def detach_storage(self) -> None:

@@ -123,3 +123,10 @@ _CHAINS: dict[str, Callable[[bytes, bytes, int], bytes]] = {"sha256": chain_hash
 def chain_function(algo: str) -> Callable[[bytes, bytes, int], bytes]:
     """The chain of `algo` (`runtime.config.HASH_ALGOS`)."""
     return _CHAINS[algo]
+
+
+def load_chain(algo: str) -> None:
+    """Hash one page with `algo`'s chain, so that its code is loaded (numba compiles the SHA-256
+    chain, or loads it from its cache: a quarter to a whole second of CPU) before a page is hashed
+    inside an actor's turn. Call it off the event loop."""
+    chain_function(algo)(bytes(_HASH_BYTES), bytes(4), 4)

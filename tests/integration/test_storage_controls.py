@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,3 +373,32 @@ async def test_priority_is_validated():
         prio = await rt.inspect(lambda core: [n.priority for n in core.residency.tree.nodes() if n.parent is not None])
         assert prio and set(prio) == {3}
         assert await rt.inspect(lambda core: "a" not in core.requests)
+
+
+_LOADED_AT_OPEN = """
+import asyncio, sys
+from runtime.runtime import CacheRuntime
+from runtime.storage import hash_chain
+from runtime.storage.file_backend import FileBackend
+from tests.integration.test_storage_tier import cfg
+
+async def main() -> None:
+    config = cfg()
+    backend = FileBackend(sys.argv[1], config.page_size * config.bytes_per_token)
+    async with CacheRuntime.open(config, storage=backend):
+        print(len(hash_chain._chain.signatures))
+    backend.close()
+
+asyncio.run(main())
+"""
+
+
+def test_page_hash_code_is_loaded_at_open_not_in_an_actor_turn(tmp_path):
+    """A runtime with a storage tier loads the page hash's compiled code (up to a second of CPU)
+    off the loop at `open`, not inside the tree actor's turn of the first admit that hashes a page.
+    A fresh process, since one load serves the whole process. Checked failing (0 signatures) with
+    the load at open removed."""
+    out = subprocess.run([sys.executable, "-c", _LOADED_AT_OPEN, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) >= 1

@@ -1,4 +1,4 @@
-"""Issue 13 ("Trust"), storage side, through the public API: a backend whose results are out of
+"""The storage side of the caller contract, through the public API: a backend whose results are out of
 contract is a miss (never adopted as KV), and a backend call that never returns cannot hold
 `close()` forever."""
 
