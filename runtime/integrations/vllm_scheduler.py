@@ -30,6 +30,7 @@ from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
 from runtime.integrations.vllm_metrics import HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
+from runtime.storage.file_backend import FileBackend
 from runtime.storage.health import HealthTracked
 from runtime.storage.hashing import KVIdentity
 from runtime.tree.tiers_only import TiersOnlyCore
@@ -82,11 +83,15 @@ class HiCacheConnectorScheduler:
         self.storage = storage
         self.core = TiersOnlyCore(self.block_size, host_blocks * self.block_size, kv_cache_config.num_blocks)
         if storage is not None:
-            self.core.enable_storage(identity, storage.exists_prefix, self.tp_size)
+            self.core.enable_storage(identity, storage.exists_prefix, self.tp_size,
+                                     evicts_tails_first=isinstance(storage.inner, FileBackend))
         self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
         # live requests' token ids as checked arrays, from their lookup to their finish: a
         # request's list is converted once, and only the tokens vLLM appends after it later
         self._token_ids: dict[str, np.ndarray] = {}
+        # their page keys (storage) as far as hashed, kept with their tokens: asked again after a
+        # preemption, a request's lookup hashes only the pages it added since
+        self._keys: dict[str, list[bytes]] = {}
         self._loads: list[LoadJob] = []
         # requests whose load the workers have not reported received yet: vLLM frees a finished
         # request's blocks at the first report naming it, so such a request is never backed up too
@@ -102,6 +107,7 @@ class HiCacheConnectorScheduler:
         self._sources: dict[str, dict[CacheHitSource, int]] = {}
         self._reported: dict[str, int] = {}  # the counters of the last stats report (vLLM's metrics)
         self._reported_health: int | None = None
+        self._reported_total = -1  # the sum of the tiers' counters at the last report
         # KV events of the host tier and storage (`take_events`): on with vLLM's own
         self.events: ConnectorEvents | None = None
         kv_events = vllm_config.kv_events_config
@@ -119,7 +125,7 @@ class HiCacheConnectorScheduler:
             tokens, keys = asked.tokens, asked.keys
         else:
             tokens = self._tokens_of(request)
-            keys = self.core.page_keys(tokens, namespace)
+            keys = self._keys[rid] = self.core.page_keys(tokens, namespace, self._keys.get(rid))
         reached = self._reached.get(rid)
         if reached is not None and reached <= num_computed_tokens:  # (promised nothing past it again)
             self.core.release(rid)
@@ -209,14 +215,14 @@ class HiCacheConnectorScheduler:
         self._reached.pop(rid, None)
         self._held.pop(rid, None)  # (its hold, if any, goes with `finish`)
         if rid in self._awaiting:  # (its blocks do not hold their KV yet; the load's report frees them)
-            self._token_ids.pop(rid, None)
+            self._forget_tokens(rid)
             self.core.finish(rid)
             return True, None
         if request.status is RequestStatus.FINISHED_ERROR:  # (e.g. a failed load under vLLM's `fail` policy)
-            self._token_ids.pop(rid, None)
+            self._forget_tokens(rid)
             return self.core.finish(rid), None  # its KV may never have arrived: nothing is backed up
         tokens = self._tokens_of(request)
-        del self._token_ids[rid]
+        self._forget_tokens(rid)
         namespace = self._namespace(request)
         plan = self.core.backup(rid, tokens, namespace, request.num_computed_tokens, block_ids)
         if plan is not None:
@@ -235,10 +241,15 @@ class HiCacheConnectorScheduler:
 
     def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
         """What changed since the last report (`runtime.integrations.vllm_metrics`)."""
+        health = self.storage.state.level if self.storage is not None else None
+        # (asked every step; the tiers' counters only grow, so an unchanged sum is nothing new)
+        total = sum(self.core.stats.values())
+        if total == self._reported_total and health == self._reported_health and not health:
+            return None
+        self._reported_total = total
         now = self._counters()
         counters = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         self._reported = now
-        health = self.storage.state.level if self.storage is not None else None
         stats = report(counters, "storage_health_scheduler", health, self._reported_health)
         if stats is not None:
             self._reported_health = health
@@ -264,6 +275,10 @@ class HiCacheConnectorScheduler:
             self.storage.close()
 
     # -- helpers -----------------------------------------------------------------------
+    def _forget_tokens(self, rid: str) -> None:
+        self._token_ids.pop(rid, None)
+        self._keys.pop(rid, None)
+
     def _tokens_of(self, request: Request) -> np.ndarray:
         """The request's token ids as a checked array, kept until it finishes. vLLM only appends
         to a request's tokens, so a kept array is extended by the new tail; a kept array that is
@@ -274,6 +289,7 @@ class HiCacheConnectorScheduler:
         n = 0 if known is None else len(known)
         if n == 0 or n > len(ids) or ids[n - 1] != known[-1]:  # (a cheap check of that contract)
             tokens = checked_tokens(np.asarray(ids))
+            self._keys.pop(rid, None)  # (hashed from tokens it no longer has)
         elif n == len(ids):
             tokens = known
         else:

@@ -137,6 +137,7 @@ class TiersOnlyCore:
         self.residency.tree.on_split = self.residency.on_split  # a split hands the upper part's pages over
         self.requests: dict[Hashable, TierRequest] = {}
         self.copies: dict[int, TierCopy] = {}
+        self._reads_copied: set[int] = set()  # storage reads whose loads are in flight (they pin the reads' pages)
         self.holds: dict[Hashable, TierHold] = {}  # reported hits not loaded yet, by request
         self._op_ids = itertools.count(1)
         self._generations = itertools.count(1)
@@ -152,22 +153,35 @@ class TiersOnlyCore:
              "hits_cut", "tokens_hit_cut", "loads_short", "storage_reads_short"), 0)
 
     def enable_storage(self, identity: KVIdentity, exists_prefix: Callable[[list[bytes]], int],
-                       tp_ranks: int = 1) -> None:
+                       tp_ranks: int = 1, *, evicts_tails_first: bool = False) -> None:
         """A storage tier behind the host tier: pages addressed by `identity`'s page hashes;
         `exists_prefix` (the backend's) answers lookups on the scheduler's thread. `tp_ranks` > 1:
         the engine's tensor-parallel ranks, each storing its own shard under its own keys
         (`identity` is rank 0's; a storage op carries every rank's, `StorageRequest.rank_keys`,
-        and a lookup counts the pages every rank has)."""
+        and a lookup counts the pages every rank has). `evicts_tails_first`: the backend evicts a
+        stored chain from its end (the file backend's LRU stamps a chain's earlier pages newer),
+        so a lookup asks for only the last of the leading pages known stored (written and acked,
+        or found), and the pages after them: that page there, the ones before it are too."""
         if self.storage is not None:
             raise StateError("storage is enabled already")
         config = RuntimeConfig(page_size=self.page_size, tp_ranks=tp_ranks, tp_size=tp_ranks)
         self.storage = StorageTier(config, self.residency, self._op_ids, identity)
         self._exists = exists_prefix
+        self._tails_first = evicts_tails_first
+        # the page hash is compiled code (`runtime.storage.hash_chain`): compiled, or loaded from
+        # numba's cache, at its first call, a quarter to a whole second of CPU; here, at the
+        # engine's start, rather than inside the scheduler step of the first request it serves
+        self._page_keys(np.zeros(self.page_size + 1, dtype=np.int32), None)
 
-    def page_keys(self, tokens: Any, extra_key: Hashable) -> list[bytes]:
+    def page_keys(self, tokens: Any, extra_key: Hashable, known: list[bytes] | None = None) -> list[bytes]:
         """Storage addresses of the whole pages of `tokens` but the last token's (what a lookup
-        and a load of them ask storage for); the engine's scheduler may keep them per request."""
-        return self._page_keys(_tokens(tokens), extra_key)
+        and a load of them ask storage for); the engine's scheduler may keep them per request.
+        `known`: this call's answer for a prefix of `tokens` (a request's tokens only grow): only
+        the pages after it are hashed, chained from its last key."""
+        tokens = _tokens(tokens)
+        if not known:
+            return self._page_keys(tokens, extra_key)
+        return self._more_keys(tokens, extra_key, known, aligned(len(tokens) - 1, self.page_size))
 
     # -- the engine's scheduler ----------------------------------------------------
     def lookup(self, tokens: Any, extra_key: Hashable, computed: int, keys: list[bytes] | None = None) -> TierHit:
@@ -354,6 +368,7 @@ class TiersOnlyCore:
         res = self.residency
         assert res.host is not None
         res.host.unpin(op.host, op_id, trusted=True)
+        self._reads_copied.discard(op.read)
         if op.direction is Direction.BACKUP:
             assert op.tokens is not None and op.owner is not None
             if error is None:  # (under its lock: the prefix it extends is still there)
@@ -387,7 +402,7 @@ class TiersOnlyCore:
                 raise ArgumentError(f"storage write {op_id} of {len(sop.keys)} pages acked with {len(ok)} flags")
         else:
             pages = checked_count("storage read", pages, len(sop.keys))
-            if any(op.read == op_id for op in self.copies.values()):  # (its load pins its pages)
+            if op_id in self._reads_copied:  # (its load pins its pages)
                 raise StateError(f"storage read {op_id} acked before the load that copies from it")
         self.storage.apply_ack(op_id, pages, error, ok, ())
         if not sop.write and pages < len(sop.keys):  # (its load left the blocks after them unfilled)
@@ -418,6 +433,8 @@ class TiersOnlyCore:
         op_id = next(self._op_ids)
         res.host.pin(host, op_id, trusted=True)  # (tree nodes' and the ledger's own page arrays)
         op = self.copies[op_id] = TierCopy(op_id, rid, direction, host, node, **backup)
+        if op.read:
+            self._reads_copied.add(op.read)
         rec = self.requests.get(rid)
         if rec is None:
             rec = self.requests[rid] = TierRequest(rid)
@@ -476,11 +493,35 @@ class TiersOnlyCore:
         return page_hashes(tokens[:aligned(len(tokens) - 1, self.page_size)], self.page_size, extra_key,
                            self.storage.identity)
 
+    def _more_keys(self, tokens: np.ndarray, extra_key: Hashable, known: list[bytes], n: int) -> list[bytes]:
+        """The page keys of `tokens[:n]` (whole pages), `known` being those of a prefix: the rest
+        hashed on from its last key (none hashed when it covers them)."""
+        ps = self.page_size
+        have = min(len(known), n // ps)
+        if have * ps >= n:
+            return known[:have]
+        if self.storage is None or not storage_key_ok(extra_key):
+            return []
+        return known[:have] + page_hashes(tokens[have * ps:n], ps, extra_key, self.storage.identity,
+                                          parent=known[have - 1] if have else None)
+
     def _stored_pages(self, tokens: np.ndarray, extra_key: Hashable, wanted: list[bytes], first: int) -> int:
         """The leading pages of `wanted` (the keys of pages `first`.. of `tokens`) that storage
         holds for every rank (each rank's own keys; a later rank is asked only that far)."""
         assert self._exists is not None and self.storage is not None
         every = self.storage.keys_per_rank(tokens, extra_key, wanted, range(first, first + len(wanted))) or (wanted,)
+        if self._tails_first and len(every) == 1:
+            known = self.storage.known
+            k = 0
+            while k < len(wanted) and wanted[k] in known:
+                k += 1
+            if k > 1:  # (the last known page missing: nothing known is trusted, all are asked below)
+                found = checked_count("exists_prefix", self._exists(wanted[k - 1:]), len(wanted) - k + 1)
+                if found:
+                    if k - 1 + found < len(wanted):
+                        self.storage.missing(wanted[k - 1 + found:])
+                    return k - 1 + found
+                self.storage.missing(wanted[k - 1:])
         found = len(wanted)
         for keys in every:
             if found == 0:

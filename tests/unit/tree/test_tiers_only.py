@@ -227,3 +227,30 @@ def test_a_held_hit_is_cut_to_the_host_room_and_released_on_every_path():
     c.finish("f")  # (aborted while waiting: its hold goes with it)
     step(c)
     assert "f" not in c.holds
+
+
+def test_a_lookup_asks_storage_only_from_the_last_page_known_stored_and_heals():
+    """With a backend that evicts a chain's tail first, a lookup asks for the last of the leading
+    pages known stored and the pages after it; when that page is gone (the directory wiped),
+    nothing known is trusted and every page is asked for. (Checked against a variant that counts
+    the last known page as found whatever storage answers: the wiped lookup then reports 24 tokens.)"""
+    from runtime.storage.hashing import KVIdentity
+
+    c = core()
+    stored: set[bytes] = set()
+    asked: list[list[bytes]] = []
+
+    def exists(keys: list[bytes]) -> int:
+        asked.append(list(keys))
+        return next((i for i, k in enumerate(keys) if k not in stored), len(keys))
+
+    c.enable_storage(KVIdentity("m", "0", "float32", 2, 2, 8, "test"), exists, evicts_tails_first=True)
+    prompt = toks(33)  # 8 whole pages before the last token
+    keys = c.page_keys(prompt, None)
+    stored.update(keys[:7])
+    c.storage.known.update(keys[:6])  # (as the acks of its writes leave it)
+    assert c.lookup(prompt, None, 0).storage == 28 and asked == [keys[5:]]
+    stored.clear()
+    asked.clear()
+    assert c.lookup(prompt, None, 0).total == 0 and asked == [keys[5:], keys] and not c.storage.known
+    assert c.lookup(prompt, None, 0).total == 0 and asked[-1] == keys
