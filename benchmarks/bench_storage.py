@@ -484,11 +484,11 @@ def mooncake_in_netns(args: argparse.Namespace, shape: str,
         import mooncake.store  # noqa: F401
     except ImportError:
         return None, "mooncake not installed (scripts/install_mooncake.sh)"
-    from tests.unit.storage.conftest import _BOOTSTRAP
+    from tests.netns import netns_argv
 
-    argv = [sys.executable, "-c", _BOOTSTRAP, sys.executable, os.path.abspath(__file__), "--mooncake-child",
+    argv = netns_argv([sys.executable, os.path.abspath(__file__), "--mooncake-child",
             "--pages", str(args.pages), "--repeats", str(args.repeats), "--batch", str(args.batch), "--shapes", shape,
-            "--integrity", ",".join(modes)]
+            "--integrity", ",".join(modes)])
     env = dict(os.environ)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     try:
