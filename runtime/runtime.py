@@ -151,8 +151,11 @@ class CacheRuntime:
                  metrics_registry=metrics_registry)
         try:
             rt._register_metrics()  # a refusal here closes what __init__ built (nothing started)
-            if rt.config.kv_events or rt.config.storage_backend != "none" or storage is not None:
-                await asyncio.to_thread(load_chain, rt.config.hash_algo)  # not in the first admit's turn
+            if rt.config.kv_events or rt.host_pool is not None:
+                # the page hash's code (events, or storage now or attached later: it needs the
+                # host tier) is loaded here, off the loop, not in the first admit's turn;
+                # not at attach_storage, which must send its control before its first await
+                await asyncio.to_thread(load_chain, rt.config.hash_algo)
             await rt._sup.start()  # a cancel here still closes: the actors' task exists already
             await rt._start_metrics()
             yield rt
@@ -422,7 +425,6 @@ class CacheRuntime:
         if self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
         check_backend(self.config, backend)
-        await asyncio.to_thread(load_chain, self.config.hash_algo)
         await self._sup.ask(self._tree.mailbox, AttachStorage(backend, Reply()))
 
     async def detach_storage(self) -> None:
