@@ -151,12 +151,13 @@ class CacheRuntime:
                  metrics_registry=metrics_registry)
         try:
             rt._register_metrics()  # a refusal here closes what __init__ built (nothing started)
+            await rt._sup.start()  # a cancel here still closes: the actors' task exists already
             if rt.config.kv_events or rt.host_pool is not None:
                 # the page hash's code (events, or storage now or attached later: it needs the
-                # host tier) is loaded here, off the loop, not in the first admit's turn;
-                # not at attach_storage, which must send its control before its first await
+                # host tier) is loaded here, off the loop, before the caller can admit, not in the
+                # first admit's turn; not at attach_storage, which must send its control before
+                # its first await
                 await asyncio.to_thread(load_chain, rt.config.hash_algo)
-            await rt._sup.start()  # a cancel here still closes: the actors' task exists already
             await rt._start_metrics()
             yield rt
         finally:
