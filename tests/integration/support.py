@@ -83,3 +83,34 @@ def compute(rt: CacheRuntime, slots: Any, tokens: Any, extra_key: Any = None, st
 
 def bad_positions(pool: Any, slots: Any, tokens: Any, extra_key: Any = None) -> list[int]:
     return mismatches(pool, np.asarray(slots), np.asarray(tokens), extra_key)
+
+
+class PassThroughBackend:
+    """A storage backend that hands every call to `inner`: a test's fault wrapper subclasses it and
+    overrides only the calls it changes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.page_bytes = inner.page_bytes
+        self.exists_is_local = getattr(inner, "exists_is_local", False)
+
+    def exists_prefix(self, keys):
+        return self.inner.exists_prefix(keys)
+
+    def get_prefix(self, keys, dests, tags=None):
+        return self.inner.get_prefix(keys, dests, tags)
+
+    def get_batch(self, keys, dests, tags=None):
+        return self.inner.get_batch(keys, dests, tags)
+
+    def set_batch(self, keys, srcs, tags=None):
+        return self.inner.set_batch(keys, srcs, tags)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

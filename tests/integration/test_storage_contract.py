@@ -13,7 +13,7 @@ import pytest
 from runtime.runtime import CacheRuntime
 from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
-from tests.integration.support import compute, small_config, toks
+from tests.integration.support import PassThroughBackend, compute, small_config, toks
 
 N = 40  # tokens written through to storage (10 pages of 4)
 
@@ -24,32 +24,16 @@ def cfg(**changes: Any):
     return small_config(**base)
 
 
-class LyingReads:
+class LyingReads(PassThroughBackend):
     """A FileBackend whose get_prefix reads nothing and reports `lie(len(keys))` pages."""
 
-    exists_is_local = False
-
     def __init__(self, inner: FileBackend, lie) -> None:
-        self.inner, self.lie = inner, lie
-        self.page_bytes = inner.page_bytes
-
-    def exists_prefix(self, keys):
-        return self.inner.exists_prefix(keys)
+        super().__init__(inner)
+        self.lie = lie
+        self.exists_is_local = False
 
     def get_prefix(self, keys, dests, tags=None):
         return self.lie(len(keys))
-
-    def get_batch(self, keys, dests, tags=None):
-        return self.inner.get_batch(keys, dests, tags)
-
-    def set_batch(self, keys, srcs, tags=None):
-        return self.inner.set_batch(keys, srcs, tags)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def stats(self) -> dict:
-        return self.inner.stats()
 
 
 async def settle(rt: CacheRuntime, timeout: float = 10.0) -> None:

@@ -23,7 +23,7 @@ from runtime.storage.backend import write_pages
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.storage.integrity import PageSeal
-from tests.integration.support import bad_positions
+from tests.integration.support import PassThroughBackend, bad_positions
 from tests.integration.test_storage_tier import N, cfg, quiescent, serve, settle_all, toks
 
 KEY = "correct horse battery staple 0001"
@@ -31,15 +31,13 @@ OTHER_KEY = "correct horse battery staple 0002"
 Factory = Callable[[RuntimeConfig], Any]
 
 
-class FlippingTransport:
+class FlippingTransport(PassThroughBackend):
     """A backend whose transport lies: every page the inner backend read is changed (one byte
     flipped) after the inner call returned, in the caller's buffer (the host pool's page rows on
     the zero-copy path). Everything else (register_buffer, remove, stats) passes through."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.page_bytes = inner.page_bytes
-        self.exists_is_local = getattr(inner, "exists_is_local", False)
+        super().__init__(inner)
         self.flipped = 0
 
     def _flip(self, dests: Any, n: int) -> None:
@@ -47,9 +45,6 @@ class FlippingTransport:
             row = np.asarray(memoryview(d.numpy() if hasattr(d, "numpy") else d).cast("B"))
             row[len(row) // 2] ^= 0x40
             self.flipped += 1
-
-    def exists_prefix(self, keys):
-        return self.inner.exists_prefix(keys)
 
     def get_prefix(self, keys, dests, tags=None):
         n = self.inner.get_prefix(keys, dests, tags)
@@ -60,18 +55,6 @@ class FlippingTransport:
         got = self.inner.get_batch(keys, dests, tags)
         self._flip([d for d, ok in zip(dests, got) if ok], len(dests))
         return got
-
-    def set_batch(self, keys, srcs, tags=None):
-        return self.inner.set_batch(keys, srcs, tags)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def stats(self) -> dict:
-        return self.inner.stats()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 async def served(rt: CacheRuntime, rid: str, tokens: np.ndarray) -> tuple[int, list[int]]:
