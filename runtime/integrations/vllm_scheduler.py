@@ -30,7 +30,6 @@ from runtime.integrations.vllm_events import ConnectorEvents
 from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
 from runtime.integrations.vllm_metrics import HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
-from runtime.storage.file_backend import FileBackend
 from runtime.storage.health import HealthTracked
 from runtime.storage.hashing import KVIdentity
 from runtime.tree.tiers_only import TiersOnlyCore
@@ -84,7 +83,7 @@ class HiCacheConnectorScheduler:
         self.core = TiersOnlyCore(self.block_size, host_blocks * self.block_size, kv_cache_config.num_blocks)
         if storage is not None:
             self.core.enable_storage(identity, storage.exists_prefix, self.tp_size,
-                                     evicts_tails_first=isinstance(storage.inner, FileBackend))
+                                     evicts_tails_first=getattr(storage.inner, "evicts_tails_first", False) is True)
         self._asked: dict[str, _Asked] = {}  # waiting requests' last answers (update_state_after_alloc needs them)
         # live requests' token ids as checked arrays, from their lookup to their finish: a
         # request's list is converted once, and only the tokens vLLM appends after it later

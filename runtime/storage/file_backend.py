@@ -93,6 +93,8 @@ class FileBackend:
     # `exists_prefix` is a stat per key in a local directory: the transfer actor may probe the first
     # key on the event loop and answer a read of absent pages without a worker thread
     exists_is_local = True
+    # its LRU stamps a chain's earlier pages newer: a chain is evicted from its tail
+    evicts_tails_first = True
     # reads are local calls: `read_prefix` reads about a page at a time and checks each page's tag
     # while it is still in the CPU cache (runtime.storage.backend)
     read_chunk_bytes = 1 << 20
