@@ -150,11 +150,14 @@ class CacheCore:
             raise DuplicateRequestError(f"request {rid!r} is still live")
         if session is not None:
             return self._admit_turn(rid, tokens, self._session(session))
+        return self._admit_looked(rid, tokens, extra_key, priority, self._admission(rid, tokens, extra_key))
+
+    def _admission(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int, int]:
+        """The look an admission of `rid` (not live) starts from, or its refusal: (look, host
+        tokens to load, device pages needed). The one place a host or storage hit is cut short
+        (`Residency.admission`: a group's match cut); nothing a caller holds changes before it."""
         res = self.residency
-        tree = res.tree
-        ps = self.page_size
         look, host_len, need_pages = res.admission(tokens, extra_key, admitting=True)
-        cached = look.device_len + host_len
         if not res.room_for(need_pages, look):
             self._start_writeback(need_pages, look)
             raise self.phase.refuse(CapacityError(
@@ -163,7 +166,15 @@ class CacheCore:
         states = res.states
         if states is not None and not states.room_for(1 + (host_len > 0), look.nodes):
             raise CapacityError(f"request {rid!r} needs state slots; too few are free or evictable")
+        return look, host_len, need_pages
 
+    def _admit_looked(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, priority: int,
+                      admission: tuple[MatchResult, int, int]) -> AdmitResult:
+        look, host_len, _ = admission
+        res = self.residency
+        tree = res.tree
+        ps = self.page_size
+        cached = look.device_len + host_len
         self.phase.change()
         m = tree.settle(look)  # = match(split=True, touch=True), without a second walk
         generation = next(self._generations)
@@ -177,25 +188,8 @@ class CacheCore:
         # held for as long as the request is filed: its pages move to the tree and new ones come
         # (extend, decode steps) without the ledger dropping and re-issuing its code each time
         code = res.device.hold(owner)
-        state_slot = load_state = None
-        try:
-            # (a state slot may evict unlocked snapshots: never the hit's, locked above)
-            if states is not None:
-                state_slot = states.admit(rid, owner)
-                if host_nodes:  # the hit's snapshot comes back from host with its KV
-                    load_state = states.reserve_load(host_nodes[-1])
-            fresh = self._alloc_device(host_len // ps + own_pages, owner, rid=rid)
-        except CapacityError as exc:
-            # write-back evictions may still be copying: nothing of this request stays behind, so
-            # the shortfall is a refusal again
-            if state_slot is not None:
-                states.release(rid, owner)  # type: ignore[union-attr]
-            if load_state is not None:
-                states.free_node_slot(host_nodes[-1], load_state)  # type: ignore[union-attr]
-            res.device.unhold(owner)
-            if lock_node is not None:
-                tree.unlock(lock_node)
-            raise self.phase.refuse(exc)
+        fresh, state_slot, load_state = self._admit_alloc(rid, owner, host_nodes, host_len // ps + own_pages,
+                                                          lock_node)
         copies = self.copies
         readiness = copies.loads_under(device_nodes) if copies.loading else []
         if host_nodes:
@@ -214,13 +208,7 @@ class CacheCore:
             cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness),
             priority=priority)
         self.table.add(rec, slots, len(tokens), cached, code)
-        stats = self._stats
-        stats["requests_admitted"] += 1
-        stats["tokens_device_hit"] += m.device_len
-        stats["tokens_host_hit"] += host_len
-        stats["tokens_recomputed"] += len(tokens) - cached
-        if res.sliding is not None:
-            res.sliding.count_cut()
+        self._count_admission(m.device_len, host_len, len(tokens) - cached)
         if self._selective:
             for node in device_nodes:
                 if node.hit_count >= self.config.write_through_threshold:
@@ -228,26 +216,59 @@ class CacheCore:
         # a lookup that landed while this admit waited marked it prepared
         from_storage = self.storage.admitted(rid, host_len) if self.storage is not None else 0
         # `slots` is this call's own array (the table copied it into its row)
-        state_from = states.hit_state(lock_node) if states is not None else None
+        state_from = res.states.hit_state(lock_node) if res.states is not None else None
         return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)]), m.device_len, host_len,
                            tuple(readiness), from_storage, state_slot, state_from)
+
+    def _admit_alloc(self, rid: Hashable, owner: Owner, host_nodes: list[Node], pages: int,
+                     lock_node: Node | None) -> tuple[np.ndarray, int | None, int | None]:
+        """An admission's device pages (and state slots); a shortfall (write-back evictions still
+        copying) undoes the admission's changes and refuses it."""
+        res = self.residency
+        states = res.states
+        state_slot = load_state = None
+        try:
+            # (a state slot may evict unlocked snapshots: never the hit's, locked by the caller)
+            if states is not None:
+                state_slot = states.admit(rid, owner)
+                if host_nodes:  # the hit's snapshot comes back from host with its KV
+                    load_state = states.reserve_load(host_nodes[-1])
+            return self._alloc_device(pages, owner, rid=rid), state_slot, load_state
+        except CapacityError as exc:
+            if state_slot is not None:
+                states.release(rid, owner)  # type: ignore[union-attr]
+            if load_state is not None:
+                states.free_node_slot(host_nodes[-1], load_state)  # type: ignore[union-attr]
+            res.device.unhold(owner)
+            if lock_node is not None:
+                res.tree.unlock(lock_node)
+            raise self.phase.refuse(exc)
+
+    def _count_admission(self, device_hit: int, host_hit: int, recomputed: int) -> None:
+        stats = self._stats
+        stats["requests_admitted"] += 1
+        stats["tokens_device_hit"] += device_hit
+        stats["tokens_host_hit"] += host_hit
+        stats["tokens_recomputed"] += recomputed
+        if self.residency.sliding is not None:
+            self.residency.sliding.count_cut()
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
                       session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
         """`admit`, or, with a storage tier whose policy waits for the request's prefetch, the
         prefetch `waiter` (an opaque token of the caller's) now waits on: admit it again when
-        the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`)."""
+        the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`). An admit
+        that does not wait detaches the rid's prefetch only once admitted: a refusal leaves it
+        prepared (a later abort cancels it)."""
         storage = self.storage
-        if storage is not None:
-            fresh = session is None and rid not in self.requests
-            if fresh:  # checked before the first change: bad tokens leave the rid prepared
-                tokens = self._check_tokens(tokens)
-            storage.prefetched.discard(rid)
-            if fresh:
-                wait = storage.wait_for(rid, tokens, extra_key, waiter)
-                if wait is not None:
-                    return wait
-        return self.admit(rid, tokens, extra_key, session, priority)
+        if storage is None or session is not None or rid in self.requests:
+            return self.admit(rid, tokens, extra_key, session, priority)
+        tokens = self._check_tokens(tokens)  # before the first change: bad tokens leave the rid prepared
+        if storage.waits(waiter):
+            wait = storage.wait_for(rid, tokens, extra_key, waiter)
+            if wait is not None:
+                return wait
+        return self._admit_looked(rid, tokens, extra_key, priority, self._admission(rid, tokens, extra_key))
 
     def extend(self, rid: Hashable, n: int) -> torch.Tensor:
         rec = self._record(rid)

@@ -202,23 +202,22 @@ class StorageTier:
         request = self._issue_read(pf, keys, host=None if reserved is None else reserved[0])
         return None if request is None else (pf, request)  # (the caller carries the request to its worker)
 
+    def waits(self, waiter: Any) -> bool:
+        """Whether an admit with `waiter` may wait for its prefetch (policy `best_effort`, or no
+        waiter: a batch item never waits)."""
+        return self.config.prefetch_policy != "best_effort" and waiter is not None
+
     def wait_for(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, waiter: Any) -> PrefetchWait | None:
-        """The prefetch an admit of `rid` (not live) waits for, by the policy, with `waiter`
-        appended to it; None: admit now (policy `best_effort`, no waiter: a batch item never
-        waits, or nothing to fetch). An admit that does not wait detaches its prefetch."""
-        policy = self.config.prefetch_policy
+        """The prefetch an admit of `rid` (not live; `waits(waiter)`) waits for, with `waiter`
+        appended to it; None: admit now (nothing to fetch)."""
         pf = self.prefetches.get(rid)
-        if policy == "best_effort" or waiter is None:
-            if pf is not None:
-                self.detach(pf)
-            return None
         if pf is None and self.prepare(rid, tokens, extra_key):
             pf = self.prefetches[rid]
             pf.by_prepare = False  # the admit's own: its rid is not one the caller prepared
         if pf is None:
             return None
         pf.waiters.append(waiter)
-        timeout = self.config.prefetch_timeout(len(tokens)) if policy == "timeout" else None
+        timeout = self.config.prefetch_timeout(len(tokens)) if self.config.prefetch_policy == "timeout" else None
         return PrefetchWait(pf, timeout)
 
     def detach(self, pf: Prefetch) -> None:
@@ -261,7 +260,11 @@ class StorageTier:
 
     def admitted(self, rid: Hashable, host_len: int) -> int:
         """`rid` was admitted with `host_len` tokens loaded from host: it is no longer a prepared
-        rid; returns how many of those tokens its prefetch brought from storage."""
+        rid, and a prefetch still running goes on without it (`detach`); returns how many of those
+        tokens its prefetch brought from storage."""
+        pf = self.prefetches.get(rid)
+        if pf is not None:
+            self.detach(pf)
         self.prefetched.discard(rid)
         return min(self.prefetch_landed.pop(rid, 0), host_len)
 
