@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node, RadixTree
     from runtime.tree.records import CopyOp, RequestRecord
-    from runtime.tree.recurrent import RecurrentStates
-    from runtime.tree.storage_tier import StorageTier
+    from runtime.tree.groups.recurrent import RecurrentStates
+    from runtime.tree.tiers.storage import StorageTier
     from runtime.tree.tiers_only import TiersOnlyCore
 
 

@@ -48,18 +48,18 @@ from runtime.phase import Phase
 from runtime.events.recorder import KVEventRecorder
 from runtime.storage.hashing import KVIdentity
 from runtime.trace import SlotTracer
-from runtime.tree.copies import CopyTracker
-from runtime.tree.decode_offload import COUNTERS as OFFLOAD_COUNTERS
-from runtime.tree.decode_offload import DecodeOffload
+from runtime.tree.tiers.copies import CopyTracker
+from runtime.tree.tiers.decode_offload import COUNTERS as OFFLOAD_COUNTERS
+from runtime.tree.tiers.decode_offload import DecodeOffload
 from runtime.tree.radix import MatchResult, Node
 from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFactory
 from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, StoredPages, aligned
 from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
-from runtime.tree.recurrent import COUNTERS as STATE_COUNTERS
-from runtime.tree.sliding import COUNTERS as SWA_COUNTERS
-from runtime.tree.storage_tier import COUNTERS as STORAGE_COUNTERS
-from runtime.tree.storage_tier import StorageRequest, StorageTier
+from runtime.tree.groups.recurrent import COUNTERS as STATE_COUNTERS
+from runtime.tree.groups.sliding import COUNTERS as SWA_COUNTERS
+from runtime.tree.tiers.storage import COUNTERS as STORAGE_COUNTERS
+from runtime.tree.tiers.storage import StorageRequest, StorageTier
 from runtime.tree.token_checks import checked_kv_tokens, checked_tokens, kept_tokens
 
 

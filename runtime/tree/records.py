@@ -20,7 +20,7 @@ from runtime.memory.owners import Owner
 from runtime.messages import Direction, PoolTransfer, StateBlob, TransferPlan
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness
-from runtime.tree.recurrent import StateCopy
+from runtime.tree.groups.recurrent import StateCopy
 
 if TYPE_CHECKING:
     from runtime.tree.request_table import RequestTable

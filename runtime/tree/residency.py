@@ -30,8 +30,8 @@ from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, t
 from runtime.tree.page_hasher import PageHasher
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
 from runtime.tree.records import EMPTY, aligned
-from runtime.tree.recurrent import RecurrentStates
-from runtime.tree.sliding import SlidingWindow
+from runtime.tree.groups.recurrent import RecurrentStates
+from runtime.tree.groups.sliding import SlidingWindow
 
 
 class Residency:

@@ -40,8 +40,8 @@ from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_hybrid import PagedHybridModel, runtime_fields  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from runtime.tree.storage_tier import StorageTier  # noqa: E402
-from runtime.tree.recurrent import RecurrentStates  # noqa: E402
+from runtime.tree.tiers.storage import StorageTier  # noqa: E402
+from runtime.tree.groups.recurrent import RecurrentStates  # noqa: E402
 from tests.e2e.support import DEVICE, PAGE  # noqa: E402
 from runtime.messages import StateBlob  # noqa: E402
 from tests.e2e.test_differential_tiers import SYSTEM, evict_to_host, mismatches, serve_turns, settle  # noqa: E402

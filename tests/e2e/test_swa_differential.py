@@ -47,7 +47,7 @@ from runtime.integrations.hf_llama import PagedOutput, PagedSeq  # noqa: E402
 from runtime.integrations.hf_swa import PagedSWAModel, sliding_layers, swa_config, tiny_gemma3  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from runtime.tree.sliding import SlidingWindow  # noqa: E402
+from runtime.tree.groups.sliding import SlidingWindow  # noqa: E402
 from tests.e2e.support import DEVICE, PAGE, ids, runtime_config  # noqa: E402
 from tests.e2e.test_differential_tiers import SYSTEM, evict_to_host, mismatches, serve_turns, settle  # noqa: E402
 

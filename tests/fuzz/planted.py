@@ -156,7 +156,7 @@ def _decode_swaps_slots() -> Callable[[], None]:
 
 
 def _failed_load_keeps_loads_below() -> Callable[[], None]:
-    from runtime.tree.copies import CopyTracker
+    from runtime.tree.tiers.copies import CopyTracker
 
     orphan = CopyTracker._orphan_loads_below
     CopyTracker._orphan_loads_below = lambda self, failed, top, users: None
@@ -187,7 +187,7 @@ def _split_keeps_page_hashes() -> Callable[[], None]:
 
 
 def _clear_leaves_pages() -> Callable[[], None]:
-    from runtime.tree.storage_tier import StorageTier
+    from runtime.tree.tiers.storage import StorageTier
 
     forget = StorageTier.forget_stored
 
@@ -210,7 +210,7 @@ def _detach_forgets_stored() -> Callable[[], None]:
 
 def _attach_resets_counters() -> Callable[[], None]:
     from runtime.tree.cache import CacheCore
-    from runtime.tree.storage_tier import COUNTERS
+    from runtime.tree.tiers.storage import COUNTERS
 
     enable = CacheCore.enable_storage
 
@@ -224,7 +224,7 @@ def _attach_resets_counters() -> Callable[[], None]:
 
 
 def _gone_forgets_doubtful() -> Callable[[], None]:
-    from runtime.tree.storage_tier import StorageTier
+    from runtime.tree.tiers.storage import StorageTier
 
     gone = StorageTier._gone
 
@@ -253,7 +253,7 @@ def _internal_error_as_validation() -> Callable[[], None]:
 
 
 def _state_match_not_cut() -> Callable[[], None]:
-    from runtime.tree.recurrent import RecurrentStates
+    from runtime.tree.groups.recurrent import RecurrentStates
 
     usable_end, hit_state = RecurrentStates.usable_end, RecurrentStates.hit_state
 
@@ -273,7 +273,7 @@ def _state_match_not_cut() -> Callable[[], None]:
 
 
 def _state_load_other_snapshot() -> Callable[[], None]:
-    from runtime.tree.recurrent import RecurrentStates
+    from runtime.tree.groups.recurrent import RecurrentStates
 
     start_load = RecurrentStates.start_load
 
@@ -311,7 +311,7 @@ def _state_leaf_grows() -> Callable[[], None]:
 
 
 def _swa_drop_inside_window() -> Callable[[], None]:
-    from runtime.tree.sliding import SlidingWindow
+    from runtime.tree.groups.sliding import SlidingWindow
 
     limit = SlidingWindow.limit
     SlidingWindow.limit = lambda self, n: max(0, (n - self.window + 1 + self.page_size) // self.page_size)
@@ -319,7 +319,7 @@ def _swa_drop_inside_window() -> Callable[[], None]:
 
 
 def _swa_no_cut() -> Callable[[], None]:
-    from runtime.tree.sliding import SlidingWindow
+    from runtime.tree.groups.sliding import SlidingWindow
 
     usable_end = SlidingWindow.usable_end
     SlidingWindow.usable_end = lambda self, look, host_len=0: look.device_len + host_len
@@ -327,7 +327,7 @@ def _swa_no_cut() -> Callable[[], None]:
 
 
 def _swa_backup_skips_sliding() -> Callable[[], None]:
-    from runtime.tree.sliding import SlidingWindow
+    from runtime.tree.groups.sliding import SlidingWindow
 
     start_backup = SlidingWindow.start_backup
 

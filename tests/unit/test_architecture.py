@@ -206,7 +206,7 @@ WRITES: dict[tuple[str, str], str] = {
     ("runtime/tree/cache.py", "known"): _STORAGE_TIER,
     ("runtime/tree/cache.py", "known_states"): _STORAGE_TIER,
     ("runtime/tree/cache.py", "rank_keys"): _STORAGE_TIER,
-    **{("runtime/tree/copies.py", a): _RECORD for a in ("orphaned", "backed_up", "failed", "failed_users")},
+    **{("runtime/tree/tiers/copies.py", a): _RECORD for a in ("orphaned", "backed_up", "failed", "failed_users")},
     ("runtime/tree/nodes.py", "owner"): "a Node's owner slot is set once, at its making",
     **{("runtime/tree/radix.py", a): _NODE for a in (
         "last_access", "priority", "lock_ref", "device", "hit_count", "host", "host_protect", "_dq", "_hq", "key",
@@ -219,7 +219,7 @@ WRITES: dict[tuple[str, str], str] = {
                                               "of row and table)",
     ("runtime/tree/request_table.py", "table"): "the table files a record at its row",
     ("runtime/tree/request_table.py", "writeable"): _NUMPY,
-    **{("runtime/tree/storage_tier.py", a): _RECORD for a in (
+    **{("runtime/tree/tiers/storage.py", a): _RECORD for a in (
         "anchor_host", "anchor_host_len", "anchor_lock", "by_prepare", "cancelled", "detached", "host", "link",
         "op_id", "tokens", "parents")},
     ("runtime/tree/tiers_only.py", "finished"): _RECORD,

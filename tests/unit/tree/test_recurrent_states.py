@@ -357,7 +357,7 @@ def test_checker_catches_a_load_copying_another_nodes_host_snapshot(monkeypatch)
     every recorded position, owner and pin stays right. Once the load lands, a hit at 16 resumes
     from the state at 8: the invariant checker must see it while the load is in flight."""
     from runtime.errors import InvariantViolation
-    from runtime.tree.recurrent import RecurrentStates, StateCopy
+    from runtime.tree.groups.recurrent import RecurrentStates, StateCopy
 
     core = host_core()
     p = toks(17, 26)
@@ -382,7 +382,7 @@ def test_checker_catches_a_state_slot_held_twice_by_one_request(monkeypatch):
     new). The engine's later computation then overwrites the snapshot, and the node that keeps it
     holds the state of a longer prefix than its own."""
     from runtime.errors import InvariantViolation
-    from runtime.tree.recurrent import RecurrentStates
+    from runtime.tree.groups.recurrent import RecurrentStates
 
     def aliased(self, rid, owner, position):
         slot = self.running[rid]
