@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node, RadixTree
     from runtime.tree.records import CopyOp, RequestRecord
-    from runtime.tree.groups.recurrent import RecurrentStates
+    from runtime.tree.groups.recurrent import RecurrentStates, StateCopy
+    from runtime.tree.groups.sliding import SlidingWindow
     from runtime.tree.tiers.storage import StorageTier
     from runtime.tree.tiers_only import TiersOnlyCore
 
@@ -189,10 +190,10 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
         if ledger is not None:
             _check_ledger(tier, ledger, expected[tier], pins[tier])
 
-    if core.residency.states is not None:
-        _check_states(core, nodes)
-    if core.residency.sliding is not None:
-        _check_sliding(core, nodes)
+    for group in core.residency.groups:  # each group's own rule (full attention's is the tree's, above)
+        check = _GROUP_CHECKS.get(type(group).__name__)
+        if check:  # (looked up by name when called: a planted-bug test switches one off)
+            globals()[check](core, group, nodes)
 
     # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
     holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in copy_ops.values()]
@@ -239,13 +240,11 @@ def _path(node: "Node") -> list["Node"]:
     return out
 
 
-def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
+def _check_states(core: "CacheCore", states: "RecurrentStates", nodes: list["Node"]) -> None:
     """Recurrent state (docs/ARCHITECTURE.md, "Recurrent state"): every state slot is a live
     request's running slot, one of its pending snapshots (past its cached prefix), or the snapshot
     of a live node that holds device KV, each slot held once; the ledger agrees, nothing leaks, pins
     are the copies' and each copy's state slots are its nodes' snapshots."""
-    states = core.residency.states
-    assert states is not None
     table: dict[int, Owner] = {}
     holders: dict[str, dict[int, str]] = {"state": {}, "host state": {}}
 
@@ -275,8 +274,10 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
     host_table: dict[int, Owner] = {}
     pins: Counter[int] = Counter()
     host_pins: Counter[int] = Counter()
+    if not set(states.copies) <= set(core.copies.ops):
+        _fail(f"state copies of ops {sorted(set(states.copies) - set(core.copies.ops))} not in flight")
     for op in core.copies.ops.values():  # a copy's state slots: pinned, the orphaned load's still owned
-        copy = op.state
+        copy = states.copies.get(op.op_id)
         if copy is not None:
             backup = op.direction is Direction.BACKUP
             devs, hosts = (copy.src, copy.dst) if backup else (copy.dst, copy.src)
@@ -288,7 +289,7 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
                 if backup:  # the host copy joins the node at the ack
                     hold(host_table, "host state", host, Owner.node(node.id), f"backup {op.op_id}")
             if not op.orphaned:
-                _check_state_copy(states, op, backup)
+                _check_state_copy(states, op, copy, backup)
     for sop in (core.storage.ops.values() if core.storage is not None else ()):
         # a storage write reads its chain's host snapshots (held by their nodes, pinned by it); a
         # storage read fills a host slot its prefetch holds (pinned) until a node adopts it at the ack
@@ -318,7 +319,7 @@ def _check_states(core: "CacheCore", nodes: list["Node"]) -> None:
         _check_ledger("host state", states.host_ledger, host_table, host_pins)
 
 
-def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
+def _check_sliding(core: "CacheCore", sliding: "SlidingWindow", nodes: list["Node"]) -> None:
     """Sliding-window layers (docs/ARCHITECTURE.md, "Pool groups"): the sliding ledger and the
     full -> sliding map agree (each sliding page held by exactly one allocated full page); only
     tree nodes' pages and live requests' pages before their read start lack sliding KV, in each
@@ -326,8 +327,6 @@ def _check_sliding(core: "CacheCore", nodes: list["Node"]) -> None:
     own pages a leading run; no live request's window reads a dropped page: from
     `committed_len - W + 1` on, everything it maps has sliding KV; host copies' missing prefixes
     belong to live host copies, and every backup in flight has its record."""
-    sliding = core.residency.sliding
-    assert sliding is not None
     swa, ps, window = sliding.swa, core.page_size, sliding.window
     allocated = core.residency.device.allocated()  # type: ignore[attr-defined]
     swa.check(allocated)
@@ -397,12 +396,11 @@ def _chain(node: "Node", length: int) -> list["Node"]:
     return out
 
 
-def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> None:
+def _check_state_copy(states: "RecurrentStates", op: "CopyOp", copy: "StateCopy", backup: bool) -> None:
     """An in-flight copy's state slots are the snapshots of the nodes it copies for, nodes of its own
     chain (deepest first): a backup reads its node's device snapshot into a host slot taken at that
     position, a load reads each node's host snapshot into that node's device snapshot. Positions alone
     do not show a load that brings back another node's snapshot."""
-    copy = op.state
     chain = _chain(op.node, op.length)
     if not copy.nodes or copy.nodes[0] is not op.node or any(n not in chain for n in copy.nodes):
         _fail(f"copy {op.op_id} carries state for nodes {[n.id for n in copy.nodes]}, not its chain's "
@@ -415,6 +413,10 @@ def _check_state_copy(states: "RecurrentStates", op: "CopyOp", backup: bool) -> 
         if not ok:
             _fail(f"copy {op.op_id} copies state slot {src} -> {dst} for node {node.id}, which is not that "
                   f"node's snapshot (device {states.node_state.get(node)}, host {states.host_state.get(node)})")
+
+
+# each group's checks, by the name of its rule's class (a group with none: its rule is the tree's)
+_GROUP_CHECKS = {"RecurrentStates": "_check_states", "SlidingWindow": "_check_sliding"}
 
 
 # -- shared by both cores -------------------------------------------------------------------

@@ -42,6 +42,7 @@ from runtime.errors import (
     TransferError,
     UnknownRequestError,
 )
+from runtime.memory.groups import Feature
 from runtime.memory.owners import Owner
 from runtime.messages import AdmitResult, OffloadStarted, TransferPlan
 from runtime.phase import Phase
@@ -56,11 +57,16 @@ from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFact
 from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, StoredPages, aligned
 from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
-from runtime.tree.groups.recurrent import COUNTERS as STATE_COUNTERS
-from runtime.tree.groups.sliding import COUNTERS as SWA_COUNTERS
+from runtime.tree.groups.recurrent import RecurrentStates
+from runtime.tree.groups.sliding import SlidingWindow
 from runtime.tree.tiers.storage import COUNTERS as STORAGE_COUNTERS
 from runtime.tree.tiers.storage import StorageRequest, StorageTier
 from runtime.tree.token_checks import checked_kv_tokens, checked_tokens, kept_tokens
+
+
+# every group kind's counter and size names: reported whichever groups the model has
+GROUP_COUNTERS = (*RecurrentStates.COUNTERS, *SlidingWindow.COUNTERS)
+GROUP_COUNTS = (*RecurrentStates.COUNTS, *SlidingWindow.COUNTS)
 
 
 class Effects(NamedTuple):
@@ -80,8 +86,9 @@ class CacheCore:
         # each public call checks its input, then marks `phase.change()` before its first change:
         # a ValidationError after the mark fails the runtime (the tree actor's loop reads it)
         self.phase = Phase()
-        self.residency = Residency.from_config(config, tracer)
-        self.residency.tree.on_split = self._on_split
+        self.table = RequestTable(config.page_size)
+        self.requests: dict[Hashable, RequestRecord] = self.table.records  # read-only here: rows change in the table
+        self.residency = Residency.from_config(config, tracer, self.requests)
         op_ids = itertools.count(1)  # one id space: ledger pins are keyed by op id
         self.copies = CopyTracker(self.residency, op_ids, config.num_layers, readiness_factory)
         self.offload: DecodeOffload | None = DecodeOffload(self.residency, op_ids) if config.decode_offload else None
@@ -89,10 +96,6 @@ class CacheCore:
         # the storage tier's counters: kept here, since detach/attach replaces the tier (they only grow)
         self._storage_stats: dict[str, int] = dict.fromkeys(STORAGE_COUNTERS, 0)
         self._op_ids = op_ids
-        self.table = RequestTable(config.page_size)
-        self.requests: dict[Hashable, RequestRecord] = self.table.records  # read-only here: rows change in the table
-        if self.residency.sliding is not None:  # its running requests' drop reads them
-            self.residency.sliding.requests = self.requests
         self.sessions: dict[Hashable, SessionRecord] = {}
         self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
         self._write_through_all = config.host_slots > 0 and config.write_policy == "write_through"
@@ -121,8 +124,7 @@ class CacheCore:
         self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config),
                                    self._storage_stats)
         if kept is not None:
-            self.storage.known, self.storage.doubtful, self.storage.rank_keys = kept.known, kept.doubtful, kept.rank_keys
-            self.storage.known_states = kept.states
+            self.storage.restore(kept)
 
     def disable_storage(self) -> StoredPages:
         """`detach_storage`, once no storage op is in flight: the tier goes, and with it the records
@@ -163,9 +165,9 @@ class CacheCore:
             raise self.phase.refuse(CapacityError(
                 f"request {rid!r} needs {need_pages} device pages; {res.device.num_free_pages()} free, "
                 f"{res.evictable_device_pages()} evictable"))
-        states = res.states
-        if states is not None and not states.room_for(1 + (host_len > 0), look.nodes):
-            raise CapacityError(f"request {rid!r} needs state slots; too few are free or evictable")
+        if not all(g.admission_room(look, host_len) for g in res.groups):
+            raise CapacityError(f"request {rid!r} needs slots of a pool group (state slots); too few are free "
+                                "or evictable")
         return look, host_len, need_pages
 
     def _admit_looked(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, priority: int,
@@ -188,12 +190,11 @@ class CacheCore:
         # held for as long as the request is filed: its pages move to the tree and new ones come
         # (extend, decode steps) without the ledger dropping and re-issuing its code each time
         code = res.device.hold(owner)
-        fresh, state_slot, load_state = self._admit_alloc(rid, owner, host_nodes, host_len // ps + own_pages,
-                                                          lock_node)
+        fresh, reserved = self._admit_alloc(rid, owner, host_nodes, host_len // ps + own_pages, lock_node)
         copies = self.copies
         readiness = copies.loads_under(device_nodes) if copies.loading else []
         if host_nodes:
-            load = copies.start_load(host_nodes, host_len, fresh[:host_len], owner, load_state)
+            load = copies.start_load(host_nodes, host_len, fresh[:host_len], owner, reserved)
             assert load.readiness is not None
             readiness.append(load.readiness)
         for r in readiness:
@@ -216,29 +217,26 @@ class CacheCore:
         # a lookup that landed while this admit waited marked it prepared
         from_storage = self.storage.admitted(rid, host_len) if self.storage is not None else 0
         # `slots` is this call's own array (the table copied it into its row)
-        state_from = res.states.hit_state(lock_node) if res.states is not None else None
+        granted: dict[str, Any] = {}
+        for g, r in zip(res.groups, reserved, strict=True):
+            granted.update(g.grant(lock_node, r))
         return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)]), m.device_len, host_len,
-                           tuple(readiness), from_storage, state_slot, state_from)
+                           tuple(readiness), from_storage, **granted)
 
     def _admit_alloc(self, rid: Hashable, owner: Owner, host_nodes: list[Node], pages: int,
-                     lock_node: Node | None) -> tuple[np.ndarray, int | None, int | None]:
-        """An admission's device pages (and state slots); a shortfall (write-back evictions still
-        copying) undoes the admission's changes and refuses it."""
+                     lock_node: Node | None) -> tuple[np.ndarray, tuple[Any, ...]]:
+        """An admission's device pages, and what each group reserves for it (one value per group);
+        a shortfall (write-back evictions still copying) undoes the admission's changes and refuses it."""
         res = self.residency
-        states = res.states
-        state_slot = load_state = None
+        reserved: list[Any] = []
         try:
-            # (a state slot may evict unlocked snapshots: never the hit's, locked by the caller)
-            if states is not None:
-                state_slot = states.admit(rid, owner)
-                if host_nodes:  # the hit's snapshot comes back from host with its KV
-                    load_state = states.reserve_load(host_nodes[-1])
-            return self._alloc_device(pages, owner, rid=rid), state_slot, load_state
+            # (a group's slots may evict unlocked snapshots: never the hit's, locked by the caller)
+            for g in res.groups:
+                reserved.append(g.reserve(rid, owner, host_nodes))
+            return self._alloc_device(pages, owner, rid=rid), tuple(reserved)
         except CapacityError as exc:
-            if state_slot is not None:
-                states.release(rid, owner)  # type: ignore[union-attr]
-            if load_state is not None:
-                states.free_node_slot(host_nodes[-1], load_state)  # type: ignore[union-attr]
+            for g, r in zip(res.groups, reserved):
+                g.cancel(rid, owner, host_nodes, r)
             res.device.unhold(owner)
             if lock_node is not None:
                 res.tree.unlock(lock_node)
@@ -250,8 +248,8 @@ class CacheCore:
         stats["tokens_device_hit"] += device_hit
         stats["tokens_host_hit"] += host_hit
         stats["tokens_recomputed"] += recomputed
-        if self.residency.sliding is not None:
-            self.residency.sliding.count_cut()
+        for g in self.residency.groups:
+            g.admitted()
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
                       session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
@@ -325,11 +323,7 @@ class CacheCore:
                 self.phase.change()
                 self.copies.write_back(res.evict_device(k - free))
             self.phase.change()
-            codes = table.codes[starting]
-            if not codes.all():  # session turns: held from their first decode step
-                for row in starting[codes == 0].tolist():
-                    table.codes[row] = res.device.hold(table.record_at[row].owner)
-                codes = table.codes[starting]
+            codes = table.hold_codes(starting, lambda rec: res.device.hold(rec.owner))
             try:
                 pages = res.device.alloc_held(codes, reason="decode")
             except CapacityError as exc:  # write-backs still copying: nothing a caller holds changed
@@ -358,9 +352,10 @@ class CacheCore:
         (page-aligned, past its cached prefix, within its slots). The engine copies the state there
         when it has computed exactly `position` tokens; the slot is the request's until an insert
         reaches `position` (it then stays with the tree node ending there) or the request ends."""
-        states = self.residency.states
-        if states is None:
-            raise StateError("snapshot needs recurrent state (state_layers > 0)")
+        try:
+            states = self.residency.group(RecurrentStates)
+        except StateError:
+            raise StateError("snapshot needs recurrent state (state_layers > 0)") from None
         rec = self._record(rid)
         if (not isinstance(position, int) or isinstance(position, bool) or position % self.page_size
                 or not rec.cached_len < position <= rec.seq_len):
@@ -443,14 +438,14 @@ class CacheCore:
         floor = max(rec.cached_len, self.sessions[rec.session].kv_len if rec.session is not None else 0)
         if not isinstance(new_len, int) or not floor <= new_len <= rec.seq_len:
             raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
-        if self.residency.sliding is not None:
-            self.residency.sliding.check_rewind(rec, new_len)
+        for g in self.residency.groups:
+            g.check_rewind(rec, new_len)
         if self.offload is not None:
             self.offload.check_rewind(rec, new_len)
         self.phase.change()
         self._free_tail(rec, new_len)
-        if self.residency.states is not None:  # a snapshot of retracted tokens describes no prefix
-            self.residency.states.forget_after(rid, rec.owner, new_len)
+        for g in self.residency.groups:
+            g.rewind(rec, new_len)
         rec.seq_len = new_len
         rec.committed_len = min(rec.committed_len, new_len)
         rec.tokens = rec.tokens[:new_len].copy()
@@ -466,7 +461,7 @@ class CacheCore:
 
     # -- streaming sessions ----------------------------------------------------------------
     def open_session(self, sid: Hashable, extra_key: Hashable = None) -> None:
-        if self.residency.states is not None:
+        if not self.residency.supports(Feature.SESSIONS):
             raise StateError("streaming sessions do not keep recurrent state yet (state_layers > 0)")
         if sid in self.sessions:
             raise DuplicateRequestError(f"session {sid!r} is already open")
@@ -556,7 +551,7 @@ class CacheCore:
         no request's state, only which cached pages are being copied to host."""
         res = self.residency
         look, host_len, need = res.admission(self._check_tokens(tokens), extra_key)
-        if res.states is not None and not res.states.room_for(1 + (host_len > 0), look.nodes):
+        if not all(g.admission_room(look, host_len) for g in res.groups):
             return False  # (no write-back makes state slots free)
         if res.room_for(need, look):
             return True
@@ -571,10 +566,8 @@ class CacheCore:
         parts = [self.residency.stats, self.copies.stats]
         parts.append(self.offload.stats if self.offload is not None else dict.fromkeys(OFFLOAD_COUNTERS, 0))
         parts.append(self._storage_stats)
-        states = self.residency.states
-        parts.append(states.stats if states is not None else dict.fromkeys(STATE_COUNTERS, 0))
-        sliding = self.residency.sliding
-        parts.append(sliding.stats if sliding is not None else dict.fromkeys(SWA_COUNTERS, 0))
+        parts.append(dict.fromkeys(GROUP_COUNTERS, 0))  # every group kind's, whichever the model has
+        parts.extend(g.stats for g in self.residency.groups)
         for part in parts:
             for name, value in part.items():
                 out[name] = out.get(name, 0) + value
@@ -590,9 +583,10 @@ class CacheCore:
             "tree_nodes": res.tree.num_nodes,
             "device_free_slots": res.device.num_free_slots(),
             "host_free_slots": res.host.num_free_slots() if res.host is not None else 0,
-            "state_free_slots": res.states.ledger.num_free_slots() if res.states is not None else 0,
-            "swa_free_slots": res.sliding.swa.num_free_pages() * self.page_size if res.sliding is not None else 0,
+            **dict.fromkeys(GROUP_COUNTS, 0),
         }
+        for g in res.groups:
+            out.update(g.counts())
         out.update(self.offload.counts() if self.offload is not None
                    else {"inflight_offloads": 0, "offload_retired_requests": 0})
         return out
@@ -700,14 +694,13 @@ class CacheCore:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
-        # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless
-        # it holds a state snapshot: that is the state after the leaf's last token, not a later one
-        states = self.residency.states
-        extend = start is not None and not copies.busy(start) and (states is None or start not in states.node_state)
-        # (own pages whose sliding KV dropped must start a node: dropped pages are a node's prefix)
-        sliding = self.residency.sliding
-        if extend and sliding is not None and not sliding.present_at(int(rec.slot_view(rec.cached_len, n)[0])):
-            extend = False
+        # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless a
+        # group says no (a leaf holding a state snapshot; own pages whose sliding KV dropped)
+        groups = self.residency.groups
+        extend = start is not None and not copies.busy(start)
+        if extend:
+            first = int(rec.slot_view(rec.cached_len, n)[0])
+            extend = all(g.grows_in_place(start, first) for g in groups)  # type: ignore[arg-type]
         res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
                                     rec.priority)
         duplicates = res.duplicate_slots
@@ -722,8 +715,8 @@ class CacheCore:
         rec.last_node = new_last
         rec.cached_len = n
         adopted = res.adopted
-        if self.residency.states is not None:
-            adopted = adopted + [(upper, upper.device) for upper in self._keep_snapshots(rec)]
+        for g in groups:
+            adopted = adopted + [(upper, upper.device) for upper in g.after_insert(rec, self.residency.tree.split)]
         rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
         self._write_through(adopted)
 
@@ -749,31 +742,11 @@ class CacheCore:
             device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
         if rec.last_node is not None:
             self.residency.tree.unlock(rec.last_node)
-        if self.residency.states is not None:
-            self.residency.states.release(rec.rid, rec.owner)
+        for g in self.residency.groups:
+            g.release(rec.rid, rec.owner)
         for r in rec.readiness:
             self.copies.drop_user(r, rec.rid)
         self._unfile(rec)
-
-    def _keep_snapshots(self, rec: RequestRecord) -> list[Node]:
-        """The request's snapshots at positions its insert reached pass to the nodes ending there
-        (a node is split at a snapshot's position when it spans it); returns the split-off upper
-        halves (new nodes: the write-through backs them up too)."""
-        states = self.residency.states
-        assert states is not None
-        tree = self.residency.tree
-        node, end = rec.last_node, rec.cached_len
-        uppers = []
-        for position, slot in states.pending_upto(rec.rid, rec.cached_len):  # deepest first
-            while end - node.num_tokens >= position:  # walk up to the node spanning the position
-                end -= node.num_tokens
-                node = node.parent
-            if end > position:  # inside: the upper half of a split ends there
-                node = tree.split(node, position - (end - node.num_tokens))
-                uppers.append(node)
-                end = position
-            states.attach(node, slot, rec.owner)
-        return uppers
 
     def _retire(self, rec: RequestRecord, final_len: int | None) -> None:
         self._unfile(rec, keep_reading=True)
@@ -799,10 +772,6 @@ class CacheCore:
             if not r.done():
                 raise StateError(f"request {rec.rid!r} still waits for a load of its cached prefix (op "
                                  f"{r.op_id}): await its readiness before cache or finish")
-
-    def _on_split(self, lower: Node, upper: Node) -> None:
-        self.residency.on_split(lower, upper)
-        self.copies.on_split(lower, upper)
 
     # -- helpers: device room ---------------------------------------------------------
     def _alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:

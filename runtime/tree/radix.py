@@ -62,8 +62,8 @@ def _detached_root(extra_key: Hashable) -> Node:
 class RadixTree:
     """Paged radix tree over token prefixes, one root per ``extra_key``.
 
-    ``on_split(old_lower, new_upper)`` (attribute, default None) is called after every
-    split, once the tree is consistent again, so the caller can move ledger ownership of
+    ``on_split(old_lower, new_upper)`` (given at construction, default None) is called after
+    every split, once the tree is consistent again, so the owner can move ledger ownership of
     the upper part's slots.
     """
 
@@ -72,6 +72,7 @@ class RadixTree:
         page_size: int = 1,
         policy: EvictionPolicy | str | None = None,
         host_policy: EvictionPolicy | str | None = None,
+        on_split: Callable[[Node, Node], None] | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise TreeError(f"page_size must be a positive int, got {page_size!r}")
@@ -90,7 +91,7 @@ class RadixTree:
         self.total_device_tokens = 0
         self.total_host_tokens = 0
         self.locked_device_tokens = 0  # device tokens of nodes with lock_ref > 0
-        self.on_split: Callable[[Node, Node], None] | None = None
+        self.on_split: Callable[[Node, Node], None] | None = on_split
 
     @staticmethod
     def _policy(p) -> EvictionPolicy:

@@ -20,7 +20,6 @@ from runtime.memory.owners import Owner
 from runtime.messages import Direction, PoolTransfer, StateBlob, TransferPlan
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness
-from runtime.tree.groups.recurrent import StateCopy
 
 if TYPE_CHECKING:
     from runtime.tree.request_table import RequestTable
@@ -74,7 +73,7 @@ class RequestRecord:
 
     @seq_len.setter
     def seq_len(self, value: int) -> None:
-        self.table.seq_len_at[self.row] = value
+        self.table.set_lengths(self.row, seq_len=value)
 
     @property
     def committed_len(self) -> int:
@@ -82,7 +81,7 @@ class RequestRecord:
 
     @committed_len.setter
     def committed_len(self, value: int) -> None:
-        self.table.committed_at[self.row] = value
+        self.table.set_lengths(self.row, committed=value)
 
     @property
     def num_slots(self) -> int:
@@ -115,7 +114,11 @@ class RequestRecord:
 
     def truncate_slots(self, num_slots: int) -> None:
         """Unmap its slots from `num_slots` (a page boundary) on."""
-        self.table.num_slots_at[self.row] = num_slots
+        self.table.set_lengths(self.row, num_slots=num_slots)
+
+    def file(self, table: RequestTable | None, row: int = -1) -> None:
+        """Filed at `row` of `table` (the table's call; None: released, reads fail loudly)."""
+        self.table, self.row = table, row
 
 
 @dataclass(slots=True)
@@ -151,8 +154,13 @@ class CopyOp:
     # a load issued under another load that failed first: its nodes lost their device copies, and
     # its device slots stay with it (owner: its deepest node's id) until its ack frees them
     orphaned: bool = False
-    # recurrent state copied with it: (source, destination) state slots, pinned until the ack
-    state: StateCopy | None = None
+
+    def use(self, rid: Hashable) -> None:
+        """Request `rid` waits on this load (it is failed with it)."""
+        self.users.add(rid)
+
+    def unuse(self, rid: Hashable) -> None:
+        self.users.discard(rid)
 
 
 @dataclass(slots=True)
@@ -200,6 +208,10 @@ class Prefetch:
     anchor_lock: Node | None = None  # deepest device node of it, locked
     anchor_host: Node | None = None  # deepest host-only node of it, host-protected over...
     anchor_host_len: int = 0  # ...this many tokens (its host-only part)
+
+    def wait(self, waiter: Any) -> None:
+        """An admit waits for this prefetch (the tree actor's opaque token)."""
+        self.waiters.append(waiter)
 
     def take_waiters(self) -> list[Any]:
         """The admits that waited for it (they go on now, or fail); none wait any more."""

@@ -11,60 +11,100 @@ nodes, and the copy tracker starts their backups.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Hashable
-from typing import Any
+from collections.abc import Callable, Container, Hashable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.errors import CapacityError, InternalError
+from runtime.errors import CapacityError, InternalError, StateError
 from runtime.events.recorder import CPU, GPU, KVEventRecorder
+from runtime.memory.groups import FULL, RECURRENT, SLIDING, Feature, GroupSpec
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
-from runtime.memory.state_pool import STATE_POOL_PREFIX
 from runtime.memory.swa import PairedLedger, SwaSlots
 from runtime.storage.hashing import KVIdentity
+from runtime.storage.state_blobs import StateBlobFormat
 from runtime.trace import SlotTracer
 from runtime.tree.policies import policy_by_name
 from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, tests)
 from runtime.tree.page_hasher import PageHasher
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
-from runtime.tree.records import EMPTY, aligned
-from runtime.tree.groups.recurrent import RecurrentStates
+from runtime.tree.groups.base import PoolGroup
+from runtime.tree.groups.full import FullAttention
+from runtime.tree.groups.recurrent import NoSnapshots, RecurrentStates
 from runtime.tree.groups.sliding import SlidingWindow
+from runtime.tree.records import EMPTY, RequestRecord, aligned
+
+G = TypeVar("G", bound=PoolGroup)
 
 
 class Residency:
     # -- state -------------------------------------------------------------------
     def __init__(self, page_size: int, device_slots: int, host_slots: int, *, eviction_policy: str = "lru",
                  write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0,
-                 host_state_slots: int = 0, state_pools: tuple[str, ...] = (), sliding_window: int = 0,
-                 swa_slots: int = 0) -> None:
+                 host_state_slots: int = 0, sliding_window: int = 0, swa_slots: int = 0,
+                 specs: tuple[GroupSpec, ...] = (), requests: Mapping[Hashable, RequestRecord] | None = None,
+                 state_format: StateBlobFormat | None = None) -> None:
         """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
-        device memory): a tree of host copies over the host ledger. `state_slots` > 0: a hybrid
-        model's recurrent states (`RecurrentStates`): node snapshots go with the node's device KV
-        and a match is cut back to the deepest snapshot. `sliding_window` > 0: sliding layers in a
-        pool of `swa_slots` (`SlidingWindow`): pages outside every node end's window drop their
-        sliding KV and a match is cut back to the deepest end whose window is present."""
+        device memory): a tree of host copies over the host ledger. `specs`: the model's pool
+        groups (`RuntimeConfig.group_specs`; none: full attention alone), each a rule object in
+        `groups`: with recurrent state (`state_slots` > 0, `RecurrentStates`) node snapshots go
+        with the node's device KV and a match is cut back to the deepest snapshot; with sliding
+        layers (`sliding_window` > 0, a pool of `swa_slots`, `SlidingWindow`) pages outside
+        every node end's window drop their sliding KV and a match is cut back to the deepest end
+        whose window is present. `requests`: the live request records (read by groups whose
+        rule depends on what running requests still read)."""
         self.page_size = page_size
         self.write_back = host_slots > 0 and write_back
         self.tracer = tracer
-        self.tree = RadixTree(page_size, policy_by_name(eviction_policy))
-        self.sliding: SlidingWindow | None = None
-        if sliding_window > 0:
+        self.tree = RadixTree(page_size, policy_by_name(eviction_policy), on_split=self.on_split)
+        self._split_listeners: list[Callable[[Node, Node], None]] = []
+        spec = {s.kind: s for s in specs}
+        self.host: SlotLedger | None = SlotLedger(host_slots, page_size, Tier.HOST, tracer) if host_slots > 0 else None
+        # the groups, as the config declares them (the token pool's own first)
+        full = spec.get(FULL) or GroupSpec.of(FULL, "kv_layout", "token", (), 0)
+        groups: list[PoolGroup] = []
+        if sliding_window > 0:  # the sliding pool is paired with the token pool: one device ledger over both
             swa = SwaSlots(device_slots, swa_slots, page_size)
-            self.device: SlotLedger = PairedLedger(device_slots, page_size, Tier.DEVICE, tracer, swa)
-            self.sliding = SlidingWindow(sliding_window, swa, self.device, self.tree)  # type: ignore[arg-type]
+            paired = PairedLedger(device_slots, page_size, Tier.DEVICE, tracer, swa)
+            self.device: SlotLedger = paired
+            groups.append(FullAttention(full, paired.full_free_pages, self.evictable_device_pages))
+            groups.append(SlidingWindow(spec[SLIDING], sliding_window, swa, paired, self.tree,
+                                        {} if requests is None else requests))
         else:
             self.device = SlotLedger(device_slots, page_size, Tier.DEVICE, tracer)
-        self.host: SlotLedger | None = SlotLedger(host_slots, page_size, Tier.HOST, tracer) if host_slots > 0 else None
+            groups.append(FullAttention(full, self.device.num_free_pages, self.evictable_device_pages))
+        # the storage tier's snapshot store: host snapshots, if the model keeps any (`state_format`:
+        # how they are stored)
+        self.snapshots: RecurrentStates | NoSnapshots = NoSnapshots()
+        if state_slots > 0:
+            states = RecurrentStates(spec[RECURRENT], state_slots, host_state_slots, self.tree.policy, page_size,
+                                     state_format)
+            groups.append(states)
+            if host_state_slots > 0:
+                self.snapshots = states
+        self.groups: tuple[PoolGroup, ...] = tuple(groups)
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | None = None
         # the nodes' page hashes, shared by KV events and storage writes (`use_hasher`)
         self.hasher: PageHasher | None = None
-        self.states: RecurrentStates | None = (
-            RecurrentStates(state_slots, host_state_slots, state_pools, self.tree.policy) if state_slots > 0 else None)
+
+    def group(self, kind: type[G]) -> G:
+        """The model's group of rule `kind` (StateError: the model has none)."""
+        for g in self.groups:
+            if isinstance(g, kind):
+                return g
+        raise StateError(f"the model has no {kind.__name__} group")
+
+    def supports(self, feature: Feature) -> bool:
+        """Whether every group of the model supports `feature` (their declarations)."""
+        return all(feature in g.spec.supports for g in self.groups)
+
+    def listen_splits(self, hook: Callable[[Node, Node], None]) -> None:
+        """Call `hook(lower, upper)` after every split, once the groups and ledgers followed it."""
+        self._split_listeners.append(hook)
 
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder
@@ -79,13 +119,15 @@ class Residency:
         return self.hasher
 
     @classmethod
-    def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None) -> "Residency":
-        shape = config.state_shape
-        pools = tuple(STATE_POOL_PREFIX + c.name for c in shape.components) if shape is not None else ()
+    def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None,
+                    requests: Mapping[Hashable, RequestRecord] | None = None) -> "Residency":
         return cls(config.page_size, config.device_slots, config.host_slots, eviction_policy=config.eviction_policy,
                    write_back=config.write_policy == "write_back", tracer=tracer, state_slots=config.state_slots,
-                   host_state_slots=config.host_state_slot_count, state_pools=pools,
-                   sliding_window=config.sliding_window if config.swa_slots else 0, swa_slots=config.swa_slots)
+                   host_state_slots=config.host_state_slot_count,
+                   sliding_window=config.sliding_window if config.swa_slots else 0, swa_slots=config.swa_slots,
+                   specs=config.group_specs, requests=requests,
+                   state_format=StateBlobFormat.of(shape, config.page_size * config.bytes_per_token)
+                   if (shape := config.state_shape) else None)
 
     # -- allocation --------------------------------------------------------------
     def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
@@ -108,21 +150,20 @@ class Residency:
 
     # -- eviction and deletion ---------------------------------------------------
     def evict_device(self, pages: int) -> list[Node]:
-        """Free `pages` device pages in eviction order (as `freeable_now` predicts): drop device
-        copies backed up on host, delete childless nodes with no host copy. Returns the nodes
-        passed over because their eviction needs a backup first (their device pages are freed at
-        its ack): the caller starts those backups."""
-        if self.sliding is not None:
-            return self._evict_sliding(pages)
-        freed = 0
+        """Free `pages` device pages in eviction order (as `freeable_now` predicts): each group
+        gives back what it can first (`before_evict`), then device copies backed up on host are
+        dropped and childless nodes with no host copy deleted. Returns the nodes passed over
+        because their eviction needs a backup first (their device pages are freed at its ack):
+        the caller starts those backups."""
+        device = self.device
+        target = device.num_free_pages() + pages
+        for g in self.groups:
+            g.before_evict(target)
         backup_first: list[Node] = []
         for node in self.tree.device_victims():
-            if freed >= pages:
+            if device.num_free_pages() >= target:
                 break
-            n = node.num_tokens // self.page_size
-            if self._evict_node(node):
-                freed += n
-            else:
+            if not self._evict_node(node):
                 backup_first.append(node)
         return backup_first
 
@@ -136,21 +177,6 @@ class Residency:
             self.delete(node)
         return True
 
-    def _evict_sliding(self, pages: int) -> list[Node]:
-        """`evict_device` with a sliding pool: `pages` more free in both pools, sliding pages
-        dropped first (`SlidingWindow.drop`), then whole nodes in eviction order."""
-        assert self.sliding is not None
-        device = self.device
-        target = device.num_free_pages() + pages
-        self.sliding.drop(target - self.sliding.swa.num_free_pages())
-        backup_first: list[Node] = []
-        for node in self.tree.device_victims():
-            if device.num_free_pages() >= target:
-                break
-            if not self._evict_node(node):
-                backup_first.append(node)
-        return backup_first
-
     def evict_host(self, pages: int) -> None:
         freed = 0
         for node in self.tree.host_victims():
@@ -160,8 +186,8 @@ class Residency:
             self.delete(node)
 
     def drop_device(self, node: Node) -> None:
-        if self.states is not None:
-            self.states.drop(node)
+        for g in self.groups:
+            g.drop_device(node)
         slots = self.tree.detach_device(node)
         self.device.free(slots, node_owner(node), trusted=True, node=node.id, reason="evict")
         if self.events is not None:
@@ -178,11 +204,9 @@ class Residency:
                     self.events.removed(node, GPU)
                 if node.host is not None:
                     self.events.removed(node, CPU)
-            if self.states is not None:
-                self.states.drop(node)
-                self.states.drop_host(node)
-            if self.sliding is not None:
-                self.sliding.forget_host(node)
+            for g in self.groups:
+                g.drop_device(node)
+                g.drop_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
                 self.device.free(device, node_owner(node), trusted=True, node=node.id, reason="evict")
@@ -291,8 +315,8 @@ class Residency:
     def roll_back_load(self, chain: list[Node]) -> None:
         """A failed load's device copies never became valid: detach and free them."""
         for node in reversed(chain):
-            if self.states is not None:
-                self.states.drop(node)
+            for g in self.groups:
+                g.drop_device(node)
             slots = self.tree.detach_device(node, force=True)
             self.device.free(slots, node_owner(node), node=node.id, reason="load_failed")
             if self.events is not None:
@@ -302,8 +326,8 @@ class Residency:
         """Detach a load's device copies from its chain: its deepest node's owner keeps them all
         until the load's ack frees them (the load was started under a load that failed)."""
         owner = node_owner(chain[-1])
-        if self.states is not None:
-            self.states.orphan_load(chain)
+        for g in self.groups:
+            g.orphan_load(chain)
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
             if self.events is not None:
@@ -361,15 +385,18 @@ class Residency:
         return kept, parent
 
     def on_split(self, lower: Node, upper: Node) -> None:
-        """A split hands the upper part's slots (and page hashes) to the new node."""
+        """A split hands the upper part's slots (and page hashes, and each group's records) to the
+        new node, then tells the listeners (copies in flight)."""
         if self.hasher is not None:
             self.hasher.on_split(lower, upper)
-        if self.sliding is not None:
-            self.sliding.on_split(lower, upper)
+        for g in self.groups:
+            g.on_split(lower, upper)
         if upper.device is not None:
             self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
         if upper.host is not None and self.host is not None:
             self.host.assign(upper.host, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
+        for hook in self._split_listeners:
+            hook(lower, upper)
 
     # -- questions (change nothing) ---------------------------------------------------
     def admission(self, tokens: np.ndarray, extra_key: Hashable, *,
@@ -384,16 +411,18 @@ class Residency:
 
     def usable_match(self, tokens: np.ndarray, extra_key: Hashable, *,
                      admitting: bool = False) -> tuple[MatchResult, int]:
-        """The read-only match of `tokens` a hit may use, and its host tokens: with recurrent state,
-        cut back to the deepest snapshot (a hit restores KV and state of one prefix, or nothing);
-        with sliding layers, to the deepest end whose window's sliding KV is present."""
+        """The read-only match of `tokens` a hit may use, and its host tokens: cut back to where
+        every group's state is whole (`PoolGroup.usable_end`; with recurrent state, the deepest
+        snapshot; with sliding layers, the deepest end whose window's sliding KV is present). This
+        is the one place a hit is cut short. `admitting`: an admission's look (each group notes
+        the cut, counted once it is admitted)."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len if self.host is not None else 0
-        rule = self.states if self.states is not None else self.sliding  # one at most (RuntimeConfig)
         matched = look.device_len + host_len
-        usable = rule.usable_end(look, host_len) if rule is not None and matched else matched
-        if admitting and self.sliding is not None:  # every admission's look sets it (0: not cut)
-            self.sliding.note_cut(matched - usable)
+        usable = min(g.usable_end(look, host_len) for g in self.groups) if matched else 0
+        if admitting:  # every admission's look notes it (0: not cut)
+            for g in self.groups:
+                g.note_cut(matched - usable)
         if usable < matched:
             look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
             host_len = look.host_len if self.host is not None else 0
@@ -409,18 +438,17 @@ class Residency:
 
     def room_for(self, pages: int, look: MatchResult | None = None) -> bool:
         """Whether `pages` device pages can be had now, free or by an eviction that frees them at
-        once. `can_admit`, `admit` and `extend` all decide by this one answer, so they agree. A
-        request's own matched prefix (`look`) is evictable until its admission locks it, so it is
-        no room for it."""
-        free = self.device.num_free_pages()
-        if pages <= free:
+        once, in every group's pool (`PoolGroup.room`). `can_admit`, `admit` and `extend` all
+        decide by this one answer, so they agree. A request's own matched prefix (`look`) is
+        evictable until its admission locks it, so it is no room for it."""
+        if pages <= self.device.num_free_pages():
             return True
-        if self.sliding is not None:
-            return self._room_sliding(pages, look)
-        if pages > free + self.evictable_device_pages():  # not even eventually
-            return False
         keep, tail = self._kept_by(look)
-        return free + self.freeable_now(pages - free, keep, tail) >= pages
+
+        def dry_run(need: int, weigh: Callable[[Node, int], int] | None = None) -> int:
+            return self.freeable_now(need, keep, tail, weigh)
+
+        return all(g.room(pages, look, dry_run) for g in self.groups)
 
     @staticmethod
     def _kept_by(look: MatchResult | None) -> tuple[set[Node], tuple[Node, int] | None]:
@@ -436,18 +464,6 @@ class Residency:
                 keep.discard(node)
                 tail = node, len(node.device) - look.partial
         return keep, tail
-
-    def _room_sliding(self, pages: int, look: MatchResult | None) -> bool:
-        """`room_for` with a sliding pool: both pools must reach `pages` free, the sliding one by
-        drops first, then each by the same node evictions (`_evict_sliding`)."""
-        sliding = self.sliding
-        assert isinstance(self.device, PairedLedger) and sliding is not None
-        keep, tail = self._kept_by(look)
-        full_need = pages - self.device.full_free_pages()
-        if full_need > 0 and self.freeable_now(full_need, keep, tail) < full_need:
-            return False
-        swa_need = pages - sliding.swa.num_free_pages() - sliding.droppable_total(look)
-        return swa_need <= 0 or self.freeable_now(swa_need, keep, tail, sliding.kept_pages) >= swa_need
 
     def freeable_now(self, need: int, keep: set[Node], tail: tuple[Node, int] | None = None,
                      weigh: Callable[[Node, int], int] | None = None) -> int:

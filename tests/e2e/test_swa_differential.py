@@ -199,7 +199,7 @@ async def serve_sliding_pool(model, *, debug_invariants: bool = True, write_poli
                 for i in range(3):  # pages: fillers shorter than the sliding pool, one after another
                     await srv.generate(ids(SWA_TOKENS - 2 * PAGE, 90 + i), max_new_tokens=1, rid=f"filler{i}")
                     await settle(rt)
-                missing.append(await rt.inspect(lambda core: sum(core.residency.sliding.host_missing.values())))
+                missing.append(await rt.inspect(lambda core: sum(core.residency.group(SlidingWindow).host_missing.values())))
 
         missing: list[int] = []
         results, metrics = await serve_turns(rt, model, between_turns, paged=paged, turns=TURNS)

@@ -543,7 +543,7 @@ def _observe(core: Any, with_host: bool, backend: Any = None, state_pool: Any = 
         sess[sid] = (s.tokens.copy(), s.slots.copy(), s.turn)
         owned[("s", sid)] = (core.residency.device.owned_slots(s.owner),
                              core.residency.host.owned_slots(s.owner) if with_host and core.residency.host is not None else None)
-    states = core.residency.states
+    states = _group(core, "RecurrentStates")
     held = {rid: (states.running.get(rid), dict(states.pending.get(rid, {}))) for rid in core.requests} \
         if states is not None else {}
     # node snapshots are few (at most the state slots): checked after every call, not every TREE_EVERY
@@ -584,7 +584,7 @@ def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any, swa: SwaView | 
     if swa is not None:
         checks["device sliding"] = (swa.pool, swa.layers, [], [])
         checks["host sliding"] = (swa.host_pool, swa.layers, [], [])
-    sliding = core.residency.sliding
+    sliding = _group(core, "SlidingWindow")
     smap = sliding.swa.map if swa is not None else None
     not_leading = []
     for node in core.residency.tree.nodes():
@@ -621,9 +621,14 @@ def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any, swa: SwaView | 
     return out
 
 
+def _group(core: Any, kind: str) -> Any:
+    """The core's pool group of rule class `kind` (None: the model has none)."""
+    return next((g for g in core.residency.groups if type(g).__name__ == kind), None)
+
+
 def _tree_state_errors(core: Any, pool: Any, host_pool: Any = None) -> list[str]:
     """Every node's state snapshot holds the state after that node's whole path (its last token)."""
-    states = core.residency.states
+    states = _group(core, "RecurrentStates")
     if states is None:
         return []
     tree = core.residency.tree

@@ -40,7 +40,7 @@ Recurrent state (hybrid episodes only: these plants run just the episodes with s
   KV is not cut back to the deepest snapshot; the hit resumes from the deepest snapshot on its
   path (state of a shorter prefix with longer KV), or from none.
 - `state_leaf_grows`: a request's leaf holding a snapshot grows in place at its next insert
-  (`CacheCore._insert` without "states is None or start not in states.node_state"): the snapshot
+  (`CacheCore._insert` without `RecurrentStates.grows_in_place`'s no): the snapshot
   then sits at the leaf's new end. The invariant checker, run by the tree actor after every
   message (`debug_invariants`), sees it first ("node 1 ends at 12 but holds the state snapshot
   taken at 4") and the runtime fails; so
@@ -275,7 +275,7 @@ def _state_match_not_cut() -> Callable[[], None]:
 def _state_load_other_snapshot() -> Callable[[], None]:
     from runtime.tree.groups.recurrent import RecurrentStates
 
-    start_load = RecurrentStates.start_load
+    start_load = RecurrentStates._load_copy
 
     def broken(self: RecurrentStates, host_nodes, slot, op_id):
         # the load of a host-only chain brings back another node's host snapshot for its deepest node
@@ -290,11 +290,12 @@ def _state_load_other_snapshot() -> Callable[[], None]:
         finally:
             self.host_state[deepest], self.host_state[other] = mine, self.host_state[deepest]
 
-    RecurrentStates.start_load = broken
-    return lambda: setattr(RecurrentStates, "start_load", start_load)
+    RecurrentStates._load_copy = broken
+    return lambda: setattr(RecurrentStates, "_load_copy", start_load)
 
 
 def _state_leaf_grows() -> Callable[[], None]:
+    from runtime.tree.groups.recurrent import RecurrentStates
     from runtime.tree.residency import Residency
 
     insert = Residency.insert
@@ -302,7 +303,8 @@ def _state_leaf_grows() -> Callable[[], None]:
     def broken(self: Residency, tokens, extra_key, slots, owner, start=None, extend_leaf=False, *args, **kw):
         # `CacheCore._insert` asks for growth in place except where `start` holds a snapshot (no copy
         # is ever busy without a host tier): ask for it there too
-        if start is not None and self.states is not None and start in self.states.node_state:
+        states = next((g for g in self.groups if isinstance(g, RecurrentStates)), None)
+        if start is not None and states is not None and start in states.node_state:
             extend_leaf = True
         return insert(self, tokens, extra_key, slots, owner, start, extend_leaf, *args, **kw)
 
@@ -331,8 +333,8 @@ def _swa_backup_skips_sliding() -> Callable[[], None]:
 
     start_backup = SlidingWindow.start_backup
 
-    def broken(self: SlidingWindow, op_id, device, host):
-        start_backup(self, op_id, device, host)  # records the backup (and its missing pages)
+    def broken(self: SlidingWindow, op_id, node, device, host):
+        start_backup(self, op_id, node, device, host)  # records the backup (and its missing pages)
         return ()  # ...but its plan copies only the full layers
 
     SlidingWindow.start_backup = broken
@@ -346,7 +348,7 @@ def _unchecked(plant: Callable[[], Callable[[], None]], check: str) -> Callable[
         import runtime.invariants as invariants
 
         undo_plant, checker = plant(), getattr(invariants, check)
-        setattr(invariants, check, lambda core, nodes: None)
+        setattr(invariants, check, lambda core, group, nodes: None)
 
         def undo() -> None:
             undo_plant()

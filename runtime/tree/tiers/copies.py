@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,7 @@ class CopyTracker:
         self.batches: dict[int, _Batch] = {}
         self.stats: dict[str, int] = {"backups_issued": 0, "loads_issued": 0, "copy_failures": 0,
                                       "writeback_deferred": 0}
+        residency.listen_splits(self.on_split)
 
     # -- issuing -------------------------------------------------------------------
     def backup(self, node: Node, evict_after: bool = False) -> bool:
@@ -79,14 +81,13 @@ class CopyTracker:
         op_id = next(self._op_ids)
         device = node.device.copy()
         res.tree.lock(node)
-        state = res.states.start_backup(node, op_id) if res.states is not None else None
         op = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
-                    node_owner(node), evict_after=evict_after, state=state)
+                    node_owner(node), evict_after=evict_after)
         self.ops[op_id] = op
         self.backup_pending[node.id] = op_id
-        more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
-        if res.sliding is not None:
-            more += res.sliding.start_backup(op_id, device, host)
+        more: tuple[PoolTransfer, ...] = ()
+        for g in res.groups:  # (each group's pools: a snapshot, sliding rows)
+            more += g.start_backup(op_id, node, device, host)
         self._open.append((op, more))
         self.stats["backups_issued"] += 1
         return True
@@ -127,9 +128,11 @@ class CopyTracker:
                 self.stats["writeback_deferred"] += node.num_tokens
 
     def start_load(self, host_nodes: list[Node], host_len: int, device: np.ndarray, owner: Owner,
-                   state_slot: int | None = None) -> CopyOp:
+                   reserved: tuple[Any, ...] = ()) -> CopyOp:
         """Load the host-only chain into `device` slots (allocated by `owner`, handed to the nodes);
-        with recurrent state, the deepest node's host snapshot into `state_slot` (reserved for it)."""
+        each group's part with what its admission reserved (`reserved`, one per group: with
+        recurrent state, the slot the deepest node's host snapshot comes back to; none: nothing
+        reserved)."""
         res = self.residency
         assert res.host is not None
         device = device.copy()  # the op's snapshot owns its arrays
@@ -143,14 +146,12 @@ class CopyTracker:
         res.tree.lock(deepest)
         res.device.pin(device, op_id, trusted=True)
         res.host.pin(host, op_id, trusted=True)
-        state = res.states.start_load(host_nodes, state_slot, op_id) if state_slot is not None else None  # type: ignore[union-attr]
-        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest),
-                    readiness=readiness, state=state)
+        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest), readiness=readiness)
         self.ops[op_id] = op
         res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
-        more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
-        if res.sliding is not None:
-            more += res.sliding.start_load(host_nodes)
+        more: tuple[PoolTransfer, ...] = ()
+        for g, r in zip(res.groups, reserved or (None,) * len(res.groups), strict=True):
+            more += g.start_load(op_id, host_nodes, r)
         self._plans.append((make_plan(op_id, Direction.LOAD, host, device, more), readiness))
         self.stats["loads_issued"] += 1
         return op
@@ -174,12 +175,12 @@ class CopyTracker:
         return out
 
     def add_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
-        self._load_op_of(readiness).users.add(rid)
+        self._load_op_of(readiness).use(rid)
 
     def drop_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
         op = self._load_op_of(readiness, missing_ok=True)
         if op is not None:
-            op.users.discard(rid)
+            op.unuse(rid)
 
     def insert_cap(self, tokens: np.ndarray, n: int, extra_key: Hashable) -> int:
         """How much of tokens[:n] an insert may cover: it stops at a node whose load is in flight
@@ -222,13 +223,12 @@ class CopyTracker:
         res = self.residency
         op_id = op.op_id
         del self.ops[op_id]
-        if op.state is not None:  # (unpinned first: a rollback or a write-back eviction frees them)
-            assert res.states is not None
-            if op.direction is Direction.BACKUP:
-                res.states.end_backup(op.state, op_id, error is None)
-            else:
-                res.states.end_load(op.state, op_id)
         chain = res.tree.split_chain(op.node, op.length)
+        for g in res.groups:  # (unpinned first: a rollback or a write-back eviction frees them)
+            if op.direction is Direction.BACKUP:
+                g.end_backup(op_id, chain, error is None)
+            else:
+                g.end_load(op_id, op.orphaned)
         out = AckOutcome(op)
         if op.direction is Direction.BACKUP:
             self._finish_backup(op, chain, error)
@@ -256,8 +256,6 @@ class CopyTracker:
         res = self.residency
         for node in chain:
             self.backup_pending.pop(node.id, None)
-        if res.sliding is not None:
-            res.sliding.end_backup(op.op_id, chain if error is None else None)
         if error is not None:
             res.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")  # type: ignore[union-attr]
             return
@@ -269,8 +267,6 @@ class CopyTracker:
                 del self.loading[node.id]
         if op.orphaned:  # its nodes were rolled back with a failed load above them
             self.residency.device.free(op.device, node_owner(op.node), node=op.node.id, reason="load_orphaned")
-            if op.state is not None:
-                self.residency.states.free_orphaned(op.state)  # type: ignore[union-attr]
             return
         if error is not None and op.readiness is not None and op.readiness.all_ready():
             # every layer was reported on device: its users computed on it, and KV below it

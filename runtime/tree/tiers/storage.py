@@ -36,10 +36,9 @@ from runtime.memory.owners import Owner
 from runtime.events.wire import STORAGE
 from runtime.messages import StateBlob
 from runtime.storage.hashing import KVIdentity, page_hashes, rank_identities
-from runtime.storage.state_blobs import StateBlobFormat
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
-from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, aligned
+from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, StoredPages, aligned
 from runtime.tree.residency import Residency
 
 _log = get_logger("hicache.storage")
@@ -98,14 +97,17 @@ class StorageTier:
         self.doubtful: set[bytes] = set()  # known once, in doubt since (`StoredPages`): a clear removes them too
         # a hybrid model's snapshots: their storage format, and those known stored, by the hash of
         # the page each follows, with their chunk keys (no KV events: they are not pages of a prefix)
-        self.states = residency.states if residency.states is not None and residency.states.host_ledger else None
-        self.state_format = (StateBlobFormat.of(config.state_shape, config.page_size * config.bytes_per_token)
-                             if self.states is not None and config.state_shape is not None else None)
+        self.states = residency.snapshots
         self.known_states: dict[bytes, tuple[bytes, ...]] = {}
         self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
         self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
+
+    def restore(self, kept: StoredPages) -> None:
+        """What this runtime knew of the backend's pages when it detached the same backend."""
+        self.known, self.doubtful, self.rank_keys = kept.known, kept.doubtful, kept.rank_keys
+        self.known_states = kept.states
 
     # -- writes ------------------------------------------------------------------
     def write(self, node: Node, length: int, host: np.ndarray) -> None:
@@ -120,7 +122,7 @@ class StorageTier:
         every = self.hasher.path(node)
         hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
-        blobs = self._state_writes(node, length, every)
+        blobs = self.states.blobs_to_write(res.tree.split_chain(node, length), every, self.known_states)
         if not pick and not blobs:
             return
         keys = [hashes[i] for i in pick]
@@ -130,7 +132,7 @@ class StorageTier:
         res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
         res.tree.protect_host(node, length)
         for blob in blobs:  # (read by the write: pinned until its ack, its node's host copy protected)
-            self.states.pin_host(blob.slot, op_id)  # type: ignore[union-attr]
+            self.states.pin_host(blob.slot, op_id)  # type: ignore[union-attr] (blobs: a recurrent store's)
         sop = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys, states=blobs)
         if res.events is not None:  # what a STORAGE event of the written pages says
             sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
@@ -162,7 +164,7 @@ class StorageTier:
             return 0
         every = self._hashes(tokens[:match_len], extra_key)
         keys = every[start // ps:]
-        blobs = self._state_lookups(keys)
+        blobs = self.states.blobs_to_look_up(keys)
         # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
         # only for what storage holds (`_read`)
         op_id = next(self._op_ids)
@@ -216,7 +218,7 @@ class StorageTier:
             pf.by_prepare = False  # the admit's own: its rid is not one the caller prepared
         if pf is None:
             return None
-        pf.waiters.append(waiter)
+        pf.wait(waiter)
         timeout = self.config.prefetch_timeout(len(tokens)) if self.config.prefetch_policy == "timeout" else None
         return PrefetchWait(pf, timeout)
 
@@ -326,8 +328,8 @@ class StorageTier:
             if not pf.detached and not pf.cancelled and len(self.prefetch_landed) < _PREPARED_CAP:
                 self.prefetch_landed[pf.rid] = taken
             if sop.states:  # the node ending where the KV ends takes the state read with it
-                assert self.states is not None
-                if self.states.adopt_host(end, sop.states[0].slot, pf.owner, pf.start + pages * ps):
+                if self.states.adopt_host(end, sop.states[0].slot, pf.owner,  # type: ignore[union-attr]
+                                          pf.start + pages * ps):
                     self.stats["state_storage_hits"] += 1
         elif sop.states:
             self.states.free_host(sop.states[0].slot, pf.owner, rid=pf.rid, reason="prefetch_unused")  # type: ignore[union-attr]
@@ -382,31 +384,6 @@ class StorageTier:
             self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
-
-    def _state_writes(self, node: Node, length: int, every: list[bytes]) -> tuple[StateBlob, ...]:
-        """The host snapshots at the ends of the chain of the last `length` tokens of `node`'s path
-        (page hashes `every`) that are not known stored: one blob each, keyed by the page ending
-        at the snapshot's position (snapshots are only ever taken at page-aligned node ends)."""
-        states, fmt = self.states, self.state_format
-        if states is None or fmt is None:
-            return ()
-        out = []
-        for n in self.residency.tree.split_chain(node, length):
-            slot = states.host_state.get(n)
-            if slot is None:
-                continue
-            page = every[states.host_position[slot] // self.residency.page_size - 1]
-            if page not in self.known_states:
-                out.append(StateBlob(slot, fmt.keys(page), page=page))
-        return tuple(out)
-
-    def _state_lookups(self, keys: list[bytes]) -> tuple[StateBlob, ...]:
-        """A hybrid model's hit ends at a stored snapshot: one asked for after each of the pages
-        `keys` (a lookup's), deepest first, each named by the page it follows (the worker derives
-        the chunk keys of those it checks: hashing every boundary's here would cost O(pages x chunks))."""
-        if self.state_format is None:
-            return ()
-        return tuple(StateBlob(-1, (), j, page=keys[j - 1]) for j in range(len(keys), 0, -1))
 
     def _doubt_states(self, page: bytes) -> None:
         """The snapshot after `page`, found missing or unreadable: no longer known stored (written
@@ -499,8 +476,7 @@ class StorageTier:
                     self._doubt_states(b.page)
             found = blob.after if blob is not None else 0
             if blob is not None:  # found stored, as the KV before it (`_found`): a clear removes it
-                assert self.state_format is not None
-                self.known_states[blob.page] = self.state_format.keys(blob.page)
+                self.known_states[blob.page] = self.states.blob_keys(blob.page)  # type: ignore[union-attr]
         if found and self._read(pf, sop.keys[:found], blob):
             return None  # its waiters wait for the read
         self._release_anchor(pf)
@@ -537,9 +513,8 @@ class StorageTier:
         res = self.residency
         assert res.host is not None
         slot = None
-        if blob is not None:
-            assert self.states is not None
-            slot = self.states.take_host(pf.owner, rid=pf.rid)
+        if blob is not None:  # (a blob comes from a recurrent store's lookup)
+            slot = self.states.take_host(pf.owner, rid=pf.rid)  # type: ignore[union-attr]
         if host is None:
             host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys and \
                 (blob is None or slot is not None) else None
