@@ -34,6 +34,7 @@ from runtime.trace import JsonlSink, SlotTracer
 from runtime.transfer.engine import CopyEngine
 from runtime.transfer.sharded import ShardedCopyEngine, pool_geometry
 from runtime.transfer.state_io import StateBlobIO
+from runtime.tree.groups.sliding import SlidingWindow
 from runtime.tree.cache import CacheCore
 
 EngineFactory = Callable[[Mapping[str, tuple[DevicePool, HostPool]]], CopyEngine]
@@ -235,9 +236,10 @@ def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None,
     readiness = (LayerReadiness.pending if config.tp_ranks == 1
                  else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
     core = CacheCore(config, tracer, readiness_factory=readiness)
-    if core.residency.sliding is not None:
-        # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
-        swa_map = torch.from_numpy(core.residency.sliding.swa.map)
+    for group in core.residency.groups:
+        if isinstance(group, SlidingWindow):
+            # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
+            swa_map = torch.from_numpy(group.swa.map)
     if storage is not None:
         core.enable_storage()
     # decode offload: the offload actor and the tree actor know each other's mailbox

@@ -104,8 +104,8 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
     ps = core.page_size
     tree = core.residency.tree
     copy_ops = core.copies.ops
-    storage_ops = core.storage.ops if core.storage is not None else {}
-    prefetch_table = core.storage.prefetches if core.storage is not None else {}
+    storage_ops = core.storage.ops  # (none, and no prefetch, without a storage tier)
+    prefetch_table = core.storage.prefetches
     roots = set(tree.roots())
     nodes = [n for n in _all_nodes(core) if n not in roots]
     expected = {"device": {}, "host": {}}  # page -> owner expected by the structures
@@ -177,14 +177,13 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
             pins["device"][page] += 1
         for page in _pages(op.host, ps):
             pins["host"][page] += 1
-    for op in (core.offload.ops.values() if core.offload is not None else ()):  # decode offload copies
+    for op in core.offload.ops.values():  # decode offload copies
         claim("host", op.host, op.host_owner, f"offload op {op.op_id} destination")
         for page in _pages(op.device, ps):
             pins["device"][page] += 1
         for page in _pages(op.host, ps):
             pins["host"][page] += 1
-    if core.storage is not None:
-        _check_storage_ops(core.storage, lambda slots, owner, what: claim("host", slots, owner, what), pins["host"])
+    _check_storage_ops(core.storage, lambda slots, owner, what: claim("host", slots, owner, what), pins["host"])
 
     for tier, ledger in (("device", core.residency.device), ("host", core.residency.host)):
         if ledger is not None:
@@ -197,8 +196,7 @@ def check_invariants(core: "CacheCore", *, quiescent: bool = False) -> None:
 
     # 4: lock counts from who holds locks (requests' last nodes, in-flight copies' nodes)
     holders = [rec.last_node for rec in core.requests.values()] + [op.node for op in copy_ops.values()]
-    if core.offload is not None:  # decode offload: retired requests
-        holders += [z.rec.last_node for z in core.offload.retired.values()]
+    holders += [z.rec.last_node for z in core.offload.retired.values()]  # decode offload: retired requests
     prefetches = [sop.prefetch for sop in storage_ops.values() if sop.prefetch is not None]
     holders += [pf.anchor_lock for pf in prefetches]  # storage prefetch: the prefix it will hang under
     _check_locks(nodes, holders, roots)
@@ -290,7 +288,7 @@ def _check_states(core: "CacheCore", states: "RecurrentStates", nodes: list["Nod
                     hold(host_table, "host state", host, Owner.node(node.id), f"backup {op.op_id}")
             if not op.orphaned:
                 _check_state_copy(states, op, copy, backup)
-    for sop in (core.storage.ops.values() if core.storage is not None else ()):
+    for sop in core.storage.ops.values():
         # a storage write reads its chain's host snapshots (held by their nodes, pinned by it); a
         # storage read fills a host slot its prefetch holds (pinned) until a node adopts it at the ack
         for blob in sop.states:
@@ -592,8 +590,6 @@ def _check_offload(core: "CacheCore", claim, roots: set, quiescent: bool) -> Non
     that its request, live or retired, still maps (so nothing it reads was freed); landed
     host chunks belong to their request; the ranges of one request never overlap."""
     offload = core.offload
-    if offload is None:
-        return
     retired = offload.retired
     offload_ops = list(offload.ops.values())
     if not (retired or offload_ops or offload.landed or offload.inflight):

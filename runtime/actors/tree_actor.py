@@ -203,7 +203,7 @@ class TreeActor(Actor[TreeMessage]):
         for plan, readiness in copies:
             self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
         for op_id, write, keys, pages, rank_keys in stores:
-            states = self.core.storage.blobs(op_id) if self.core.storage is not None else ()
+            states = self.core.storage.blobs(op_id)
             self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox, states,
                                                              rank_keys=rank_keys))
         if notes:
@@ -296,8 +296,7 @@ class TreeActor(Actor[TreeMessage]):
     def on_storage_cleared(self, msg: StorageCleared) -> None:
         self._removing = False
         self.controls.popleft()
-        if self.core.storage is not None:
-            self.core.storage.paused = False
+        self.core.storage.pause(False)
         if msg.error is not None:
             msg.caller.set_exception(msg.error)
         else:
@@ -314,7 +313,7 @@ class TreeActor(Actor[TreeMessage]):
             assert reply is not None
             if type(msg) is AttachStorage:
                 controls.popleft()
-                if storage is not None:
+                if storage.attached:
                     reply.set_exception(StateError("a storage tier is attached already: detach it first"))
                     continue
                 self.core.enable_storage(self._take_known(msg.backend))
@@ -322,7 +321,7 @@ class TreeActor(Actor[TreeMessage]):
                 # before any storage op the tier issues from now on (the transfer mailbox is FIFO)
                 self._to_transfer(SetStorageBackend(msg.backend, reply), reply)
                 continue
-            if storage is None:
+            if not storage.attached:
                 controls.popleft()
                 reply.set_exception(StateError("no storage tier is attached"))
                 continue
@@ -330,7 +329,7 @@ class TreeActor(Actor[TreeMessage]):
                 controls.popleft()
                 reply.set_exception(StateError("the storage backend cannot remove pages (it has no remove(keys))"))
                 continue
-            storage.paused = True
+            storage.pause(True)
             if storage.ops:
                 return  # on_storage_ack comes back here as the ops drain
             if type(msg) is DetachStorage:

@@ -50,7 +50,6 @@ from runtime.events.recorder import KVEventRecorder
 from runtime.storage.hashing import KVIdentity
 from runtime.trace import SlotTracer
 from runtime.tree.tiers.copies import CopyTracker
-from runtime.tree.tiers.decode_offload import COUNTERS as OFFLOAD_COUNTERS
 from runtime.tree.tiers.decode_offload import DecodeOffload
 from runtime.tree.radix import MatchResult, Node
 from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFactory
@@ -60,6 +59,8 @@ from runtime.tree.residency import Residency
 from runtime.tree.groups.recurrent import RecurrentStates
 from runtime.tree.groups.sliding import SlidingWindow
 from runtime.tree.tiers.storage import COUNTERS as STORAGE_COUNTERS
+from runtime.tree.tiers.decode_offload import COUNTERS as OFFLOAD_COUNTERS
+from runtime.tree.tiers.off import NoOffload, NoStorage
 from runtime.tree.tiers.storage import StorageRequest, StorageTier
 from runtime.tree.token_checks import checked_kv_tokens, checked_tokens, kept_tokens
 
@@ -91,8 +92,9 @@ class CacheCore:
         self.residency = Residency.from_config(config, tracer, self.requests)
         op_ids = itertools.count(1)  # one id space: ledger pins are keyed by op id
         self.copies = CopyTracker(self.residency, op_ids, config.num_layers, readiness_factory)
-        self.offload: DecodeOffload | None = DecodeOffload(self.residency, op_ids) if config.decode_offload else None
-        self.storage: StorageTier | None = None  # enable_storage()
+        self.offload: DecodeOffload | NoOffload = DecodeOffload(self.residency, op_ids) if config.decode_offload \
+            else NoOffload(OFFLOAD_COUNTERS)
+        self.storage: StorageTier | NoStorage = NoStorage()  # enable_storage()
         # the storage tier's counters: kept here, since detach/attach replaces the tier (they only grow)
         self._storage_stats: dict[str, int] = dict.fromkeys(STORAGE_COUNTERS, 0)
         self._op_ids = op_ids
@@ -114,12 +116,12 @@ class CacheCore:
         """The KV event records made since the last call (none while events are off; the wire
         events are `runtime.events.recorder.materialize` of them)."""
         events = self.residency.events
-        return events.take() if events is not None and events.pending else []
+        return events.take() if events.pending else []
 
     def enable_storage(self, kept: StoredPages | None = None) -> None:
         """A storage tier behind the host tier; `kept`: what this runtime knew of the backend's pages
         when it detached the same backend."""
-        if self.residency.host is None:
+        if not self.residency.has_host:
             raise StateError("a storage tier needs the host tier")
         self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config),
                                    self._storage_stats)
@@ -130,18 +132,13 @@ class CacheCore:
         """`detach_storage`, once no storage op is in flight: the tier goes, and with it the records
         of rids prepared but not admitted (a later abort of one is an unknown rid). Returns the page
         hashes it knew stored or in doubt (kept by the caller with that backend, for a re-attach)."""
-        if self.storage is None or self.storage.ops:
-            raise InternalError("storage detached with storage ops in flight")
-        kept = StoredPages(self.storage.known, self.storage.doubtful, rank_keys=self.storage.rank_keys,
-                           states=self.storage.known_states)
-        self.storage = None
+        kept = self.storage.kept()
+        self.storage = NoStorage()
         return kept
 
     def forget_storage(self) -> list[bytes]:
         """`clear_storage`, once no storage op is in flight: forget every page hash known stored and
         return them (the pages to remove; KV events report each one removed from STORAGE)."""
-        if self.storage is None:
-            raise InternalError("storage clear without a storage tier")
         return self.storage.forget_stored()
 
     # -- request lifecycle -------------------------------------------------------
@@ -215,7 +212,7 @@ class CacheCore:
                 if node.hit_count >= self.config.write_through_threshold:
                     copies.backup(node)
         # a lookup that landed while this admit waited marked it prepared
-        from_storage = self.storage.admitted(rid, host_len) if self.storage is not None else 0
+        from_storage = self.storage.admitted(rid, host_len)
         # `slots` is this call's own array (the table copied it into its row)
         granted: dict[str, Any] = {}
         for g, r in zip(res.groups, reserved, strict=True):
@@ -259,7 +256,7 @@ class CacheCore:
         that does not wait detaches the rid's prefetch only once admitted: a refusal leaves it
         prepared (a later abort cancels it)."""
         storage = self.storage
-        if storage is None or session is not None or rid in self.requests:
+        if session is not None or rid in self.requests:
             return self.admit(rid, tokens, extra_key, session, priority)
         tokens = self._check_tokens(tokens)  # before the first change: bad tokens leave the rid prepared
         if storage.waits(waiter):
@@ -331,9 +328,9 @@ class CacheCore:
             table.append_page_each(starting, pages)
         self.phase.change()
         out = table.advance(rows, seq)
-        if self.offload is not None:
-            for rid in rids:
-                self.offload.note_commit(self.requests[rid])
+        offload = self.offload
+        for rid in rids:  # (one Python call each: decode offload's commits; none without it)
+            offload.note_commit(self.requests[rid])
         return torch.from_numpy(out)
 
     def commit(self, rid: Hashable, committed_len: int) -> int:
@@ -343,8 +340,7 @@ class CacheCore:
                 f"commit of {rid!r} must lie in [{rec.committed_len}, {rec.seq_len}], got {committed_len!r}")
         self.phase.change()
         rec.committed_len = committed_len
-        if self.offload is not None:
-            self.offload.note_commit(rec)
+        self.offload.note_commit(rec)
         return committed_len
 
     def snapshot(self, rid: Hashable, position: int) -> int:
@@ -402,7 +398,7 @@ class CacheCore:
         if rec.session is not None:
             self._finish_turn(rec, tokens)
             return len(tokens)
-        if self.offload is not None:
+        if self.offload.takes(rec):
             if len(tokens) > len(rec.tokens):  # the record only grows
                 rec.tokens = tokens
             self._retire(rec, len(tokens))
@@ -417,16 +413,14 @@ class CacheCore:
         cancelled prefetch (admits waiting for it: they fail)."""
         waiters: list[Any] = []
         storage = self.storage
-        if rid not in self.requests and (storage is None or (rid not in storage.prefetches
-                                                             and rid not in storage.prefetched)):
+        if rid not in self.requests and rid not in storage.prefetches and rid not in storage.prefetched:
             raise UnknownRequestError(f"unknown request {rid!r}")
         self.phase.change()
-        if storage is not None:
-            pf = storage.cancel(rid)
-            if pf is not None:
-                waiters = pf.take_waiters()
-            if (pf is not None or storage.forget(rid)) and rid not in self.requests:
-                return waiters  # only a prefetch (prepare without admit): cancelled (slots freed at its ack) or landed
+        pf = storage.cancel(rid)
+        if pf is not None:
+            waiters = pf.take_waiters()
+        if (pf is not None or storage.forget(rid)) and rid not in self.requests:
+            return waiters  # only a prefetch (prepare without admit): cancelled (slots freed at its ack) or landed
         rec = self._record(rid)
         self._release(rec)
         self._stats["requests_aborted"] += 1
@@ -440,8 +434,7 @@ class CacheCore:
             raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
         for g in self.residency.groups:
             g.check_rewind(rec, new_len)
-        if self.offload is not None:
-            self.offload.check_rewind(rec, new_len)
+        self.offload.check_rewind(rec, new_len)
         self.phase.change()
         self._free_tail(rec, new_len)
         for g in self.residency.groups:
@@ -540,7 +533,7 @@ class CacheCore:
             "device_free": res.device.num_free_slots(),
             "device_evictable": res.evictable_device_pages() * self.page_size,
         }
-        if res.host is not None:
+        if res.has_host:
             out["host_free"] = res.host.num_free_slots()
             out["host_evictable"] = res.evictable_host_tokens()
         return out
@@ -564,7 +557,7 @@ class CacheCore:
         counter two parts keep is summed)."""
         out = dict(self._stats)
         parts = [self.residency.stats, self.copies.stats]
-        parts.append(self.offload.stats if self.offload is not None else dict.fromkeys(OFFLOAD_COUNTERS, 0))
+        parts.append(self.offload.stats)
         parts.append(self._storage_stats)
         parts.append(dict.fromkeys(GROUP_COUNTERS, 0))  # every group kind's, whichever the model has
         parts.extend(g.stats for g in self.residency.groups)
@@ -578,34 +571,32 @@ class CacheCore:
         res = self.residency
         out = {
             "live_requests": len(self.requests),
-            "inflight_copies": len(self.copies.ops) + (len(self.offload.ops) if self.offload is not None else 0),
-            "inflight_storage_ops": len(self.storage.ops) if self.storage is not None else 0,
+            "inflight_copies": len(self.copies.ops) + len(self.offload.ops),
+            "inflight_storage_ops": len(self.storage.ops),
             "tree_nodes": res.tree.num_nodes,
             "device_free_slots": res.device.num_free_slots(),
-            "host_free_slots": res.host.num_free_slots() if res.host is not None else 0,
+            "host_free_slots": res.host.num_free_slots(),
             **dict.fromkeys(GROUP_COUNTS, 0),
         }
         for g in res.groups:
             out.update(g.counts())
-        out.update(self.offload.counts() if self.offload is not None
-                   else {"inflight_offloads": 0, "offload_retired_requests": 0})
+        out.update(self.offload.counts())
         return out
 
     def in_flight(self) -> int:
         """Copies (device <-> host, decode offload) and storage ops not acked yet."""
-        return (len(self.copies.ops) + (len(self.offload.ops) if self.offload is not None else 0)
-                + (len(self.storage.ops) if self.storage is not None else 0))
+        return len(self.copies.ops) + len(self.offload.ops) + len(self.storage.ops)
 
     def quiet(self) -> bool:
         """No copy in flight, and no storage op but those past their deadline (their calls may
         never return)."""
-        if self.copies.ops or (self.offload is not None and self.offload.ops):
+        if self.copies.ops or self.offload.ops:
             return False
-        return self.storage is None or self.storage.all_overdue()
+        return self.storage.all_overdue()
 
     # -- acks and effects ----------------------------------------------------------------
     def apply_ack(self, op_id: int, error: str | None) -> None:
-        if self.offload is not None and self.offload.owns(op_id):
+        if self.offload.owns(op_id):
             self.offload.apply_ack(op_id, error)
             return
         if op_id not in self.copies.ops:
@@ -616,18 +607,13 @@ class CacheCore:
                     rec = self.requests.get(rid)
                     if rec is not None:
                         rec.failed = out.failed
-            if out.backed_up and self.storage is not None:
+            if out.backed_up:
                 self.storage.write(out.op.node, out.op.length, out.op.host)
 
     def take_effects(self) -> Effects:
         copies = self.copies.take_plans()
-        if self.offload is not None:
-            copies += [(plan, None) for plan in self.offload.take_plans()]
-            notes = self.offload.take_notes()
-        else:
-            notes = []
-        storage = self.storage.take_requests() if self.storage is not None else []
-        return Effects(copies, storage, notes)
+        copies += [(plan, None) for plan in self.offload.take_plans()]
+        return Effects(copies, self.storage.take_requests(), self.offload.take_notes())
 
     def flush(self) -> int:
         """Drop every unlocked cached prefix from device and host; returns tokens dropped."""
@@ -636,18 +622,14 @@ class CacheCore:
 
     # -- decode offload (the offload actor's calls) ----------------------------------------
     def offload_start(self, rid: Hashable, generation: int, start: int, end: int) -> OffloadStarted | None:
-        if self.offload is None:
-            raise InternalError("offload start without decode offload")
         return self.offload.start(rid, generation, start, end, self.requests.get(rid))
 
     def offload_release(self, rid: Hashable, generation: int) -> bool:
         """Release a retired request once (False: nothing to release; see DecodeOffload.release)."""
-        if self.offload is None:
-            raise InternalError("offload release without decode offload")
         taken = self.offload.release(rid, generation, self.copies.backup_pending)
         if taken is False:
             return False
-        if taken and self.storage is not None:
+        if taken:
             self.storage.write_chain(*taken)  # offloaded pages live on as host and storage copies
         return True
 
@@ -655,7 +637,7 @@ class CacheCore:
     def prepare(self, rid: Hashable, tokens: Any, extra_key: Hashable = None) -> int:
         """Start looking up in storage the pages of `tokens` beyond the device + host hit. Returns
         the tokens looked up (0: nothing started; bad tokens are left for `admit` to refuse)."""
-        if self.storage is None or rid in self.requests:
+        if rid in self.requests:
             return 0
         try:
             tokens = self._check_tokens(tokens)
@@ -667,17 +649,17 @@ class CacheCore:
     def apply_storage_ack(self, op_id: int, pages: int, error: str | None,
                           ok: tuple[bool, ...] = (), states_ok: tuple[bool, ...] = ()) -> Prefetch | None:
         """A storage op finished; returns the prefetch that ended here (admit its waiters)."""
-        if self.storage is None or op_id not in self.storage.ops:
+        if op_id not in self.storage.ops:
             raise InternalError(f"ack of storage op {op_id}, which is not in flight")
         return self.storage.apply_ack(op_id, pages, error, ok, self.copies.backup_pending, states_ok)
 
     def storage_overdue(self, op_id: int) -> Prefetch | None:
         """A storage call ran past its deadline; returns the prefetch whose waiters go on now."""
-        return self.storage.mark_overdue(op_id) if self.storage is not None else None
+        return self.storage.mark_overdue(op_id)
 
     def prefetch_deadline(self, pf: Prefetch) -> bool:
         """An admit's wait for `pf` timed out: True when admits still wait (admit them now)."""
-        if not pf.waiters or self.storage is None:
+        if not pf.waiters:
             return False
         self.storage.detach(pf)
         return True
@@ -729,7 +711,7 @@ class CacheCore:
         """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
         A session turn's session keeps exactly its KV from before the turn. With decode offload
         the request is retired instead: its device slots are freed once its offloads land (seed 000)."""
-        if self.offload is not None and rec.session is None:
+        if self.offload.takes(rec):
             self._retire(rec, None)
             return
         device = self.residency.device
@@ -752,7 +734,6 @@ class CacheCore:
         self._unfile(rec, keep_reading=True)
         for r in rec.readiness:
             self.copies.drop_user(r, rec.rid)
-        assert self.offload is not None
         self.offload.retire(rec, final_len)
 
     def _note_failed_load(self, rec: RequestRecord) -> None:
@@ -797,7 +778,7 @@ class CacheCore:
         self.phase.change()
         res = self.residency
         free = res.device.num_free_pages()
-        if res.host is None or pages > free + res.evictable_device_pages():
+        if not res.has_host or pages > free + res.evictable_device_pages():
             return
         keep = look.last_device_node if look is not None and look.num_device_nodes else None
         if keep is not None:

@@ -242,8 +242,8 @@ class StorageOp:
     node: Node | None = None  # a write: deepest node of the backed-up chain
     length: int = 0  # a write: tokens of that chain (its protect_host length)
     prefetch: Prefetch | None = None  # a read
-    # a write with KV events on: the written pages' tokens (whole pages, one per key, in key
-    # order) and the hash of the page before each key (None: it starts its sequence)
+    # a write: the written pages' tokens (whole pages, one per key, in key order) and the hash of
+    # the page before each key (None: it starts its sequence), what its STORAGE events say
     tokens: np.ndarray | None = None
     parents: list[bytes | None] | None = None
     # under one control plane over tensor-parallel ranks: every rank's keys (rank 0's are `keys`),

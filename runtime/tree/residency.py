@@ -35,6 +35,7 @@ from runtime.tree.groups.full import FullAttention
 from runtime.tree.groups.recurrent import NoSnapshots, RecurrentStates
 from runtime.tree.groups.sliding import SlidingWindow
 from runtime.tree.records import EMPTY, RequestRecord, aligned
+from runtime.tree.tiers.off import NoEvents
 
 G = TypeVar("G", bound=PoolGroup)
 
@@ -61,7 +62,8 @@ class Residency:
         self.tree = RadixTree(page_size, policy_by_name(eviction_policy), on_split=self.on_split)
         self._split_listeners: list[Callable[[Node, Node], None]] = []
         spec = {s.kind: s for s in specs}
-        self.host: SlotLedger | None = SlotLedger(host_slots, page_size, Tier.HOST, tracer) if host_slots > 0 else None
+        # the host tier off is a host ledger of no pages: nothing is backed up or kept on host
+        self.host = SlotLedger(host_slots, page_size, Tier.HOST, tracer)
         # the groups, as the config declares them (the token pool's own first)
         full = spec.get(FULL) or GroupSpec.of(FULL, "kv_layout", "token", (), 0)
         groups: list[PoolGroup] = []
@@ -87,7 +89,7 @@ class Residency:
         self.groups: tuple[PoolGroup, ...] = tuple(groups)
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
-        self.events: KVEventRecorder | None = None
+        self.events: KVEventRecorder | NoEvents = NoEvents()
         # the nodes' page hashes, shared by KV events and storage writes (`use_hasher`)
         self.hasher: PageHasher | None = None
 
@@ -105,6 +107,11 @@ class Residency:
     def listen_splits(self, hook: Callable[[Node, Node], None]) -> None:
         """Call `hook(lower, upper)` after every split, once the groups and ledgers followed it."""
         self._split_listeners.append(hook)
+
+    @property
+    def has_host(self) -> bool:
+        """Whether there is a host tier (its ledger has pages)."""
+        return self.host.num_pages > 0
 
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder
@@ -140,7 +147,6 @@ class Residency:
 
     def alloc_host(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray | None:
         """Host pages, evicting host-only copies for them; None when they cannot be had."""
-        assert self.host is not None
         short = pages - self.host.num_free_pages()
         if short > 0:
             self.evict_host(short)
@@ -171,7 +177,7 @@ class Residency:
         """Drop a victim's device copy (backed up) or delete it; False: it needs a backup first."""
         if node.host is not None:
             self.drop_device(node)
-        elif self.host is not None and (self.write_back or node.children):
+        elif self.write_back or node.children:  # (host-only children: none without a host tier)
             return False
         else:
             self.delete(node)
@@ -190,8 +196,7 @@ class Residency:
             g.drop_device(node)
         slots = self.tree.detach_device(node)
         self.device.free(slots, node_owner(node), trusted=True, node=node.id, reason="evict")
-        if self.events is not None:
-            self.events.removed(node, GPU)
+        self.events.removed(node, GPU)
         self.emit("evict", Tier.DEVICE, slots, node=node.id)
         self.stats["device_evicted_tokens"] += len(slots)
 
@@ -199,11 +204,10 @@ class Residency:
         """Delete a childless unlocked node, then any ancestors left with no copy and no child."""
         while True:
             parent = node.parent
-            if self.events is not None:  # (while the node still has its path)
-                if node.device is not None:
-                    self.events.removed(node, GPU)
-                if node.host is not None:
-                    self.events.removed(node, CPU)
+            if node.device is not None:  # (events while the node still has its path)
+                self.events.removed(node, GPU)
+            if node.host is not None:
+                self.events.removed(node, CPU)
             for g in self.groups:
                 g.drop_device(node)
                 g.drop_host(node)
@@ -211,7 +215,7 @@ class Residency:
             if device is not None:
                 self.device.free(device, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["device_evicted_tokens"] += len(device)
-            if host is not None and self.host is not None:
+            if host is not None:
                 self.host.free(host, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["host_evicted_tokens"] += len(host)
             if (parent is None or parent.parent is None or parent.children or parent.device is not None
@@ -241,9 +245,9 @@ class Residency:
     def flush(self) -> int:
         """Drop every unlocked cached prefix from device and host; returns tokens dropped. A flush
         that leaves both tiers empty is one `AllBlocksCleared` event instead of its removals."""
-        mark = self.events.mark() if self.events is not None else 0
+        mark = self.events.mark()
         dropped = self._flush()
-        if self.events is not None and self.tree.total_device_tokens == 0 and self.tree.total_host_tokens == 0:
+        if self.tree.total_device_tokens == 0 and self.tree.total_host_tokens == 0:
             self.events.cleared_since(mark)
         return dropped
 
@@ -284,8 +288,7 @@ class Residency:
         events = self.events
         for node, part in res.adopted:
             assign(part, owner, node_owner(node), trusted=trusted, rid=rid, node=node.id)
-            if events is not None:
-                events.stored(node, GPU, len(part))
+            events.stored(node, GPU, len(part))
         return res
 
     def attach_load(self, host_nodes: list[Node], device: np.ndarray, owner: Owner) -> None:
@@ -296,8 +299,7 @@ class Residency:
             offset += node.num_tokens
             self.device.assign(part, owner, node_owner(node), node=node.id)
             self.tree.attach_device(node, part)
-            if self.events is not None:
-                self.events.stored(node, GPU)
+            self.events.stored(node, GPU)
 
     def attach_backup(self, chain: list[Node], host: np.ndarray, host_owner: Owner) -> None:
         """A landed backup's host pages (owned by `host_owner`, the deepest node) go to the chain."""
@@ -309,8 +311,7 @@ class Residency:
             if node is not deepest:
                 self.host.assign(part, host_owner, node_owner(node), trusted=True, node=node.id)  # type: ignore[union-attr]
             self.tree.attach_host(node, part)
-            if self.events is not None:
-                self.events.stored(node, CPU)
+            self.events.stored(node, CPU)
 
     def roll_back_load(self, chain: list[Node]) -> None:
         """A failed load's device copies never became valid: detach and free them."""
@@ -319,8 +320,7 @@ class Residency:
                 g.drop_device(node)
             slots = self.tree.detach_device(node, force=True)
             self.device.free(slots, node_owner(node), node=node.id, reason="load_failed")
-            if self.events is not None:
-                self.events.removed(node, GPU)
+            self.events.removed(node, GPU)
 
     def orphan_load(self, chain: list[Node]) -> None:
         """Detach a load's device copies from its chain: its deepest node's owner keeps them all
@@ -330,8 +330,7 @@ class Residency:
             g.orphan_load(chain)
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
-            if self.events is not None:
-                self.events.removed(node, GPU)
+            self.events.removed(node, GPU)
             if node is not chain[-1]:
                 self.device.assign(slots, node_owner(node), owner, node=chain[-1].id, reason="load_orphaned")
 
@@ -344,7 +343,6 @@ class Residency:
         exactly at `len(tokens)`; None if the prefix was gone). `host` is built from the host
         ledger's own `alloc` results, cut at page boundaries (every caller's is): the ledger
         calls take their trusted path."""
-        assert self.host is not None
         host_ledger = self.host
         end = len(tokens)
 
@@ -369,8 +367,7 @@ class Residency:
                 if node.host is None and node.id not in busy:
                     self.tree.attach_host(node, part)
                     host_ledger.assign(part, owner, node_owner(node), trusted=True, rid=rid, node=node.id)
-                    if self.events is not None:
-                        self.events.stored(node, CPU)
+                    self.events.stored(node, CPU)
                     kept += len(part)
                 else:
                     drop(part, "duplicate")
@@ -379,8 +376,7 @@ class Residency:
             rest = host[m.matched_len - start:]
             parent = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
             host_ledger.assign(rest, owner, node_owner(parent), trusted=True, rid=rid, node=parent.id)
-            if self.events is not None:
-                self.events.stored(parent, CPU)
+            self.events.stored(parent, CPU)
             kept += len(rest)
         return kept, parent
 
@@ -393,7 +389,7 @@ class Residency:
             g.on_split(lower, upper)
         if upper.device is not None:
             self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
-        if upper.host is not None and self.host is not None:
+        if upper.host is not None:
             self.host.assign(upper.host, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
         for hook in self._split_listeners:
             hook(lower, upper)
@@ -417,7 +413,7 @@ class Residency:
         is the one place a hit is cut short. `admitting`: an admission's look (each group notes
         the cut, counted once it is admitted)."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
-        host_len = look.host_len if self.host is not None else 0
+        host_len = look.host_len
         matched = look.device_len + host_len
         usable = min(g.usable_end(look, host_len) for g in self.groups) if matched else 0
         if admitting:  # every admission's look notes it (0: not cut)
@@ -425,7 +421,7 @@ class Residency:
                 g.note_cut(matched - usable)
         if usable < matched:
             look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
-            host_len = look.host_len if self.host is not None else 0
+            host_len = look.host_len
         return look, host_len
 
     def evictable_device_pages(self) -> int:
@@ -490,8 +486,7 @@ class Residency:
                     break
                 if node in keep:
                     continue
-            if node.host is None and self.host is not None and (
-                    self.write_back or len(node.children) > deleted.get(node, 0)):
+            if node.host is None and (self.write_back or len(node.children) > deleted.get(node, 0)):
                 continue
             if tail is not None and node is tail[0]:
                 got += tail[1] // ps if weigh is None else weigh(node, tail[1])

@@ -161,11 +161,11 @@ CANCELLED = _Cancelled()
 
 
 def _prefetches(core: Any) -> dict:
-    return core.storage.prefetches if core.storage is not None else {}
+    return core.storage.prefetches
 
 
 def _retired(core: Any) -> dict:
-    return core.offload.retired if core.offload is not None else {}
+    return core.offload.retired
 
 @dataclass(frozen=True)
 class FuzzConfig:
@@ -547,7 +547,7 @@ def _observe(core: Any, with_host: bool, backend: Any = None, state_pool: Any = 
     held = {rid: (states.running.get(rid), dict(states.pending.get(rid, {}))) for rid in core.requests} \
         if states is not None else {}
     # node snapshots are few (at most the state slots): checked after every call, not every TREE_EVERY
-    return Observation(err, reqs, sess, owned, (core.storage is not None, backend), held,
+    return Observation(err, reqs, sess, owned, (core.storage.attached, backend), held,
                        _tree_state_errors(core, state_pool, host_state_pool) if state_pool is not None else [])
 
 
@@ -1905,7 +1905,7 @@ class Driver:
         if self.may_store is None or self.storage_dir is None:
             return
         detached, backend = self.rt._tree.detached_known, self.backend
-        known = await self.inspect(lambda core: set(core.storage.known) if core.storage is not None
+        known = await self.inspect(lambda core: set(core.storage.known) if core.storage.attached
                                    else set(_kept(detached, backend) or ()))
         keys, tokens, ns = self._eviction(known, pick, count)
         if not keys:
@@ -2556,7 +2556,7 @@ def _resident_pages(core: Any, detached: set[bytes] | None = None
             device.update(mine)
         if node.host is not None:
             host.update(mine)
-    known = core.storage.known if core.storage is not None else detached or set()
+    known = core.storage.known if core.storage.attached else detached or set()
     return frozenset(device), frozenset(host), frozenset(known)
 
 

@@ -49,6 +49,11 @@ class DecodeOffload:
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     # -- the request's life ------------------------------------------------------------
+    def takes(self, rec: RequestRecord) -> bool:
+        """Whether a released `rec` is retired until its offloads land (a session turn's KV stays
+        with its session instead)."""
+        return rec.session is None
+
     def note_commit(self, rec: RequestRecord) -> None:
         if rec.session is None:
             self._notes.append(OffloadCommit(rec.rid, rec.generation, rec.committed_len, rec.cached_len))
@@ -94,7 +99,7 @@ class DecodeOffload:
             reason = "request released"
         elif end > limit:
             reason = f"only {limit} tokens may be offloaded"
-        elif res.host is None:
+        elif not res.has_host:
             reason = "no host tier"
         else:
             host = res.alloc_host((end - start) // ps, rec.owner, rid=rid, reason="offload")
@@ -104,7 +109,7 @@ class DecodeOffload:
             self.stats["offloads_skipped"] += 1
             _log.info("offload_skipped", rid=str(rid), generation=generation, start=start, end=end, reason=reason)
             return None
-        assert rec is not None and host is not None and res.host is not None
+        assert rec is not None and host is not None
         op_id = next(self._op_ids)
         device = rec.slot_range(start, end)
         res.device.pin(device, op_id)
@@ -123,7 +128,6 @@ class DecodeOffload:
     def apply_ack(self, op_id: int, error: str | None) -> None:
         res = self.residency
         op = self.ops.pop(op_id)
-        assert res.host is not None
         key = (op.rid, op.generation)
         res.device.unpin(op.device, op_id)
         res.host.unpin(op.host, op_id)

@@ -74,6 +74,8 @@ def storage_key_ok(extra_key: Hashable) -> bool:
 
 
 class StorageTier:
+    attached = True  # (`NoStorage`: none)
+
     # -- state -------------------------------------------------------------------
     def __init__(self, config: RuntimeConfig, residency: Residency, op_ids: Iterator[int],
                  identity: KVIdentity, stats: dict[str, int] | None = None) -> None:
@@ -104,6 +106,10 @@ class StorageTier:
         self._requests: list[StorageRequest] = []
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
 
+    def pause(self, paused: bool) -> None:
+        """A storage control (clear, detach) drains the ops: no op starts while paused."""
+        self.paused = paused
+
     def restore(self, kept: StoredPages) -> None:
         """What this runtime knew of the backend's pages when it detached the same backend."""
         self.known, self.doubtful, self.rank_keys = kept.known, kept.doubtful, kept.rank_keys
@@ -114,7 +120,7 @@ class StorageTier:
         """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
         (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
         res = self.residency
-        if self.paused or not storage_key_ok(node.extra_key) or res.host is None:
+        if self.paused or not storage_key_ok(node.extra_key):
             return
         ps = res.page_size
         path = res.tree.path_tokens(node)
@@ -133,11 +139,10 @@ class StorageTier:
         res.tree.protect_host(node, length)
         for blob in blobs:  # (read by the write: pinned until its ack, its node's host copy protected)
             self.states.pin_host(blob.slot, op_id)  # type: ignore[union-attr] (blobs: a recurrent store's)
-        sop = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys, states=blobs)
-        if res.events is not None:  # what a STORAGE event of the written pages says
-            sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
-            sop.parents = [every[first + i - 1] if first + i else None for i in pick]
-        self.ops[op_id] = sop
+        # (tokens and parents: what a STORAGE event of the written pages says)
+        self.ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys,
+                                    states=blobs, tokens=path[first * ps:].reshape(-1, ps)[pick].reshape(-1),
+                                    parents=[every[first + i - 1] if first + i else None for i in pick])
         self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys))
         self.stats["storage_writes_issued"] += 1
 
@@ -154,7 +159,7 @@ class StorageTier:
         live) beyond the device + host hit; the read of what it finds follows (`_read`). Returns
         the tokens looked up (0: nothing started)."""
         res = self.residency
-        if self.paused or res.host is None or rid in self.prefetches or not storage_key_ok(extra_key):
+        if self.paused or rid in self.prefetches or not storage_key_ok(extra_key):
             return 0
         ps = res.page_size
         match_len = aligned(len(tokens) - 1, ps)
@@ -199,7 +204,6 @@ class StorageTier:
                       detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
         pf.link = link
         if reserved is not None:
-            assert self.residency.host is not None
             self.residency.host.assign(reserved[0], reserved[1], pf.owner, trusted=True)
         request = self._issue_read(pf, keys, host=None if reserved is None else reserved[0])
         return None if request is None else (pf, request)  # (the caller carries the request to its worker)
@@ -281,7 +285,6 @@ class StorageTier:
         res = self.residency
         sop = self.ops.pop(op_id)
         self.overdue.discard(op_id)
-        assert res.host is not None
         if len(sop.host):  # a lookup pinned nothing
             res.host.unpin(sop.host, op_id, trusted=True)
         states_ok = states_ok if error is None and len(states_ok) == len(sop.states) else (False,) * len(sop.states)
@@ -336,13 +339,20 @@ class StorageTier:
         self._release_anchor(pf)  # from here the landed pages keep their anchor in the tree
         return pf
 
+    def kept(self) -> StoredPages:
+        """What it knows stored or in doubt, for a re-attach of the same backend (`detach_storage`,
+        once no storage op is in flight)."""
+        if self.ops:
+            raise InternalError("storage detached with storage ops in flight")
+        return StoredPages(self.known, self.doubtful, rank_keys=self.rank_keys, states=self.known_states)
+
     def forget_stored(self) -> list[bytes]:
         """`clear_storage`, with no op in flight: the page hashes known stored, forgotten (the
         caller removes them from the backend; KV events report them removed)."""
         if self.ops:
             raise InternalError(f"storage clear with {len(self.ops)} storage ops in flight")
-        if self.residency.events is not None:  # (the doubtful ones were reported removed when doubted)
-            self.residency.events.removed_pages(sorted(self.known), STORAGE)
+        # (the doubtful ones were reported removed when doubted)
+        self.residency.events.removed_pages(sorted(self.known), STORAGE)
         pages = self.known | self.doubtful
         out = sorted(pages | {k for page in pages for k in self.rank_keys.get(page, ())}
                      | {k for keys in self.known_states.values() for k in keys})
@@ -380,7 +390,7 @@ class StorageTier:
             _log.debug("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
         self.known.update(stored)
         self._remember_ranks(sop, [i for i, good in enumerate(ok) if good])
-        if self.residency.events is not None and stored:
+        if stored:
             self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
@@ -405,7 +415,7 @@ class StorageTier:
     def _announce(self, sop: StorageOp, ok: tuple[bool, ...]) -> None:
         """STORAGE events of a write's stored pages: one per run of consecutive written pages."""
         events = self.residency.events
-        assert events is not None and sop.tokens is not None and sop.parents is not None and sop.node is not None
+        assert sop.tokens is not None and sop.parents is not None and sop.node is not None
         ps = self.residency.page_size
         i, n = 0, len(sop.keys)
         while i < n:
@@ -424,14 +434,12 @@ class StorageTier:
         such page on)."""
         keys = sop.keys[:pages]
         self._remember_ranks(sop, range(pages))
-        events = self.residency.events
-        if events is not None:
-            new = next((i for i, k in enumerate(keys) if k not in self.known), len(keys))
-            if new < len(keys):
-                ps = self.residency.page_size
-                lo = pf.start + new * ps
-                events.stored_pages(keys[new:], keys[new - 1] if new else pf.link,
-                                    pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
+        new = next((i for i, k in enumerate(keys) if k not in self.known), len(keys))
+        if new < len(keys):
+            ps = self.residency.page_size
+            lo = pf.start + new * ps
+            self.residency.events.stored_pages(keys[new:], keys[new - 1] if new else pf.link,
+                                               pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
         self.known.update(keys)
 
     def missing(self, keys: list[bytes]) -> None:
@@ -448,8 +456,7 @@ class StorageTier:
         known = self.known
         was = [k for k in keys if k in known]
         if was:
-            if self.residency.events is not None:
-                self.residency.events.removed_pages(was, STORAGE)
+            self.residency.events.removed_pages(was, STORAGE)
             known.difference_update(was)
             self.doubtful.update(was)
 
@@ -491,7 +498,6 @@ class StorageTier:
         read them, with the state snapshot `blob` after the last one (a hybrid model's). False when
         nothing was started (the prefetch ends)."""
         res = self.residency
-        assert res.host is not None
         ps = res.page_size
         # a cap on host memory held by prefetches: half the host pool
         held = sum(len(p.host) for p in self.prefetches.values()) // ps
@@ -511,7 +517,6 @@ class StorageTier:
         pages `pf` owns already), and the state snapshot `blob` into a host state slot taken for
         `pf`; returns the read's storage request (None: no host room)."""
         res = self.residency
-        assert res.host is not None
         slot = None
         if blob is not None:  # (a blob comes from a recurrent store's lookup)
             slot = self.states.take_host(pf.owner, rid=pf.rid)  # type: ignore[union-attr]
