@@ -313,8 +313,7 @@ def _check_states(core: "CacheCore", states: "RecurrentStates", nodes: list["Nod
                 _fail(f"node {node.id} ends at {end} but holds the {tier} snapshot taken at {positions.get(slot)}")
             hold(want, tier, slot, Owner.node(node.id), f"{tier} snapshot of node {node.id}")
     _check_ledger("state", states.ledger, table, pins)
-    if states.host_ledger is not None:
-        _check_ledger("host state", states.host_ledger, host_table, host_pins)
+    _check_ledger("host state", states.host_ledger, host_table, host_pins)
 
 
 def _check_sliding(core: "CacheCore", sliding: "SlidingWindow", nodes: list["Node"]) -> None:

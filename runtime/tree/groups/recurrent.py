@@ -95,7 +95,7 @@ class RecurrentStates(PoolGroup):
         self.blob_format = blob_format
         # not traced: the slot tracer's tiers are KV tiers (the trace auditor replays them)
         self.ledger = SlotLedger(num_slots, 1, Tier.DEVICE)
-        self.host_ledger: SlotLedger | None = SlotLedger(host_slots, 1, Tier.HOST) if host_slots > 0 else None
+        self.host_ledger = SlotLedger(host_slots, 1, Tier.HOST)  # (no pages: no host tier)
         self.pools = spec.pools
         self.copies: dict[int, StateCopy] = {}  # op id -> the state slots a backup or load in flight copies
         self.policy = policy
@@ -257,7 +257,6 @@ class RecurrentStates(PoolGroup):
         """`node` loses its host KV: the host copy of its snapshot goes with it."""
         slot = self.host_state.pop(node, None)
         if slot is not None:
-            assert self.host_ledger is not None
             self.host_ledger.free(np.array([slot]), node_owner(node), node=node.id, reason="evict")
             del self.host_position[slot]
 
@@ -285,7 +284,7 @@ class RecurrentStates(PoolGroup):
     def end_load(self, op_id: int, orphaned: bool) -> None:
         copy = self.copies.pop(op_id, None)
         if copy is not None:
-            self.host_ledger.unpin(copy.src, op_id)  # type: ignore[union-attr]
+            self.host_ledger.unpin(copy.src, op_id)
             self.ledger.unpin(copy.dst, op_id)
             if orphaned:  # its nodes lost their device copies: the slots are freed with the load
                 self.free_orphaned(copy)
@@ -295,7 +294,7 @@ class RecurrentStates(PoolGroup):
         has none on device or no host state slot can be had (the backup then copies KV alone:
         hits through its host copy end higher up)."""
         src = self.node_state.get(node)
-        if src is None or self.host_ledger is None or node in self.host_state:
+        if src is None or node in self.host_state:
             return None
         dst = self.take_host(node_owner(node), node=node.id)
         if dst is None:
@@ -308,7 +307,6 @@ class RecurrentStates(PoolGroup):
 
     def _end_backup(self, copy: StateCopy, op_id: int, ok: bool) -> None:
         """The backup's ack: its host snapshot joins its node, or is freed."""
-        assert self.host_ledger is not None
         self.ledger.unpin(copy.src, op_id)
         self.host_ledger.unpin(copy.dst, op_id)
         (node,), dst = copy.nodes, int(copy.dst[0])
@@ -348,8 +346,6 @@ class RecurrentStates(PoolGroup):
         """A host state slot for `owner`, evicting the first unlocked, unpinned host snapshot in the
         eviction order if none is free; None when none can be had."""
         host = self.host_ledger
-        if host is None:
-            return None
         if host.num_free_pages() == 0:
             victim = min(self._evictable(self.host_state, host), key=self.policy.key, default=None)
             if victim is None:
@@ -360,16 +356,13 @@ class RecurrentStates(PoolGroup):
 
     def pin_host(self, slot: int, op_id: int) -> None:
         """A storage op reads (a write) or fills (a read) host state `slot` until its ack."""
-        assert self.host_ledger is not None
         self.host_ledger.pin(_slots([slot]), op_id)
 
     def unpin_host(self, slot: int, op_id: int) -> None:
-        assert self.host_ledger is not None
         self.host_ledger.unpin(_slots([slot]), op_id)
 
     def free_host(self, slot: int, owner: Owner, **ctx: object) -> None:
         """Free host state `slot`, held by `owner` and no node (a storage read's that did not land)."""
-        assert self.host_ledger is not None
         self.host_ledger.free(_slots([slot]), owner, **ctx)
 
     def adopt_host(self, node: Node | None, slot: int, owner: Owner, position: int) -> bool:
@@ -379,7 +372,6 @@ class RecurrentStates(PoolGroup):
         if node is None or node.host is None or node in self.host_state:
             self.free_host(slot, owner, reason="unused" if node is None or node.host is None else "duplicate")
             return False
-        assert self.host_ledger is not None
         self.host_ledger.assign(_slots([slot]), owner, node_owner(node), node=node.id)
         self.host_state[node] = slot
         self.host_position[slot] = position
@@ -395,7 +387,6 @@ class RecurrentStates(PoolGroup):
         into `slot` (reserved), and those of the others while device state slots are free: each
         becomes its node's device snapshot now (a hit resumes from the deepest once the load is
         ready). Every slot is pinned by `op_id`."""
-        assert self.host_ledger is not None
         deepest = host_nodes[-1]
         nodes = [deepest]
         dst = [slot]

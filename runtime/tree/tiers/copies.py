@@ -70,7 +70,7 @@ class CopyTracker:
     def backup(self, node: Node, evict_after: bool = False) -> bool:
         """Copy `node`'s device pages to fresh host pages (false: no need, or no host room)."""
         res = self.residency
-        if node.host is not None or node.device is None or res.host is None:
+        if node.host is not None or node.device is None:
             return False
         if node.id in self.backup_pending or node.id in self.loading:
             return False
@@ -113,7 +113,7 @@ class CopyTracker:
             more = _merged_transfers([t for _, ts in batch for t in ts])
         res = self.residency
         res.device.pin(device, carrier, trusted=True)
-        res.host.pin(host, carrier, trusted=True)  # type: ignore[union-attr]
+        res.host.pin(host, carrier, trusted=True)
         if res.tracer is not None and res.tracer.active:  # (the copy that pins them: the carrier)
             for op in ops:
                 res.emit("backup", Tier.HOST, op.host, node=op.node.id, op=carrier)
@@ -134,7 +134,6 @@ class CopyTracker:
         recurrent state, the slot the deepest node's host snapshot comes back to; none: nothing
         reserved)."""
         res = self.residency
-        assert res.host is not None
         device = device.copy()  # the op's snapshot owns its arrays
         op_id = next(self._op_ids)
         readiness = self._new_readiness(self._num_layers, op_id)
@@ -213,10 +212,10 @@ class CopyTracker:
             if op.direction is Direction.BACKUP:
                 raise InternalError(f"ack of backup {op_id}, which travels in the batch of another op")
             res.device.unpin(op.device, op_id, trusted=True)
-            res.host.unpin(op.host, op_id, trusted=True)  # type: ignore[union-attr]
+            res.host.unpin(op.host, op_id, trusted=True)
             return [self._apply_one(op, error)]
         res.device.unpin(batch.device, op_id, trusted=True)  # (unpinned first: a write-back frees them)
-        res.host.unpin(batch.host, op_id, trusted=True)  # type: ignore[union-attr]
+        res.host.unpin(batch.host, op_id, trusted=True)
         return [self._apply_one(op, error) for op in batch.ops]
 
     def _apply_one(self, op: CopyOp, error: str | None) -> AckOutcome:
@@ -257,7 +256,7 @@ class CopyTracker:
         for node in chain:
             self.backup_pending.pop(node.id, None)
         if error is not None:
-            res.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")  # type: ignore[union-attr]
+            res.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")
             return
         res.attach_backup(chain, op.host, op.host_owner)
 
