@@ -342,10 +342,10 @@ def _swa_backup_skips_sliding() -> Callable[[], None]:
 
 
 def _unchecked(plant: Callable[[], Callable[[], None]], check: str) -> Callable[[], Callable[[], None]]:
-    """`plant` with the invariant checker's part `check` (`runtime.invariants._check_states`,
+    """`plant` with the invariant checker's part `check` (`runtime.invariants.groups._check_states`,
     `_check_sliding`) off: the fingerprint oracles alone must find it."""
     def install() -> Callable[[], None]:
-        import runtime.invariants as invariants
+        import runtime.invariants.groups as invariants
 
         undo_plant, checker = plant(), getattr(invariants, check)
         setattr(invariants, check, lambda core, group, nodes: None)
