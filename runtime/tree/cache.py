@@ -1,11 +1,10 @@
 """CacheCore: the tree actor's synchronous core, and its one façade.
 
-It owns the request table (live requests' records) and the streaming sessions, and composes
-the parts that own the rest, each written only by itself (calls go one way: down):
-
-    CacheCore ──► StorageTier (storage ops, prefetches)      ─┐
-              ──► DecodeOffload (retired requests, offloads) ─┼─► Residency (tree, ledgers, tracer)
-              ──► CopyTracker (device <-> host copies)       ─┘
+It checks every call, marks its phase and owns the request table (live requests' records); the
+parts own the rest, each written only by itself (calls go one way: down): Admission (the look,
+the room, what an admission takes), RequestKV (insert, release, retire), Sessions (streaming
+sessions), StorageTier / DecodeOffload / CopyTracker (tiers/; a tier that is off is a null
+object, tiers/off.py), and under them Residency (the tree, the ledgers, the pool groups).
 
 No event loop, no streams: the tree actor turns messages into calls on it and sends what it
 issued (`take_effects`): transfer plans, storage calls, notes for the offload actor.
@@ -42,7 +41,6 @@ from runtime.errors import (
     TransferError,
     UnknownRequestError,
 )
-from runtime.memory.groups import Feature
 from runtime.memory.owners import Owner
 from runtime.messages import AdmitResult, OffloadStarted, TransferPlan
 from runtime.phase import Phase
@@ -51,11 +49,13 @@ from runtime.storage.hashing import KVIdentity
 from runtime.trace import SlotTracer
 from runtime.tree.tiers.copies import CopyTracker
 from runtime.tree.tiers.decode_offload import DecodeOffload
-from runtime.tree.radix import MatchResult, Node
 from runtime.tree.readiness import LoadReadiness, ManualReadiness, ReadinessFactory
-from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, RequestRecord, SessionRecord, StoredPages, aligned
+from runtime.tree.records import Prefetch, PrefetchWait, RequestRecord, SessionRecord, StoredPages
 from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
+from runtime.tree.request_kv import RequestKV
+from runtime.tree.sessions import Sessions
+from runtime.tree.admission import Admission, Look
 from runtime.tree.groups.recurrent import RecurrentStates
 from runtime.tree.groups.sliding import SlidingWindow
 from runtime.tree.tiers.storage import COUNTERS as STORAGE_COUNTERS
@@ -83,7 +83,6 @@ class CacheCore:
     def __init__(self, config: RuntimeConfig, tracer: SlotTracer | None = None, *,
                  readiness_factory: ReadinessFactory = ManualReadiness) -> None:
         self.config = config
-        self.page_size = config.page_size
         # each public call checks its input, then marks `phase.change()` before its first change:
         # a ValidationError after the mark fails the runtime (the tree actor's loop reads it)
         self.phase = Phase()
@@ -98,14 +97,24 @@ class CacheCore:
         # the storage tier's counters: kept here, since detach/attach replaces the tier (they only grow)
         self._storage_stats: dict[str, int] = dict.fromkeys(STORAGE_COUNTERS, 0)
         self._op_ids = op_ids
-        self.sessions: dict[Hashable, SessionRecord] = {}
+        self._sessions = Sessions(self.residency, self.copies)
         self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
-        self._write_through_all = config.host_slots > 0 and config.write_policy == "write_through"
-        self._selective = config.host_slots > 0 and config.write_policy == "write_through_selective"
         self._stats: dict[str, int] = {
             "requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
             "tokens_device_hit": 0, "tokens_host_hit": 0, "tokens_recomputed": 0,
         }
+        self._kv = RequestKV(config, self.residency, self.copies, self.table, self.offload, self._sessions)
+        self.admission = Admission(config, self.residency, self.copies, self.table, self.phase, self._generations,
+                                   self._count_admission)
+
+    @property
+    def sessions(self) -> dict[Hashable, SessionRecord]:
+        """The open sessions' records (read-only here: `Sessions` writes them)."""
+        return self._sessions.records
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
 
     def enable_events(self) -> None:
         """Record KV cache events of every tier change (`take_events` hands them over)."""
@@ -148,96 +157,18 @@ class CacheCore:
         if rid in self.requests:
             raise DuplicateRequestError(f"request {rid!r} is still live")
         if session is not None:
-            return self._admit_turn(rid, tokens, self._session(session))
-        return self._admit_looked(rid, tokens, extra_key, priority, self._admission(rid, tokens, extra_key))
+            return self._admit_turn(rid, tokens, self._sessions.get(session))
+        return self._admitted(rid, tokens, extra_key, priority, self.admission.look(rid, tokens, extra_key))
 
-    def _admission(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable) -> tuple[MatchResult, int, int]:
-        """The look an admission of `rid` (not live) starts from, or its refusal: (look, host
-        tokens to load, device pages needed). The one place a host or storage hit is cut short
-        (`Residency.admission`: a group's match cut); nothing a caller holds changes before it."""
-        res = self.residency
-        look, host_len, need_pages = res.admission(tokens, extra_key, admitting=True)
-        if not res.room_for(need_pages, look):
-            self._start_writeback(need_pages, look)
-            raise self.phase.refuse(CapacityError(
-                f"request {rid!r} needs {need_pages} device pages; {res.device.num_free_pages()} free, "
-                f"{res.evictable_device_pages()} evictable"))
-        if not all(g.admission_room(look, host_len) for g in res.groups):
-            raise CapacityError(f"request {rid!r} needs slots of a pool group (state slots); too few are free "
-                                "or evictable")
-        return look, host_len, need_pages
-
-    def _admit_looked(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, priority: int,
-                      admission: tuple[MatchResult, int, int]) -> AdmitResult:
-        look, host_len, _ = admission
-        res = self.residency
-        tree = res.tree
-        ps = self.page_size
-        cached = look.device_len + host_len
+    def _admitted(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, priority: int, look: Look) -> AdmitResult:
+        """Admit `rid` from its `look` (`Admission`); a prefetch still running goes on without it."""
         self.phase.change()
-        m = tree.settle(look)  # = match(split=True, touch=True), without a second walk
-        generation = next(self._generations)
-        owner = Owner.request(rid, generation)
-        device_nodes = m.device_nodes  # device residency is prefix-closed
-        host_nodes = [n for n in m.nodes if n.device is None] if host_len else []
-        lock_node = host_nodes[-1] if host_nodes else (device_nodes[-1] if device_nodes else None)
-        if lock_node is not None:
-            tree.lock(lock_node)
-        own_pages = -(-(len(tokens) - cached) // ps)
-        # held for as long as the request is filed: its pages move to the tree and new ones come
-        # (extend, decode steps) without the ledger dropping and re-issuing its code each time
-        code = res.device.hold(owner)
-        fresh, reserved = self._admit_alloc(rid, owner, host_nodes, host_len // ps + own_pages, lock_node)
-        copies = self.copies
-        readiness = copies.loads_under(device_nodes) if copies.loading else []
-        if host_nodes:
-            load = copies.start_load(host_nodes, host_len, fresh[:host_len], owner, reserved)
-            assert load.readiness is not None
-            readiness.append(load.readiness)
-        for r in readiness:
-            copies.add_user(r, rid)
-        if host_nodes:
-            prefix = np.concatenate([n.device for n in m.nodes[: len(device_nodes) + len(host_nodes)]])
-            slots = np.concatenate((prefix, fresh[host_len:]))
-        else:  # one copy: the cached prefix's per-node slots and the fresh pages together
-            slots = np.concatenate((*m.device_parts, fresh[host_len:]))
-        rec = RequestRecord(
-            rid=rid, generation=generation, owner=owner, extra_key=extra_key, tokens=tokens,
-            cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=tuple(readiness),
-            priority=priority)
-        self.table.add(rec, slots, len(tokens), cached, code)
-        self._count_admission(m.device_len, host_len, len(tokens) - cached)
-        if self._selective:
-            for node in device_nodes:
-                if node.hit_count >= self.config.write_through_threshold:
-                    copies.backup(node)
-        # a lookup that landed while this admit waited marked it prepared
-        from_storage = self.storage.admitted(rid, host_len)
-        # `slots` is this call's own array (the table copied it into its row)
-        granted: dict[str, Any] = {}
-        for g, r in zip(res.groups, reserved, strict=True):
-            granted.update(g.grant(lock_node, r))
-        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)]), m.device_len, host_len,
-                           tuple(readiness), from_storage, **granted)
-
-    def _admit_alloc(self, rid: Hashable, owner: Owner, host_nodes: list[Node], pages: int,
-                     lock_node: Node | None) -> tuple[np.ndarray, tuple[Any, ...]]:
-        """An admission's device pages, and what each group reserves for it (one value per group);
-        a shortfall (write-back evictions still copying) undoes the admission's changes and refuses it."""
-        res = self.residency
-        reserved: list[Any] = []
-        try:
-            # (a group's slots may evict unlocked snapshots: never the hit's, locked by the caller)
-            for g in res.groups:
-                reserved.append(g.reserve(rid, owner, host_nodes))
-            return self._alloc_device(pages, owner, rid=rid), tuple(reserved)
-        except CapacityError as exc:
-            for g, r in zip(res.groups, reserved):
-                g.cancel(rid, owner, host_nodes, r)
-            res.device.unhold(owner)
-            if lock_node is not None:
-                res.tree.unlock(lock_node)
-            raise self.phase.refuse(exc)
+        done = self.admission.admit(rid, tokens, extra_key, priority, look)
+        rec = done.rec
+        # (a lookup that landed while this admit waited marked it prepared)
+        from_storage = self.storage.admitted(rid, look.host_len)
+        return AdmitResult(rid, rec.generation, torch.from_numpy(done.slots[: len(tokens)]), done.device_hit,
+                           look.host_len, done.readiness, from_storage, **done.granted)
 
     def _count_admission(self, device_hit: int, host_hit: int, recomputed: int) -> None:
         stats = self._stats
@@ -245,8 +176,6 @@ class CacheCore:
         stats["tokens_device_hit"] += device_hit
         stats["tokens_host_hit"] += host_hit
         stats["tokens_recomputed"] += recomputed
-        for g in self.residency.groups:
-            g.admitted()
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
                       session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
@@ -263,7 +192,7 @@ class CacheCore:
             wait = storage.wait_for(rid, tokens, extra_key, waiter)
             if wait is not None:
                 return wait
-        return self._admit_looked(rid, tokens, extra_key, priority, self._admission(rid, tokens, extra_key))
+        return self._admitted(rid, tokens, extra_key, priority, self.admission.look(rid, tokens, extra_key))
 
     def extend(self, rid: Hashable, n: int) -> torch.Tensor:
         rec = self._record(rid)
@@ -277,10 +206,10 @@ class CacheCore:
         if missing > 0:
             pages = -(-missing // self.page_size)
             if not self.residency.room_for(pages):
-                self._start_writeback(pages)
+                self.admission.start_writeback(pages)
                 raise self.phase.refuse(CapacityError(f"extend of {rid!r} needs {pages} device pages"))
             self.phase.change()
-            rec.append_slots(self._refusable_alloc(pages, rec.owner, rid=rid))
+            rec.append_slots(self.admission.alloc_or_refuse(pages, rec.owner, rid=rid))
         self.phase.change()
         rec.seq_len = total
         return torch.from_numpy(rec.slot_range(start, total))
@@ -315,7 +244,7 @@ class CacheCore:
             free = res.device.num_free_pages()
             if k > free:
                 if not res.room_for(k):
-                    self._start_writeback(k)
+                    self.admission.start_writeback(k)
                     raise self.phase.refuse(CapacityError(f"decode step needs {k} device pages"))
                 self.phase.change()
                 self.copies.write_back(res.evict_device(k - free))
@@ -376,7 +305,7 @@ class CacheCore:
         tokens = self._check_kv_tokens(rec, tokens)
         self._check_loaded(rec)
         self.phase.change()
-        self._insert(rec, tokens)
+        self._kv.insert(rec, tokens)
         return rec.cached_len
 
     def finish(self, rid: Hashable, tokens: np.ndarray, finished_len: int | None = None) -> int:
@@ -388,7 +317,7 @@ class CacheCore:
         self._note_failed_load(rec)
         if rec.failed is not None:
             self.phase.change()  # (a TransferError is the call's outcome, not a refusal)
-            self._release(rec)
+            self._kv.release(rec)
             self._stats["requests_aborted"] += 1
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); it was released")
         tokens = self._trimmed(rec, tokens, finished_len)
@@ -396,16 +325,17 @@ class CacheCore:
         self.phase.change()
         self._stats["requests_finished"] += 1
         if rec.session is not None:
-            self._finish_turn(rec, tokens)
+            self._kv.free_tail(rec, len(tokens))
+            self._sessions.end_turn(rec, tokens)
+            self._kv.unfile(rec)
             return len(tokens)
         if self.offload.takes(rec):
-            if len(tokens) > len(rec.tokens):  # the record only grows
-                rec.tokens = tokens
-            self._retire(rec, len(tokens))
+            rec.grow(tokens)
+            self._kv.retire(rec, len(tokens))
             return rec.cached_len
-        self._insert(rec, tokens)
+        self._kv.insert(rec, tokens)
         cached = rec.cached_len
-        self._release(rec)
+        self._kv.release(rec)
         return cached
 
     def abort(self, rid: Hashable) -> list[Any]:
@@ -422,26 +352,24 @@ class CacheCore:
         if (pf is not None or storage.forget(rid)) and rid not in self.requests:
             return waiters  # only a prefetch (prepare without admit): cancelled (slots freed at its ack) or landed
         rec = self._record(rid)
-        self._release(rec)
+        self._kv.release(rec)
         self._stats["requests_aborted"] += 1
         return waiters
 
     def rewind(self, rid: Hashable, new_len: int) -> int:
         """Forget the request's tokens past `new_len` (a retraction): frees whole pages past it."""
         rec = self._record(rid)
-        floor = max(rec.cached_len, self.sessions[rec.session].kv_len if rec.session is not None else 0)
+        floor = max(rec.cached_len, self._sessions.kv_len(rec))
         if not isinstance(new_len, int) or not floor <= new_len <= rec.seq_len:
             raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
         for g in self.residency.groups:
             g.check_rewind(rec, new_len)
         self.offload.check_rewind(rec, new_len)
         self.phase.change()
-        self._free_tail(rec, new_len)
+        self._kv.free_tail(rec, new_len)
         for g in self.residency.groups:
             g.rewind(rec, new_len)
-        rec.seq_len = new_len
-        rec.committed_len = min(rec.committed_len, new_len)
-        rec.tokens = rec.tokens[:new_len].copy()
+        rec.rewound(new_len)
         return new_len
 
     def abort_if_live(self, rid: Hashable, generation: int) -> None:
@@ -449,78 +377,39 @@ class CacheCore:
         rec = self.requests.get(rid)
         if rec is not None and rec.generation == generation:
             self.phase.change()
-            self._release(rec)
+            self._kv.release(rec)
             self._stats["requests_aborted"] += 1
 
-    # -- streaming sessions ----------------------------------------------------------------
+    # -- streaming sessions (`Sessions`) -------------------------------------------------------
     def open_session(self, sid: Hashable, extra_key: Hashable = None) -> None:
-        if not self.residency.supports(Feature.SESSIONS):
-            raise StateError("streaming sessions do not keep recurrent state yet (state_layers > 0)")
-        if sid in self.sessions:
-            raise DuplicateRequestError(f"session {sid!r} is already open")
+        self._sessions.check_open(sid)
         self.phase.change()
-        self.sessions[sid] = SessionRecord(sid, Owner.session(sid), extra_key, np.zeros(0, np.int32), EMPTY)
+        self._sessions.open(sid, extra_key)
 
     def close_session(self, sid: Hashable, insert: bool = False) -> int:
         """Free what the session holds; with `insert`, its page-aligned KV goes into the tree first."""
-        sess = self._session(sid)
-        if sess.turn is not None:
-            raise StateError(f"session {sid!r} has turn {sess.turn!r} running")
+        sess = self._sessions.check_close(sid)
         self.phase.change()
-        res = self.residency
-        keep = aligned(sess.kv_len, self.page_size) if insert else 0
-        if keep:
-            keep = self.copies.insert_cap(sess.tokens, keep, sess.extra_key)
-        if keep:
-            ins = res.insert(sess.tokens[:keep], sess.extra_key, sess.slots[:keep], sess.owner)
-            if len(ins.duplicate_slots):
-                res.device.free(ins.duplicate_slots, sess.owner, reason="duplicate")
-            self._write_through(ins.adopted)
-        rest = sess.slots[keep:]
-        if len(rest):
-            res.device.free(rest, sess.owner)
-        del self.sessions[sid]
+        keep, adopted = self._sessions.close(sess, insert)
+        self._kv.write_through(adopted)
         return keep
 
     def _admit_turn(self, rid: Hashable, tokens: np.ndarray, sess: SessionRecord) -> AdmitResult:
         """A turn appends to the session's KV without matching the tree."""
-        if sess.turn is not None:
-            raise StateError(f"session {sess.sid!r} already runs turn {sess.turn!r}")
-        kv = sess.kv_len
-        if len(tokens) <= kv or not np.array_equal(tokens[:kv], sess.tokens):
-            raise StateError(f"turn {rid!r} must extend session {sess.sid!r}'s {kv} tokens")
-        session_len = len(sess.slots)
-        pages = -(-max(0, len(tokens) - session_len) // self.page_size)
+        pages = self._sessions.check_turn(sess, rid, tokens)
         if not self.residency.room_for(pages):
             raise CapacityError(f"turn {rid!r} needs {pages} device pages")
         self.phase.change()
-        generation = next(self._generations)
-        owner = Owner.request(rid, generation)
-        own = self._refusable_alloc(pages, owner, rid=rid)
-        slots = np.concatenate((sess.slots, own))
+        owner = Owner.request(rid, next(self._generations))
+        slots = np.concatenate((sess.slots, self.admission.alloc_or_refuse(pages, owner, rid=rid)))
+        kv = sess.kv_len
         self.table.add(RequestRecord(
-            rid=rid, generation=generation, owner=owner, extra_key=sess.extra_key, tokens=tokens,
-            cached_len=0, last_node=None, prompt_len=len(tokens), session=sess.sid, session_len=session_len),
+            rid=rid, generation=owner.generation, owner=owner, extra_key=sess.extra_key, tokens=tokens,
+            cached_len=0, last_node=None, prompt_len=len(tokens), session=sess.sid, session_len=len(sess.slots)),
             slots, len(tokens), kv)
-        sess.turn = rid
-        self._stats["requests_admitted"] += 1
-        self._stats["tokens_device_hit"] += kv
-        self._stats["tokens_recomputed"] += len(tokens) - kv
-        return AdmitResult(rid, generation, torch.from_numpy(slots[: len(tokens)].copy()), kv, 0, ())
-
-    def _finish_turn(self, rec: RequestRecord, tokens: np.ndarray) -> None:
-        """The session keeps exactly `tokens` of KV: the turn's pages up to them are handed over,
-        whole pages past them freed (a page holding kept tokens is never freed)."""
-        sess = self.sessions[rec.session]
-        self._free_tail(rec, len(tokens))
-        slots = rec.slots
-        kept = slots[rec.session_len:]
-        if len(kept):
-            self.residency.device.assign(kept, rec.owner, sess.owner, rid=rec.rid, session=sess.sid)
-        sess.slots = slots
-        sess.tokens = tokens
-        sess.turn = None
-        self._unfile(rec)
+        self._sessions.begin_turn(sess, rid)
+        self._count_admission(kv, 0, len(tokens) - kv)
+        return AdmitResult(rid, owner.generation, torch.from_numpy(slots[: len(tokens)].copy()), kv, 0, ())
 
     # -- read-only questions -----------------------------------------------------------
     def match_prefix(self, tokens: np.ndarray, extra_key: Hashable = None) -> dict[str, int]:
@@ -548,7 +437,7 @@ class CacheCore:
             return False  # (no write-back makes state slots free)
         if res.room_for(need, look):
             return True
-        self._start_writeback(need, look)
+        self.admission.start_writeback(need, look)
         return False
 
     @property
@@ -665,77 +554,6 @@ class CacheCore:
         return True
 
     # -- helpers: insertion and release -------------------------------------------------
-    def _insert(self, rec: RequestRecord, tokens: np.ndarray) -> None:
-        n = aligned(len(tokens), self.page_size)
-        if len(tokens) > len(rec.tokens):  # the record only grows (the caller checked they agree)
-            rec.tokens = tokens
-        copies = self.copies
-        if n > rec.cached_len and copies.loading:
-            n = copies.insert_cap(tokens, n, rec.extra_key)
-        if n <= rec.cached_len:
-            return
-        # the walk starts at the request's locked cached prefix (its slots are the tree's)
-        start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
-        # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless a
-        # group says no (a leaf holding a state snapshot; own pages whose sliding KV dropped)
-        groups = self.residency.groups
-        extend = start is not None and not copies.busy(start)
-        if extend:
-            first = int(rec.slot_view(rec.cached_len, n)[0])
-            extend = all(g.grows_in_place(start, first) for g in groups)  # type: ignore[arg-type]
-        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
-                                    rec.priority)
-        duplicates = res.duplicate_slots
-        if len(duplicates):
-            # the slot contract: a live request's slots never change under its caller, so its
-            # duplicates of tree pages stay its own (and hold its KV) until it is released
-            if len(rec.dups):
-                duplicates = duplicates[~np.isin(duplicates, rec.dups)]
-            rec.dups = np.concatenate((rec.dups, duplicates))
-        new_last = res.last_node  # the insert ends exactly at n (it splits where needed)
-        self.residency.tree.relock(rec.last_node, new_last)
-        rec.last_node = new_last
-        rec.cached_len = n
-        adopted = res.adopted
-        for g in groups:
-            adopted = adopted + [(upper, upper.device) for upper in g.after_insert(rec, self.residency.tree.split)]
-        rec.committed_len = max(rec.committed_len, min(len(tokens), rec.seq_len))
-        self._write_through(adopted)
-
-    def _write_through(self, adopted: list[tuple[Node, np.ndarray]]) -> None:
-        if self._write_through_all:
-            for node, _ in adopted:
-                self.copies.backup(node)
-
-    def _release(self, rec: RequestRecord) -> None:
-        """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
-        A session turn's session keeps exactly its KV from before the turn. With decode offload
-        the request is retired instead: its device slots are freed once its offloads land (seed 000)."""
-        if self.offload.takes(rec):
-            self._retire(rec, None)
-            return
-        device = self.residency.device
-        own = rec.slot_range(rec.own_start, rec.num_slots)
-        if rec.session is not None:
-            self.sessions[rec.session].turn = None
-        if len(own):
-            device.free(own, rec.owner, trusted=True, rid=rec.rid)  # its own alloc'd pages
-        if len(rec.dups):
-            device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
-        if rec.last_node is not None:
-            self.residency.tree.unlock(rec.last_node)
-        for g in self.residency.groups:
-            g.release(rec.rid, rec.owner)
-        for r in rec.readiness:
-            self.copies.drop_user(r, rec.rid)
-        self._unfile(rec)
-
-    def _retire(self, rec: RequestRecord, final_len: int | None) -> None:
-        self._unfile(rec, keep_reading=True)
-        for r in rec.readiness:
-            self.copies.drop_user(r, rec.rid)
-        self.offload.retire(rec, final_len)
-
     def _note_failed_load(self, rec: RequestRecord) -> None:
         """A load can fail before its ack reaches us (acks go in issue order): its readiness
         already says so, and a request must not insert KV that never arrived."""
@@ -754,53 +572,12 @@ class CacheCore:
                 raise StateError(f"request {rec.rid!r} still waits for a load of its cached prefix (op "
                                  f"{r.op_id}): await its readiness before cache or finish")
 
-    # -- helpers: device room ---------------------------------------------------------
-    def _alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
-        short = pages - self.residency.device.num_free_pages()
-        if short > 0:
-            self.copies.write_back(self.residency.evict_device(short))
-        return self.residency.alloc_device(pages, owner, **ctx)
-
-    def _refusable_alloc(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
-        """`_alloc_device` for a call that changed nothing a caller sees before it: too few pages
-        (write-back evictions still copying) is a refusal; the ledger allocated nothing."""
-        try:
-            return self._alloc_device(pages, owner, **ctx)
-        except CapacityError as exc:
-            raise self.phase.refuse(exc)
-
-    def _start_writeback(self, pages: int, look: MatchResult | None = None) -> None:
-        """A capacity shortfall (`room_for` said no): start the write-backs that will free
-        device pages at their acks, so that the caller's retry can succeed. Changes nothing a
-        caller holds; only when the pages could be had at all. An admission's own cached prefix
-        (`look`) is kept out of the eviction, as its admission will lock it. A change all the same:
-        the caller's refusal after it goes through `phase.refuse`."""
-        self.phase.change()
-        res = self.residency
-        free = res.device.num_free_pages()
-        if not res.has_host or pages > free + res.evictable_device_pages():
-            return
-        keep = look.last_device_node if look is not None and look.num_device_nodes else None
-        if keep is not None:
-            res.tree.lock(keep)
-        try:
-            self.copies.write_back(res.evict_device(pages - free))
-        finally:
-            if keep is not None:
-                res.tree.unlock(keep)
-
     # -- helpers: validation -------------------------------------------------------------
     def _record(self, rid: Hashable) -> RequestRecord:
         rec = self.requests.get(rid)
         if rec is None:
             raise UnknownRequestError(f"unknown request {rid!r}")
         return rec
-
-    def _session(self, sid: Hashable) -> SessionRecord:
-        sess = self.sessions.get(sid)
-        if sess is None:
-            raise UnknownRequestError(f"unknown session {sid!r}")
-        return sess
 
     def _check_tokens(self, tokens: Any) -> np.ndarray:
         return checked_tokens(tokens, self.config.device_slots)
@@ -810,23 +587,7 @@ class CacheCore:
 
     def _trimmed(self, rec: RequestRecord, tokens: Any, finished_len: int | None) -> np.ndarray:
         """The tokens a finishing request keeps: prompt + `finished_len` (all when None)."""
-        session_kv = self.sessions[rec.session].kv_len if rec.session is not None else 0
-        return kept_tokens(rec, self._check_kv_tokens(rec, tokens), finished_len, session_kv)
-
-    def _free_tail(self, rec: RequestRecord, keep: int) -> None:
-        """Free the request's own pages past `keep` tokens. The start is aligned up to the next
-        page boundary: a page that still holds kept tokens is never freed."""
-        start = max(rec.own_start, -(-keep // self.page_size) * self.page_size)
-        if start < rec.num_slots:
-            self.residency.device.free(rec.slot_range(start, rec.num_slots), rec.owner, rid=rec.rid, reason="trim")
-            rec.truncate_slots(start)
-
-    def _unfile(self, rec: RequestRecord, keep_reading: bool = False) -> None:
-        """The request leaves the table: released or its turn ended, or retired (`keep_reading`:
-        the offloads still read its slots from a private copy of its row)."""
-        code = self.table.detach(rec) if keep_reading else self.table.remove(rec)
-        if code:
-            self.residency.device.unhold(rec.owner)
+        return kept_tokens(rec, self._check_kv_tokens(rec, tokens), finished_len, self._sessions.kv_len(rec))
 
 
 def _is_live(table: RequestTable, rid: Hashable) -> bool:

@@ -116,6 +116,29 @@ class RequestRecord:
         """Unmap its slots from `num_slots` (a page boundary) on."""
         self.table.set_lengths(self.row, num_slots=num_slots)
 
+    def grow(self, tokens: np.ndarray) -> None:
+        """The token record only grows (the caller checked `tokens` extend it)."""
+        if len(tokens) > len(self.tokens):
+            self.tokens = tokens
+
+    def inserted(self, last_node: Node, cached_len: int, computed: int) -> None:
+        """An insert covered `cached_len` tokens, ending at `last_node` (now locked by it); KV of
+        `computed` tokens was computed (`committed_len` never goes back)."""
+        self.last_node, self.cached_len = last_node, cached_len
+        self.committed_len = max(self.committed_len, min(computed, self.seq_len))
+
+    def keep_duplicates(self, slots: np.ndarray) -> None:
+        """Its own slots that duplicate tree pages (new ones only): still its own until release."""
+        if len(self.dups):
+            slots = slots[~np.isin(slots, self.dups)]
+        self.dups = np.concatenate((self.dups, slots))
+
+    def rewound(self, new_len: int) -> None:
+        """Its tokens past `new_len` are forgotten (its slots past them: `truncate_slots`)."""
+        self.seq_len = new_len
+        self.committed_len = min(self.committed_len, new_len)
+        self.tokens = self.tokens[:new_len].copy()
+
     def file(self, table: RequestTable | None, row: int = -1) -> None:
         """Filed at `row` of `table` (the table's call; None: released, reads fail loudly)."""
         self.table, self.row = table, row
@@ -135,6 +158,14 @@ class SessionRecord:
     @property
     def kv_len(self) -> int:
         return len(self.tokens)
+
+    def run(self, rid: Hashable) -> None:
+        """Turn `rid` runs now (None: no turn runs)."""
+        self.turn = rid
+
+    def keep(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """A turn ended keeping exactly `tokens` of KV in `slots` (whole pages)."""
+        self.slots, self.tokens, self.turn = slots, tokens, None
 
 
 @dataclass(slots=True)

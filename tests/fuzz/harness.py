@@ -1405,11 +1405,11 @@ class Driver:
             if tree._removing:
                 return None
             st = core.storage
-            rec = (StoredPages(st.known, st.doubtful, states=st.known_states) if st is not None
+            rec = (StoredPages(st.known, st.doubtful, states=st.known_states) if st.attached
                    else _kept_record(tree.detached_known, backend))
             # (a hybrid model's state snapshots are chunk files too: known, in doubt or being written)
             writing = ({k for op in st.ops.values() if op.write for k in (*op.keys, *(k for b in op.states for k in b.keys))}
-                       if st is not None else set())
+                       if st.attached else set())
             known, doubtful = ((set(rec.known) | {k for keys in rec.states.values() for k in keys}, set(rec.doubtful))
                                if rec is not None else (set(), set()))
             return _page_files(directory), known, doubtful, writing

@@ -1,0 +1,120 @@
+"""RequestKV: what a live request's KV does when it is cached, trimmed, released or retired.
+
+`CacheCore` checks each call and marks its phase, then calls this part: `insert` hands the
+request's computed pages to the tree (`Residency.insert`, growing its own leaf in place when
+every pool group agrees) and moves its lock down; `release` is the one release path (finish,
+abort, a cancelled caller): unlock, free its own pages, each group's slots, leave the table;
+with decode offload the request is retired instead (its device slots freed once its offloads
+land, seed 000). It owns no state: the records are the request table's, the tree and ledgers
+`Residency`'s, the sessions `Sessions`'.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.config import RuntimeConfig
+from runtime.tree.nodes import Node
+from runtime.tree.records import RequestRecord, aligned
+from runtime.tree.request_table import RequestTable
+from runtime.tree.residency import Residency
+from runtime.tree.sessions import Sessions
+from runtime.tree.tiers.copies import CopyTracker
+from runtime.tree.tiers.decode_offload import DecodeOffload
+from runtime.tree.tiers.off import NoOffload
+
+__all__ = ["RequestKV"]
+
+
+class RequestKV:
+    def __init__(self, config: RuntimeConfig, residency: Residency, copies: CopyTracker, table: RequestTable,
+                 offload: DecodeOffload | NoOffload, sessions: Sessions) -> None:
+        self.residency = residency
+        self.copies = copies
+        self.table = table
+        self.offload = offload
+        self.sessions = sessions
+        self.page_size = config.page_size
+        # write-through: every node an insert adds is backed up at once
+        self.write_through_all = config.host_slots > 0 and config.write_policy == "write_through"
+
+    def insert(self, rec: RequestRecord, tokens: np.ndarray) -> None:
+        n = aligned(len(tokens), self.page_size)
+        rec.grow(tokens)
+        copies = self.copies
+        if n > rec.cached_len and copies.loading:
+            n = copies.insert_cap(tokens, n, rec.extra_key)
+        if n <= rec.cached_len:
+            return
+        # the walk starts at the request's locked cached prefix (its slots are the tree's)
+        start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
+        # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless a
+        # group says no (a leaf holding a state snapshot; own pages whose sliding KV dropped)
+        groups = self.residency.groups
+        extend = start is not None and not copies.busy(start)
+        if extend:
+            first = int(rec.slot_view(rec.cached_len, n)[0])
+            extend = all(g.grows_in_place(start, first) for g in groups)  # type: ignore[arg-type]
+        res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
+                                    rec.priority)
+        duplicates = res.duplicate_slots
+        if len(duplicates):
+            # the slot contract: a live request's slots never change under its caller, so its
+            # duplicates of tree pages stay its own (and hold its KV) until it is released
+            rec.keep_duplicates(duplicates)
+        new_last = res.last_node  # the insert ends exactly at n (it splits where needed)
+        self.residency.tree.relock(rec.last_node, new_last)
+        rec.inserted(new_last, n, len(tokens))
+        adopted = res.adopted
+        for g in groups:
+            adopted = adopted + [(upper, upper.device) for upper in g.after_insert(rec, self.residency.tree.split)]
+        self.write_through(adopted)
+
+    def write_through(self, adopted: list[tuple[Node, np.ndarray]]) -> None:
+        if self.write_through_all:
+            for node, _ in adopted:
+                self.copies.backup(node)
+
+    def release(self, rec: RequestRecord) -> None:
+        """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
+        A session turn's session keeps exactly its KV from before the turn. With decode offload
+        the request is retired instead: its device slots are freed once its offloads land (seed 000)."""
+        if self.offload.takes(rec):
+            self.retire(rec, None)
+            return
+        device = self.residency.device
+        own = rec.slot_range(rec.own_start, rec.num_slots)
+        if rec.session is not None:
+            self.sessions.drop_turn(rec)
+        if len(own):
+            device.free(own, rec.owner, trusted=True, rid=rec.rid)  # its own alloc'd pages
+        if len(rec.dups):
+            device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
+        if rec.last_node is not None:
+            self.residency.tree.unlock(rec.last_node)
+        for g in self.residency.groups:
+            g.release(rec.rid, rec.owner)
+        for r in rec.readiness:
+            self.copies.drop_user(r, rec.rid)
+        self.unfile(rec)
+
+    def retire(self, rec: RequestRecord, final_len: int | None) -> None:
+        self.unfile(rec, keep_reading=True)
+        for r in rec.readiness:
+            self.copies.drop_user(r, rec.rid)
+        self.offload.retire(rec, final_len)
+
+    def free_tail(self, rec: RequestRecord, keep: int) -> None:
+        """Free the request's own pages past `keep` tokens. The start is aligned up to the next
+        page boundary: a page that still holds kept tokens is never freed."""
+        start = max(rec.own_start, -(-keep // self.page_size) * self.page_size)
+        if start < rec.num_slots:
+            self.residency.device.free(rec.slot_range(start, rec.num_slots), rec.owner, rid=rec.rid, reason="trim")
+            rec.truncate_slots(start)
+
+    def unfile(self, rec: RequestRecord, keep_reading: bool = False) -> None:
+        """The request leaves the table: released or its turn ended, or retired (`keep_reading`:
+        the offloads still read its slots from a private copy of its row)."""
+        code = self.table.detach(rec) if keep_reading else self.table.remove(rec)
+        if code:
+            self.residency.device.unhold(rec.owner)
