@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -291,3 +291,15 @@ class PrefetchWait:
 
     prefetch: Prefetch
     timeout_s: float | None
+
+
+class StorageRequest(NamedTuple):
+    """A storage op for the transfer side: write, read or (a read with no pages) look up `keys`."""
+
+    op_id: int
+    write: bool
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]  # host pages, one per key
+    # under one control plane over tensor-parallel ranks: rank r's keys are rank_keys[r] (rank 0's
+    # are `keys`); (): `keys` serve every rank (one rank; a replicated shard, written by rank 0)
+    rank_keys: tuple[tuple[bytes, ...], ...] = ()

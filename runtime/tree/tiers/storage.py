@@ -24,9 +24,8 @@ did not land is not adopted.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Container, Hashable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +37,7 @@ from runtime.messages import StateBlob
 from runtime.storage.hashing import KVIdentity, page_hashes, rank_identities
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
-from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, StoredPages, aligned
+from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, StorageRequest, StoredPages, aligned
 from runtime.tree.residency import Residency
 
 _log = get_logger("hicache.storage")
@@ -52,18 +51,6 @@ COUNTERS = ("storage_writes_issued", "storage_pages_written", "storage_write_fai
             "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted",
             # a hybrid model's state snapshots (the `state` stats group)
             "state_storage_writes", "state_storage_write_failures", "state_storage_hits", "state_storage_misses")
-
-
-class StorageRequest(NamedTuple):
-    """A storage op for the transfer side: write, read or (a read with no pages) look up `keys`."""
-
-    op_id: int
-    write: bool
-    keys: tuple[bytes, ...]
-    pages: tuple[int, ...]  # host pages, one per key
-    # under one control plane over tensor-parallel ranks: rank r's keys are rank_keys[r] (rank 0's
-    # are `keys`); (): `keys` serve every rank (one rank; a replicated shard, written by rank 0)
-    rank_keys: tuple[tuple[bytes, ...], ...] = ()
 
 
 def storage_key_ok(extra_key: Hashable) -> bool:
@@ -88,21 +75,19 @@ class StorageTier:
         # one control plane over tensor-parallel ranks: every rank's identity, its keys its own (the
         # tree's own records, `known` and KV events, name a page by rank 0's key); () with one list
         self.ranks = rank_identities(identity, config.tp_ranks)
-        self.hasher = residency.use_hasher(identity)  # nodes' page hashes, shared with KV events
-        self.rank_keys: dict[bytes, tuple[bytes, ...]] = {}  # a known page's (rank 0's key) other ranks' keys
+        residency.use_hasher(identity)  # nodes' page hashes (the residency's), shared with KV events
         self.ops: dict[int, StorageOp] = {}
         self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
         self.prefetches: dict[Hashable, Prefetch] = {}
         self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
         self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
-        self.known: set[bytes] = set()  # page hashes this runtime wrote or found stored (skip rewriting them)
-        self.doubtful: set[bytes] = set()  # known once, in doubt since (`StoredPages`): a clear removes them too
-        # a hybrid model's snapshots: their storage format, and those known stored, by the hash of
-        # the page each follows, with their chunk keys (no KV events: they are not pages of a prefix)
-        self.states = residency.snapshots
-        self.known_states: dict[bytes, tuple[bytes, ...]] = {}
+        # what it knows of the backend's pages (`StoredPages`): those this runtime wrote or found
+        # stored (skip rewriting them), those in doubt (a clear removes them too), a known page's
+        # other ranks' keys, and a hybrid model's snapshots known stored, by the hash of the page each
+        # follows, with their chunk keys (no KV events: they are not pages of a prefix)
+        self.stored = StoredPages(set(), set())
+        self.states = residency.snapshots  # a hybrid model's host snapshots (none: `NoSnapshots`)
         self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
-        self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
 
@@ -112,8 +97,23 @@ class StorageTier:
 
     def restore(self, kept: StoredPages) -> None:
         """What this runtime knew of the backend's pages when it detached the same backend."""
-        self.known, self.doubtful, self.rank_keys = kept.known, kept.doubtful, kept.rank_keys
-        self.known_states = kept.states
+        self.stored = kept
+
+    @property
+    def known(self) -> set[bytes]:
+        return self.stored.known
+
+    @property
+    def doubtful(self) -> set[bytes]:
+        return self.stored.doubtful
+
+    @property
+    def rank_keys(self) -> dict[bytes, tuple[bytes, ...]]:
+        return self.stored.rank_keys
+
+    @property
+    def known_states(self) -> dict[bytes, tuple[bytes, ...]]:
+        return self.stored.states
 
     # -- writes ------------------------------------------------------------------
     def write(self, node: Node, length: int, host: np.ndarray) -> None:
@@ -125,7 +125,7 @@ class StorageTier:
         ps = res.page_size
         path = res.tree.path_tokens(node)
         first = (len(path) - length) // ps
-        every = self.hasher.path(node)
+        every = res.hasher.path(node)  # type: ignore[union-attr] (made at this tier's start)
         hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
         blobs = self.states.blobs_to_write(res.tree.split_chain(node, length), every, self.known_states)
@@ -173,7 +173,7 @@ class StorageTier:
         # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
         # only for what storage holds (`_read`)
         op_id = next(self._op_ids)
-        pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens[:match_len], start,
+        pf = Prefetch(rid, Owner.prefetch(rid, next(self._op_ids)), extra_key, tokens[:match_len], start,
                       op_id, EMPTY)
         if start:
             self._hold_anchor(pf, res.tree.settle(look, touch=False))
@@ -200,7 +200,7 @@ class StorageTier:
             raise ArgumentError(f"a read from token {start} needs the hash of the page before it, and only then")
         if reserved is not None and len(reserved[0]) != len(keys) * self.residency.page_size:
             raise LengthError(f"a read of {len(keys)} pages given {len(reserved[0])} reserved host slots")
-        pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens, start, 0, EMPTY,
+        pf = Prefetch(rid, Owner.prefetch(rid, next(self._op_ids)), extra_key, tokens, start, 0, EMPTY,
                       detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
         pf.link = link
         if reserved is not None:
@@ -299,6 +299,14 @@ class StorageTier:
         assert pf is not None
         if not len(sop.host):
             return self._lookup_landed(sop, pf, pages, error, states_ok)
+        return self._read_landed(sop, pf, pages, error, busy, states_ok)
+
+    def _read_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None, busy: Container[int],
+                     states_ok: tuple[bool, ...]) -> Prefetch:
+        """A read's leading `pages` (with the snapshot after them, for a hybrid model) become host
+        copies in the tree; the rest is freed. The prefetch ends here."""
+        res = self.residency
+        op_id = sop.op_id
         if self.prefetches.get(pf.rid) is pf:
             del self.prefetches[pf.rid]
         ps = res.page_size
@@ -344,7 +352,7 @@ class StorageTier:
         once no storage op is in flight)."""
         if self.ops:
             raise InternalError("storage detached with storage ops in flight")
-        return StoredPages(self.known, self.doubtful, rank_keys=self.rank_keys, states=self.known_states)
+        return self.stored
 
     def forget_stored(self) -> list[bytes]:
         """`clear_storage`, with no op in flight: the page hashes known stored, forgotten (the
