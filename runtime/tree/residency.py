@@ -113,6 +113,10 @@ class Residency:
         """Whether there is a host tier (its ledger has pages)."""
         return self.host.num_pages > 0
 
+    def records_events(self) -> bool:
+        """Whether KV events are on (a recorder was given)."""
+        return not isinstance(self.events, NoEvents)
+
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder
 

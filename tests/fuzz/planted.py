@@ -40,7 +40,7 @@ Recurrent state (hybrid episodes only: these plants run just the episodes with s
   KV is not cut back to the deepest snapshot; the hit resumes from the deepest snapshot on its
   path (state of a shorter prefix with longer KV), or from none.
 - `state_leaf_grows`: a request's leaf holding a snapshot grows in place at its next insert
-  (`CacheCore._insert` without `RecurrentStates.grows_in_place`'s no): the snapshot
+  (`RequestKV.insert` without `RecurrentStates.grows_in_place`'s no): the snapshot
   then sits at the leaf's new end. The invariant checker, run by the tree actor after every
   message (`debug_invariants`), sees it first ("node 1 ends at 12 but holds the state snapshot
   taken at 4") and the runtime fails; so
@@ -96,11 +96,11 @@ class Plant:
 
 
 def _remap_duplicates() -> Callable[[], None]:
-    from runtime.tree.cache import CacheCore
+    from runtime.tree.request_kv import RequestKV
 
-    insert = CacheCore._insert
+    insert = RequestKV.insert
 
-    def broken(self: CacheCore, rec, tokens) -> None:
+    def broken(self: RequestKV, rec, tokens) -> None:
         insert(self, rec, tokens)
         if len(rec.dups):
             # the old way: free the request's duplicates now and map the tree's pages instead
@@ -115,22 +115,22 @@ def _remap_duplicates() -> Callable[[], None]:
             rec.append_slots(remapped)
             rec.dups = rec.dups[:0]
 
-    CacheCore._insert = broken
-    return lambda: setattr(CacheCore, "_insert", insert)
+    RequestKV.insert = broken
+    return lambda: setattr(RequestKV, "insert", insert)
 
 
 def _shorten_record() -> Callable[[], None]:
-    from runtime.tree.cache import CacheCore
+    from runtime.tree.request_kv import RequestKV
 
-    insert = CacheCore._insert
+    insert = RequestKV.insert
 
-    def broken(self: CacheCore, rec, tokens) -> None:
+    def broken(self: RequestKV, rec, tokens) -> None:
         insert(self, rec, tokens)
         if len(tokens) < len(rec.tokens):
             rec.tokens = tokens
 
-    CacheCore._insert = broken
-    return lambda: setattr(CacheCore, "_insert", insert)
+    RequestKV.insert = broken
+    return lambda: setattr(RequestKV, "insert", insert)
 
 
 def _host_leaf_ignores_children() -> Callable[[], None]:
@@ -301,7 +301,7 @@ def _state_leaf_grows() -> Callable[[], None]:
     insert = Residency.insert
 
     def broken(self: Residency, tokens, extra_key, slots, owner, start=None, extend_leaf=False, *args, **kw):
-        # `CacheCore._insert` asks for growth in place except where `start` holds a snapshot (no copy
+        # `RequestKV.insert` asks for growth in place except where `start` holds a snapshot (no copy
         # is ever busy without a host tier): ask for it there too
         states = next((g for g in self.groups if isinstance(g, RecurrentStates)), None)
         if start is not None and states is not None and start in states.node_state:
