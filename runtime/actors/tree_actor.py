@@ -203,7 +203,7 @@ class TreeActor(Actor[TreeMessage]):
         for plan, readiness in copies:
             self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
         for op_id, write, keys, pages, rank_keys in stores:
-            states = self.core.storage.blobs(op_id)
+            states = self.core.storage_blobs(op_id)
             self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox, states,
                                                              rank_keys=rank_keys))
         if notes:
@@ -296,7 +296,7 @@ class TreeActor(Actor[TreeMessage]):
     def on_storage_cleared(self, msg: StorageCleared) -> None:
         self._removing = False
         self.controls.popleft()
-        self.core.storage.pause(False)
+        self.core.pause_storage(False)
         if msg.error is not None:
             msg.caller.set_exception(msg.error)
         else:
@@ -308,12 +308,12 @@ class TreeActor(Actor[TreeMessage]):
         controls = self.controls
         while controls and not self._removing:
             msg = controls[0]
-            storage = self.core.storage
+            core = self.core
             reply = msg.reply
             assert reply is not None
             if type(msg) is AttachStorage:
                 controls.popleft()
-                if storage.attached:
+                if core.storage_attached():
                     reply.set_exception(StateError("a storage tier is attached already: detach it first"))
                     continue
                 self.core.enable_storage(self._take_known(msg.backend))
@@ -321,7 +321,7 @@ class TreeActor(Actor[TreeMessage]):
                 # before any storage op the tier issues from now on (the transfer mailbox is FIFO)
                 self._to_transfer(SetStorageBackend(msg.backend, reply), reply)
                 continue
-            if not storage.attached:
+            if not core.storage_attached():
                 controls.popleft()
                 reply.set_exception(StateError("no storage tier is attached"))
                 continue
@@ -329,8 +329,7 @@ class TreeActor(Actor[TreeMessage]):
                 controls.popleft()
                 reply.set_exception(StateError("the storage backend cannot remove pages (it has no remove(keys))"))
                 continue
-            storage.pause(True)
-            if storage.ops:
+            if core.pause_storage(True):
                 return  # on_storage_ack comes back here as the ops drain
             if type(msg) is DetachStorage:
                 controls.popleft()

@@ -14,7 +14,7 @@ Ownership rules it keeps (checked by `runtime.invariants`):
   `last_node`) followed by pages it owns itself; every slot `admit`/`extend` gave a live
   request stays its own until it is released (the slot contract);
 - a request's token record only grows, and every call's tokens must extend it (seed 003);
-- KV enters the tree only once the loads it rests on are done (`_check_loaded`).
+- KV enters the tree only once the loads it rests on are done (`RequestKV.check_loaded`).
 
 Token arrays passed in are kept, not copied: the tree actor's messages own theirs (the
 façade copies what the caller gives it), and a direct caller must not change an array
@@ -42,7 +42,7 @@ from runtime.errors import (
     UnknownRequestError,
 )
 from runtime.memory.owners import Owner
-from runtime.messages import AdmitResult, OffloadStarted, TransferPlan
+from runtime.messages import AdmitResult, OffloadStarted, StateBlob, TransferPlan
 from runtime.phase import Phase
 from runtime.events.recorder import KVEventRecorder
 from runtime.storage.hashing import KVIdentity
@@ -144,6 +144,19 @@ class CacheCore:
         kept = self.storage.kept()
         self.storage = NoStorage()
         return kept
+
+    def storage_attached(self) -> bool:
+        return self.storage.attached
+
+    def pause_storage(self, paused: bool) -> int:
+        """A storage control (clear, detach) drains the storage ops (`paused`: none starts); returns
+        how many are still in flight."""
+        self.storage.pause(paused)
+        return len(self.storage.ops)
+
+    def storage_blobs(self, op_id: int) -> tuple[StateBlob, ...]:
+        """The state snapshots storage op `op_id` (in flight) carries beside its KV pages."""
+        return self.storage.blobs(op_id)
 
     def forget_storage(self) -> list[bytes]:
         """`clear_storage`, once no storage op is in flight: forget every page hash known stored and
@@ -299,11 +312,11 @@ class CacheCore:
         rec = self._record(rid)
         if rec.session is not None:
             raise StateError(f"{rid!r} is a session turn: its KV stays in the session, not the tree")
-        self._note_failed_load(rec)
+        self._kv.note_failed_load(rec)
         if rec.failed is not None:
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); abort it")
         tokens = self._check_kv_tokens(rec, tokens)
-        self._check_loaded(rec)
+        self._kv.check_loaded(rec)
         self.phase.change()
         self._kv.insert(rec, tokens)
         return rec.cached_len
@@ -314,14 +327,14 @@ class CacheCore:
         With decode offload nothing goes to the tree on device: the request is retired until
         its offloads land."""
         rec = self._record(rid)
-        self._note_failed_load(rec)
+        self._kv.note_failed_load(rec)
         if rec.failed is not None:
             self.phase.change()  # (a TransferError is the call's outcome, not a refusal)
             self._kv.release(rec)
             self._stats["requests_aborted"] += 1
             raise TransferError(f"request {rid!r} lost its cached prefix ({rec.failed}); it was released")
         tokens = self._trimmed(rec, tokens, finished_len)
-        self._check_loaded(rec)
+        self._kv.check_loaded(rec)
         self.phase.change()
         self._stats["requests_finished"] += 1
         if rec.session is not None:
@@ -495,7 +508,7 @@ class CacheCore:
                 for rid in out.failed_users:
                     rec = self.requests.get(rid)
                     if rec is not None:
-                        rec.failed = out.failed
+                        rec.fail(out.failed)
             if out.backed_up:
                 self.storage.write(out.op.node, out.op.length, out.op.host)
 
@@ -554,24 +567,6 @@ class CacheCore:
         return True
 
     # -- helpers: insertion and release -------------------------------------------------
-    def _note_failed_load(self, rec: RequestRecord) -> None:
-        """A load can fail before its ack reaches us (acks go in issue order): its readiness
-        already says so, and a request must not insert KV that never arrived."""
-        if rec.failed is None:
-            for r in rec.readiness:
-                err = r.error()
-                if err is not None:
-                    rec.failed = repr(err)
-                    return
-
-    def _check_loaded(self, rec: RequestRecord) -> None:
-        """KV computed past a prefix that is still loading may rest on data that never arrives:
-        it enters the tree (cache, finish) only once every load the request waits on is done."""
-        for r in rec.readiness:
-            if not r.done():
-                raise StateError(f"request {rec.rid!r} still waits for a load of its cached prefix (op "
-                                 f"{r.op_id}): await its readiness before cache or finish")
-
     # -- helpers: validation -------------------------------------------------------------
     def _record(self, rid: Hashable) -> RequestRecord:
         rec = self.requests.get(rid)

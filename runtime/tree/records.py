@@ -116,6 +116,10 @@ class RequestRecord:
         """Unmap its slots from `num_slots` (a page boundary) on."""
         self.table.set_lengths(self.row, num_slots=num_slots)
 
+    def fail(self, why: str) -> None:
+        """Its cached prefix was lost (a load under it failed): it can only be released now."""
+        self.failed = why
+
     def grow(self, tokens: np.ndarray) -> None:
         """The token record only grows (the caller checked `tokens` extend it)."""
         if len(tokens) > len(self.tokens):

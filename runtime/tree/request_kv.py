@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.config import RuntimeConfig
+from runtime.errors import StateError
 from runtime.tree.nodes import Node
 from runtime.tree.records import RequestRecord, aligned
 from runtime.tree.request_table import RequestTable
@@ -118,3 +119,21 @@ class RequestKV:
         code = self.table.detach(rec) if keep_reading else self.table.remove(rec)
         if code:
             self.residency.device.unhold(rec.owner)
+
+    def note_failed_load(self, rec: RequestRecord) -> None:
+        """A load can fail before its ack reaches us (acks go in issue order): its readiness
+        already says so, and a request must not insert KV that never arrived."""
+        if rec.failed is None:
+            for r in rec.readiness:
+                err = r.error()
+                if err is not None:
+                    rec.fail(repr(err))
+                    return
+
+    def check_loaded(self, rec: RequestRecord) -> None:
+        """KV computed past a prefix that is still loading may rest on data that never arrives:
+        it enters the tree (cache, finish) only once every load the request waits on is done."""
+        for r in rec.readiness:
+            if not r.done():
+                raise StateError(f"request {rec.rid!r} still waits for a load of its cached prefix (op "
+                                 f"{r.op_id}): await its readiness before cache or finish")
