@@ -101,7 +101,7 @@ class Admission:
             res.tree.lock(lock_node)
         # held for as long as the request is filed: its pages move to the tree and new ones come
         # (extend, decode steps) without the ledger dropping and re-issuing its code each time
-        code = res.device.hold(owner)
+        code = res.hold(owner)
         pages = host_len // self.page_size + -(-(len(tokens) - cached) // self.page_size)
         fresh, reserved = self._reserve(rid, owner, host_nodes, pages, lock_node)
         readiness = self._loads(rid, owner, device_nodes, host_nodes, host_len, fresh, reserved)
@@ -140,7 +140,7 @@ class Admission:
         except CapacityError as exc:
             for g, r in zip(res.groups, reserved):
                 g.cancel(rid, owner, host_nodes, r)
-            res.device.unhold(owner)
+            res.unhold(owner)
             if lock_node is not None:
                 res.tree.unlock(lock_node)
             raise self.phase.refuse(exc)

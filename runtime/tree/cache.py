@@ -262,9 +262,9 @@ class CacheCore:
                 self.phase.change()
                 self.copies.write_back(res.evict_device(k - free))
             self.phase.change()
-            codes = table.hold_codes(starting, lambda rec: res.device.hold(rec.owner))
+            codes = table.hold_codes(starting, lambda rec: res.hold(rec.owner))
             try:
-                pages = res.device.alloc_held(codes, reason="decode")
+                pages = res.alloc_held(codes, reason="decode")
             except CapacityError as exc:  # write-backs still copying: nothing a caller holds changed
                 raise self.phase.refuse(exc)
             table.append_page_each(starting, pages)

@@ -83,14 +83,14 @@ class RequestKV:
         if self.offload.takes(rec):
             self.retire(rec, None)
             return
-        device = self.residency.device
+        res = self.residency
         own = rec.slot_range(rec.own_start, rec.num_slots)
         if rec.session is not None:
             self.sessions.drop_turn(rec)
         if len(own):
-            device.free(own, rec.owner, trusted=True, rid=rec.rid)  # its own alloc'd pages
+            res.free_device(own, rec.owner, trusted=True, rid=rec.rid)  # its own alloc'd pages
         if len(rec.dups):
-            device.free(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
+            res.free_device(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
         if rec.last_node is not None:
             self.residency.tree.unlock(rec.last_node)
         for g in self.residency.groups:
@@ -110,7 +110,7 @@ class RequestKV:
         page boundary: a page that still holds kept tokens is never freed."""
         start = max(rec.own_start, -(-keep // self.page_size) * self.page_size)
         if start < rec.num_slots:
-            self.residency.device.free(rec.slot_range(start, rec.num_slots), rec.owner, rid=rec.rid, reason="trim")
+            self.residency.free_device(rec.slot_range(start, rec.num_slots), rec.owner, rid=rec.rid, reason="trim")
             rec.truncate_slots(start)
 
     def unfile(self, rec: RequestRecord, keep_reading: bool = False) -> None:
@@ -118,7 +118,7 @@ class RequestKV:
         the offloads still read its slots from a private copy of its row)."""
         code = self.table.detach(rec) if keep_reading else self.table.remove(rec)
         if code:
-            self.residency.device.unhold(rec.owner)
+            self.residency.unhold(rec.owner)
 
     def note_failed_load(self, rec: RequestRecord) -> None:
         """A load can fail before its ack reaches us (acks go in issue order): its readiness

@@ -158,6 +158,32 @@ class Residency:
             return None
         return self.host.alloc(pages, owner, **ctx)
 
+    # -- slots outside the tree: every owner change of the token ledgers goes through here ----
+    def free_device(self, slots: np.ndarray, owner: Owner, **ctx: Any) -> None:
+        """Device pages `owner` (a request, session or node) gives back (not the tree's)."""
+        self.device.free(slots, owner, **ctx)
+
+    def free_host(self, slots: np.ndarray, owner: Owner, **ctx: Any) -> None:
+        self.host.free(slots, owner, **ctx)
+
+    def assign_device(self, slots: np.ndarray, owner: Owner, to: Owner, **ctx: Any) -> None:
+        """Device pages handed from `owner` to `to` (a finished turn's to its session)."""
+        self.device.assign(slots, owner, to, **ctx)
+
+    def assign_host(self, slots: np.ndarray, owner: Owner, to: Owner, **ctx: Any) -> None:
+        self.host.assign(slots, owner, to, **ctx)
+
+    def hold(self, owner: Owner) -> int:
+        """`owner`'s ledger code, held while a request is filed (`SlotLedger.hold`)."""
+        return self.device.hold(owner)
+
+    def unhold(self, owner: Owner) -> None:
+        self.device.unhold(owner)
+
+    def alloc_held(self, codes: np.ndarray, **ctx: Any) -> np.ndarray:
+        """One free device page for each held owner code (a decode step's)."""
+        return self.device.alloc_held(codes, **ctx)
+
     # -- eviction and deletion ---------------------------------------------------
     def evict_device(self, pages: int) -> list[Node]:
         """Free `pages` device pages in eviction order (as `freeable_now` predicts): each group

@@ -69,11 +69,11 @@ class Sessions:
         if keep:
             ins = res.insert(sess.tokens[:keep], sess.extra_key, sess.slots[:keep], sess.owner)
             if len(ins.duplicate_slots):
-                res.device.free(ins.duplicate_slots, sess.owner, reason="duplicate")
+                res.free_device(ins.duplicate_slots, sess.owner, reason="duplicate")
             adopted = ins.adopted
         rest = sess.slots[keep:]
         if len(rest):
-            res.device.free(rest, sess.owner)
+            res.free_device(rest, sess.owner)
         del self.records[sess.sid]
         return keep, adopted
 
@@ -98,7 +98,7 @@ class Sessions:
         slots = rec.slots
         kept = slots[rec.session_len:]
         if len(kept):
-            self.residency.device.assign(kept, rec.owner, sess.owner, rid=rec.rid, session=sess.sid)
+            self.residency.assign_device(kept, rec.owner, sess.owner, rid=rec.rid, session=sess.sid)
         sess.keep(slots, tokens)
 
     def drop_turn(self, rec: RequestRecord) -> None:

@@ -13,6 +13,9 @@ who may read a private one, and which way imports go (docs/ARCHITECTURE.md, "Imp
 - Import direction: a module imports only modules of its own layer or below (`LAYERS`); imports
   under `if TYPE_CHECKING:` are annotations, not dependencies, and are left out.
 
+- Ledger owners: the token pools' ledgers change owners (alloc, free, assign, hold) only in
+  `Residency`, which pairs every tree change with its ledger change (`ledger_calls`).
+
 Each checker is shown failing on a planted violation (a module written to a temporary directory).
 """
 
@@ -181,6 +184,34 @@ def ownership_violations(root: Path, writes: dict[tuple[str, str], str],
     return bad, used
 
 
+# -- one place changes the token ledgers' owners -----------------------------------------------
+# The token pools' ledgers (device, host) are changed (alloc, free, assign, hold) only by their
+# owner, Residency, which pairs each tree change with its ledger change; a part asks it
+# (`Residency.free_device`, ...). A group's own ledger (`self.ledger`) is that group's.
+LEDGER_MUTATORS = frozenset({"alloc", "alloc_held", "free", "assign", "hold", "unhold"})
+LEDGERS = frozenset({"device", "host", "ledger", "host_ledger"})
+LEDGER_OWNERS = frozenset({"runtime/tree/residency.py"})
+LEDGER_CALLS: dict[str, str] = {
+    "runtime/tree/tiers_only.py": "the vLLM-mode core over a host-only Residency (moving to integrations/vllm/)",
+}
+
+
+def ledger_calls(root: Path) -> list[str]:
+    """Calls that change a token ledger's owners from outside its owner (`x.host.free(...)`,
+    `self.residency.device.assign(...)`), by file and line, but in `LEDGER_OWNERS`/`LEDGER_CALLS`."""
+    out = []
+    for path in sorted((root / "runtime").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in LEDGER_OWNERS or rel in LEDGER_CALLS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in LEDGER_MUTATORS and isinstance(node.func.value, ast.Attribute)
+                    and node.func.value.attr in LEDGERS and not _own(node.func.value.value)):
+                out.append(f"{rel}:{node.lineno}: {node.func.value.attr}.{node.func.attr} outside the ledger's owner")
+    return out
+
+
 # Writes of another part's attribute that are there today, by file and attribute, with the reason.
 # The list may only shrink: remove an entry when you fix it (and lower `WRITES_RATCHET`).
 _FRIEND = "a helper class of the same module (one part in two classes)"
@@ -286,6 +317,11 @@ def test_no_part_writes_or_peeks_into_another_outside_the_allow_list():
     assert len(WRITES) <= WRITES_RATCHET and len(PRIVATE_READS) <= PRIVATE_READS_RATCHET
 
 
+def test_token_ledgers_change_owners_only_in_residency():
+    assert ledger_calls(ROOT) == []
+    assert all((ROOT / f).exists() for f in LEDGER_CALLS), "a listed file is gone: remove it"
+
+
 def _plant(tmp_path: Path, module: str, source: str) -> Path:
     path = tmp_path.joinpath(*module.split(".")).with_suffix(".py")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -368,6 +404,28 @@ def test_a_write_into_a_ledger_from_the_storage_tier_fails_the_check(tmp_path):
     bad, _ = ownership_violations(tmp_path, WRITES, PRIVATE_READS)
     at = planted.splitlines().index(line) + 1
     assert f"runtime/tree/tiers/storage.py:{at}: write of another object's attribute '_codes'" in bad
+
+
+def test_a_ledger_free_from_the_storage_tier_is_found(tmp_path):
+    """The storage tier freeing host pages itself (not through Residency) fails the check; a
+    group's own ledger (`self.ledger`) and Residency's are not findings."""
+    _plant(tmp_path, "runtime.tree.tiers.storage", (
+        "class StorageTier:\n"
+        "    def drop(self, pages, owner):\n"
+        "        self.residency.host.free(pages, owner)\n"
+        "        res = self.residency\n"
+        "        res.device.assign(pages, owner, owner)\n"))
+    _plant(tmp_path, "runtime.tree.groups.planted", (
+        "class Group:\n"
+        "    def drop(self, slot, owner):\n"
+        "        self.ledger.free(slot, owner)\n"))
+    _plant(tmp_path, "runtime.tree.residency", (
+        "class Residency:\n"
+        "    def free_host(self, slots, owner):\n"
+        "        self.host.free(slots, owner)\n"))
+    assert ledger_calls(tmp_path) == [
+        "runtime/tree/tiers/storage.py:3: host.free outside the ledger's owner",
+        "runtime/tree/tiers/storage.py:5: device.assign outside the ledger's owner"]
 
 
 @pytest.mark.parametrize("module", ["runtime.memory.ledger", "runtime.tree.cache", "runtime.actors.base",

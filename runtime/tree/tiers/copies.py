@@ -256,7 +256,7 @@ class CopyTracker:
         for node in chain:
             self.backup_pending.pop(node.id, None)
         if error is not None:
-            res.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")
+            res.free_host(op.host, op.host_owner, op=op.op_id, reason="copy_failed")
             return
         res.attach_backup(chain, op.host, op.host_owner)
 
@@ -265,7 +265,7 @@ class CopyTracker:
             if self.loading.get(node.id) is op.readiness:  # (an orphaned op's nodes may load again)
                 del self.loading[node.id]
         if op.orphaned:  # its nodes were rolled back with a failed load above them
-            self.residency.device.free(op.device, node_owner(op.node), node=op.node.id, reason="load_orphaned")
+            self.residency.free_device(op.device, node_owner(op.node), node=op.node.id, reason="load_orphaned")
             return
         if error is not None and op.readiness is not None and op.readiness.all_ready():
             # every layer was reported on device: its users computed on it, and KV below it

@@ -138,7 +138,7 @@ class DecodeOffload:
         if error is None:
             self.landed.setdefault(key, []).append((op.start, op.start + op.length, op.host))
         else:
-            res.host.free(op.host, op.host_owner, op=op_id, rid=op.rid, reason="offload_failed")
+            res.free_host(op.host, op.host_owner, op=op_id, rid=op.rid, reason="offload_failed")
             self.stats["offload_copy_failures"] += 1
         self._notes.append(OffloadAck(op.rid, op.generation, op_id, error is None))
 
@@ -167,9 +167,9 @@ class DecodeOffload:
                 self._free_host(host, rec, "aborted")
         own = rec.slots[rec.own_start:]
         if len(own):
-            res.device.free(own, rec.owner, rid=rid, reason="offload_release")
+            res.free_device(own, rec.owner, rid=rid, reason="offload_release")
         if len(rec.dups):
-            res.device.free(rec.dups, rec.owner, rid=rid, reason="duplicate")
+            res.free_device(rec.dups, rec.owner, rid=rid, reason="duplicate")
         if rec.last_node is not None:
             res.tree.unlock(rec.last_node)
         res.emit("release", Tier.DEVICE, own, rid=rid, generation=generation)
@@ -204,7 +204,7 @@ class DecodeOffload:
 
     def _free_host(self, host: np.ndarray, rec: RequestRecord, reason: str) -> None:
         if len(host):
-            self.residency.host.free(host, rec.owner, rid=rec.rid, reason=reason)  # type: ignore[union-attr]
+            self.residency.free_host(host, rec.owner, rid=rec.rid, reason=reason)
 
     def _insert_host(self, rec: RequestRecord, final_len: int, landed: list[tuple[int, int, np.ndarray]],
                      busy: Container[int]) -> tuple[Node, int] | None:

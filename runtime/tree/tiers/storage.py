@@ -204,7 +204,7 @@ class StorageTier:
                       detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
         pf.link = link
         if reserved is not None:
-            self.residency.host.assign(reserved[0], reserved[1], pf.owner, trusted=True)
+            self.residency.assign_host(reserved[0], reserved[1], pf.owner, trusted=True)
         request = self._issue_read(pf, keys, host=None if reserved is None else reserved[0])
         return None if request is None else (pf, request)  # (the caller carries the request to its worker)
 
@@ -330,7 +330,7 @@ class StorageTier:
             pages = 0
         rest = pf.host[pages * ps:]
         if len(rest):
-            res.host.free(rest, pf.owner, trusted=True, rid=pf.rid, reason="prefetch_unused")
+            res.free_host(rest, pf.owner, trusted=True, rid=pf.rid, reason="prefetch_unused")
         if pages:
             # the read pages become host copies in the tree (the same hand-over as decode offload's)
             taken, end = res.adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
