@@ -539,7 +539,7 @@ class CacheCore:
     def prepare(self, rid: Hashable, tokens: Any, extra_key: Hashable = None) -> int:
         """Start looking up in storage the pages of `tokens` beyond the device + host hit. Returns
         the tokens looked up (0: nothing started; bad tokens are left for `admit` to refuse)."""
-        if rid in self.requests:
+        if rid in self.requests or not self.storage.attached:
             return 0
         try:
             tokens = self._check_tokens(tokens)
