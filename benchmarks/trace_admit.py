@@ -83,7 +83,7 @@ class _Profiler:
             self.trace.calls.append((rel, name))
             if name == "put_internal" and rel == "actors/base.py":
                 self.trace.messages.append(type(frame.f_locals["msg"]).__name__)
-        elif event == "return" and name == "get_burst" and type(arg) is list and arg:
+        elif event == "return" and name in ("get_burst", "take_burst") and type(arg) is list and arg:
             # a burst received (a coroutine's "return" event at each suspension carries None)
             actor = self.owners.get(id(frame.f_locals["self"]))
             if actor is not None:
@@ -106,9 +106,9 @@ async def _settle(rt: CacheRuntime) -> None:
         await asyncio.sleep(0.001)
 
 
-async def _serve(rt: CacheRuntime, rid: str, tokens: np.ndarray) -> None:
+async def _serve(rt: CacheRuntime, rid: str, tokens: np.ndarray, keep: int = N) -> None:
     await rt.admit(rid, tokens)
-    await rt.finish(rid, tokens[:N])
+    await rt.finish(rid, tokens[:keep])
     await _settle(rt)
 
 
@@ -140,7 +140,9 @@ async def trace_host_hit() -> AdmitTrace:
     async with CacheRuntime.open(_config()) as rt:
         a, b = _tokens(1), _tokens(2)
         await _serve(rt, "a", a)
-        await _serve(rt, "b", b)  # evicts a's device copy (16 device pages); a stays on host
+        # b's admit evicts a's device copy (16 device pages); a stays on host, and b keeps one page
+        # cached, so that the traced admit finds its pages free (no eviction on the path)
+        await _serve(rt, "b", b, keep=4)
         if await rt.match_prefix(a[:N]) != {"device": 0, "host": N}:
             raise AssertionError("the host hit's setup did not leave the prefix on host only")
         return await _traced_admit(rt, "a2", a)

@@ -167,22 +167,22 @@ class TransferActor(Actor[TransferMessage]):
             RemoveStoragePages: self.on_remove_storage,
         }
 
-    async def run(self) -> None:
+    def started(self) -> None:
         self.bridge = CompletionBridge().start()
         self._register_host_pool()
-        try:
-            await super().run()
-        finally:
-            for timer in self._storage_timers.values():  # nobody to tell any more
-                timer.cancel()
-            self._storage_timers.clear()
-            self._abandon_storage()
-            self._abandon_queued()
-            await self.bridge.aclose()
-            await asyncio.to_thread(self.engine.close)
-            if self._storage_pool is not None:
-                self._storage_pool.shutdown(wait=False, cancel_futures=True)
-            self._unregister_host_pool()
+
+    async def stopping(self) -> None:
+        assert self.bridge is not None
+        for timer in self._storage_timers.values():  # nobody to tell any more
+            timer.cancel()
+        self._storage_timers.clear()
+        self._abandon_storage()
+        self._abandon_queued()
+        await self.bridge.aclose()
+        await asyncio.to_thread(self.engine.close)
+        if self._storage_pool is not None:
+            self._storage_pool.shutdown(wait=False, cancel_futures=True)
+        self._unregister_host_pool()
 
     def _register_host_pool(self) -> None:
         """Register the page_first host pool with a backend that takes registrations (Mooncake), so
