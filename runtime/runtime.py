@@ -73,13 +73,12 @@ from runtime.supervisor import State, wait_shielded
 from runtime.trace import get_logger
 from runtime.validation import (
     TOKEN_LIMIT,
+    admit_message,
     check_count,
     check_flag,
     check_id,
     check_namespace,
     check_optional_count,
-    check_optional_id,
-    check_priority,
     step_item,
     step_tokens,
 )
@@ -239,9 +238,9 @@ class CacheRuntime:
         With `session`, the turn appends to that session's KV instead (no tree match).
         `priority` (an int >= 0) is raised onto every tree node the request inserts (`cache`,
         `finish`): with `eviction_policy="priority"` lower priorities are evicted first."""
-        msg = Admit(check_id(rid), self._tokens(tokens), check_namespace(extra_key),
-                    check_optional_id(session, "session"), check_priority(priority),
-                    reply=Reply(on_abandon=self._release_abandoned))
+        reply = Reply(on_abandon=self._release_abandoned)
+        msg = admit_message(rid, tokens, extra_key, session, priority, reply, self._token_limit,
+                            self.config.device_slots)
         return await self._sup.ask(self._tree.mailbox, msg)
 
     async def prepare(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,

@@ -274,7 +274,8 @@ class TreeActor(Actor[TreeMessage]):
                 continue
             phase.begin()  # each admit is checked on its own, as if it were the message
             try:
-                result = self.core.admit(w.rid, w.tokens, w.extra_key, w.session, w.priority)
+                # the one admit entry, waiting no more (the prefetch ended)
+                result = self.core.admit_or_wait(w.rid, w.tokens, w.extra_key, w.session, None, w.priority)
             except CallerError as exc:
                 if phase.internal(exc):
                     raise
