@@ -413,10 +413,27 @@ class StateBlob:
     page: bytes = b""
 
 
-class StorageCallbackFailed(Message):
-    """Applying a storage completion raised (a bug): fail the runtime from inside the actor."""
+class StorageDone(Message):
+    """A storage op's worker call returned (`future`: its concurrent future): the transfer actor's
+    own completion, through its mailbox like `CopyDone`."""
 
-    error: BaseException
+    op_id: int
+    future: Any
+    reply: None = None
+
+
+class StorageDeadline(Message):
+    """Storage op `op_id` reached its deadline (`storage_timeout_s`): the transfer actor's timer."""
+
+    op_id: int
+    reply: None = None
+
+
+class StorageRemoved(Message):
+    """`clear_storage`'s removal returned (`future`: the worker's concurrent future)."""
+
+    request: "RemoveStoragePages"
+    future: Any
     reply: None = None
 
 
@@ -438,8 +455,8 @@ class RemoveStoragePages(Message):
     reply: None = None
 
 
-TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage
-                   | StorageCallbackFailed | SetStorageBackend | RemoveStoragePages)
+TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage | StorageDone
+                   | StorageDeadline | StorageRemoved | SetStorageBackend | RemoveStoragePages)
 
 
 # -- tree actor: a batch of requests (one scheduling step), the prefetch deadline ----------------

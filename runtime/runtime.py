@@ -221,7 +221,7 @@ class CacheRuntime:
     @property
     def storage(self) -> Any:
         """The storage backend in use (None: no storage tier). The transfer actor holds it."""
-        return self._transfer.storage
+        return self._transfer.storage.backend
 
     @property
     def failed(self) -> bool:

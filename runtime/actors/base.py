@@ -215,6 +215,8 @@ class Actor(Generic[M]):
         (anything but a cancellation) is handed to `on_failure` (the supervisor's) as it leaves.
         One coroutine frame from the task down to the wait: a wake-up resumes only this one."""
         mailbox = self.mailbox
+        # the per-message hook runs only where an actor has one (a call fewer per message elsewhere)
+        after_message = self.after_message if type(self).after_message is not Actor.after_message else None
         try:
             self.started()
             try:
@@ -234,7 +236,8 @@ class Actor(Generic[M]):
                         reply = msg.reply
                         if reply is not None and result is not DEFERRED:
                             reply.set_result(result)
-                        self.after_message(msg)
+                        if after_message is not None:
+                            after_message(msg)
                     self.after_burst()
             finally:
                 await self.stopping()
@@ -251,7 +254,8 @@ class Actor(Generic[M]):
         phase = self.phase
         if type(msg) is Batch:
             return self._handle_batch(msg)
-        phase.begin()
+        if phase.changing:  # (a handler that changed nothing left it checking)
+            phase.begin()
         try:
             result = self.handlers[type(msg)](msg)
         except CallerError as exc:

@@ -189,7 +189,8 @@ class TreeActor(Actor[TreeMessage]):
 
     def on_transfer_ack(self, msg: TransferAck) -> None:
         self.core.apply_ack(msg.op_id, msg.error)
-        self._maybe_quiesced()
+        if self.quiesce_waiters:
+            self._maybe_quiesced()
 
     def _maybe_quiesced(self) -> None:
         if self.quiesce_waiters and self.core.quiet():
@@ -202,8 +203,7 @@ class TreeActor(Actor[TreeMessage]):
         copies, stores, notes = self.core.take_effects()
         for plan, readiness in copies:
             self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
-        for op_id, write, keys, pages, rank_keys in stores:
-            states = self.core.storage.blobs(op_id) if self.core.storage is not None else ()
+        for op_id, write, keys, pages, rank_keys, states in stores:
             self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox, states,
                                                              rank_keys=rank_keys))
         if notes:
