@@ -87,7 +87,13 @@ from runtime.validation import tokens as _checked_tokens
 if TYPE_CHECKING:  # prometheus_client is imported only when metrics are on
     from prometheus_client.registry import CollectorRegistry
 
+    from runtime.actors.offload_actor import OffloadActor
+    from runtime.actors.transfer_actor import TransferActor
+    from runtime.events.hub import EventHub
+    from runtime.memory.pools import DevicePool, HostPool
+    from runtime.memory.state_pool import StatePool
     from runtime.metrics import MetricsExporter
+    from runtime.tree.cache import CacheCore
 
 log = get_logger("hicache.runtime")
 
@@ -108,14 +114,11 @@ class CacheRuntime:
                                   f"got {type(metrics_registry).__name__}")
         self.config = config
         parts = assemble(config, engine_factory, storage)
-        self.device_pool, self.swa_pool, self.swa_map = parts.device_pool, parts.swa_pool, parts.swa_map
-        self.host_pool, self.host_swa_pool = parts.host_pool, parts.host_swa_pool
-        self.device_pools, self.host_pools = parts.device_pools, parts.host_pools
-        self.state_pool, self.host_state_pool = parts.state_pool, parts.host_state_pool
-        self.tracer, self.engine = parts.tracer, parts.engine
+        self.pools = parts.pools  # (each pool is a property below: rt.device_pool, rt.host_pool, ...)
+        self.swa_map, self.tracer, self.engine = parts.swa_map, parts.tracer, parts.engine
         self._owned_storage = parts.owned_storage
-        self._transfer, self._core, self._offload, self._tree = parts.transfer, parts.core, parts.offload, parts.tree
-        self._events, self._sup = parts.events, parts.sup
+        self._actors = parts.actors
+        self._tree, self._sup = parts.actors.tree, parts.actors.sup  # (every call's)
         self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
         self._closer: asyncio.Task[None] | None = None
         # metrics: on with a registry given or an endpoint asked for (a private registry then)
@@ -125,6 +128,55 @@ class CacheRuntime:
         self._metrics: MetricsExporter | None = None if metrics_registry is None else MetricsExporter(
             metrics_registry, self.stats, interval_s=config.metrics_interval_s, addr=config.metrics_addr,
             port=config.metrics_port)
+
+    # -- the pools (rank 0's; every rank's in device_pools / host_pools) and the actors -------
+    @property
+    def device_pool(self) -> DevicePool:
+        return self.pools.device_pool
+
+    @property
+    def swa_pool(self) -> DevicePool | None:
+        return self.pools.swa_pool
+
+    @property
+    def host_pool(self) -> HostPool | None:
+        return self.pools.host_pool
+
+    @property
+    def host_swa_pool(self) -> HostPool | None:
+        return self.pools.host_swa_pool
+
+    @property
+    def device_pools(self) -> tuple[DevicePool, ...]:
+        return self.pools.device_pools
+
+    @property
+    def host_pools(self) -> tuple[HostPool, ...]:
+        return self.pools.host_pools
+
+    @property
+    def state_pool(self) -> StatePool | None:
+        return self.pools.state_pool
+
+    @property
+    def host_state_pool(self) -> StatePool | None:
+        return self.pools.host_state_pool
+
+    @property
+    def _transfer(self) -> TransferActor:
+        return self._actors.transfer
+
+    @property
+    def _core(self) -> CacheCore:
+        return self._actors.core
+
+    @property
+    def _offload(self) -> OffloadActor:
+        return self._actors.offload
+
+    @property
+    def _events(self) -> EventHub | None:
+        return self._actors.events
 
     # A close whose caller is cancelled (a shutdown deadline) still waits this long for the copies in
     # flight, then stops the actors without them (the runtime fails). Copies take milliseconds; a

@@ -77,8 +77,9 @@ class StorageCalls:
         self.state_io = state_io
         self.seal = seal if seal is not None else PageSeal()
         self.inflight: dict[int, _Call] = {}
-        self.timers: dict[int, asyncio.TimerHandle] = {}  # op id -> its deadline, until it returns or fires
-        self.overdue: set[int] = set()  # in flight past their deadline (a subset of inflight)
+        # op id -> its deadline's timer, until the op returns or the deadline passes: the ops in
+        # flight without one are overdue (an inline probe's lookup is settled at once)
+        self.timers: dict[int, asyncio.TimerHandle] = {}
         # in flight when the actor stopped: settled as abandoned (counted once); a call that returns
         # later is dropped (nobody to ack)
         self.abandoned: set[int] = set()
@@ -94,15 +95,13 @@ class StorageCalls:
         self._registered: list[Any] = []  # host pool buffers we registered with the backend (zero-copy)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.latency = {name: LatencyHistogram() for name in LATENCIES}
-        self.backend: Any = None
-        self._probe_inline = False
-        self._use(backend)
+        self.backend: Any = backend
 
     # -- ops ---------------------------------------------------------------------------
     def submit(self, msg: SubmitStorage) -> None:
         self.counters["storage_ops_submitted"] += 1
         self.inflight[msg.op_id] = _Call(msg, time.perf_counter())
-        if not msg.write and not msg.pages and msg.keys and self._probe_inline and self._absent(msg.keys[0]):
+        if not msg.write and not msg.pages and msg.keys and self._absent(msg.keys[0]):
             # a lookup on a local backend without the first page: a miss, no worker thread needed
             self._settle(msg.op_id, 0, (), None)
             return
@@ -139,7 +138,6 @@ class StorageCalls:
         if self.timers.pop(msg.op_id, None) is None or call is None:  # it returned first
             return
         submit = call.submit
-        self.overdue.add(msg.op_id)
         self.counters["storage_ops_overdue"] += 1
         log.warning("storage_op_overdue", op=msg.op_id, write=submit.write, lookup=not submit.write and not submit.pages,
                     pages=len(submit.keys), timeout_s=self.timeout_s)
@@ -158,7 +156,6 @@ class StorageCalls:
         timer = self.timers.pop(op_id, None)
         if timer is not None:
             timer.cancel()
-        self.overdue.discard(op_id)
         counters = self.counters
         if error is None:
             counters["storage_ops_done"] += 1
@@ -185,6 +182,8 @@ class StorageCalls:
     # -- in a worker thread ----------------------------------------------------------------
     def _absent(self, key: bytes) -> bool:
         """Inline probe (local backends only): True when storage surely lacks `key`."""
+        if getattr(self.backend, "exists_is_local", False) is not True:
+            return False
         try:
             return checked_count("exists_prefix", self.backend.exists_prefix([key]), 1) == 0
         except Exception:  # noqa: BLE001 - let the worker path meet (and count) the error
@@ -263,7 +262,7 @@ class StorageCalls:
             raise InternalError(f"storage backend changed with {len(self.inflight)} storage ops in flight")
         old = self.backend
         self.unregister()
-        self._use(backend)
+        self.backend = backend
         if running:  # (else the actor's start registers it)
             self.register()
         log.info("storage_attached" if backend is not None else "storage_detached",
@@ -302,7 +301,7 @@ class StorageCalls:
     def settled(self) -> bool:
         """Nothing a drain waits for: overdue ops do not hold one (their calls may never return;
         they stay in flight, their pages pinned, and their acks still go out if the calls return)."""
-        return len(self.overdue) == len(self.inflight) and not self.removals
+        return not self.timers and not self.removals
 
     def stop(self) -> None:
         """The actor stops: no deadline fires any more, ops in flight are abandoned (counted once,
@@ -317,7 +316,6 @@ class StorageCalls:
             log.warning("storage_ops_abandoned_at_close", count=len(ops), ops=ops)
             self.abandoned.update(ops)
             self.inflight.clear()
-            self.overdue.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self.unregister()
@@ -354,10 +352,6 @@ class StorageCalls:
                 **{name: hist.snapshot() for name, hist in self.latency.items()}}
 
     # -- helpers -------------------------------------------------------------------------------
-    def _use(self, backend: Any) -> None:
-        self.backend = backend
-        self._probe_inline = backend is not None and getattr(backend, "exists_is_local", False) is True
-
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-storage")
