@@ -41,28 +41,24 @@ from runtime.messages import (
     Abort,
     Admit,
     AdmitResult,
-    AttachStorage,
-    Available,
     Batch,
     Cache,
-    CanAdmit,
-    ClearStorage,
     CloseSession,
     Commit,
     DecodeStep,
-    DetachStorage,
+    ControlAction,
     DrainTransfer,
     DrainTree,
     Extend,
     Finish,
     Flush,
-    Inspect,
-    MatchPrefix,
     OpenSession,
+    Query,
     Prepare,
     ReleaseAbandoned,
     Rewind,
     Snapshot,
+    StorageControl,
     TransferStats,
     TreeStats,
 )
@@ -429,15 +425,15 @@ class CacheRuntime:
     async def match_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor,
                            extra_key: Hashable = None) -> dict[str, int]:
         """Read-only look: tokens cached per tier, no lock, no split, no side effect."""
-        msg = MatchPrefix(self._tokens(tokens), check_namespace(extra_key), Reply())
-        return await self._sup.ask(self._tree.mailbox, msg)
+        arr, ns = self._tokens(tokens), check_namespace(extra_key)
+        return await self._sup.ask(self._tree.mailbox, Query(lambda core: core.match_prefix(arr, ns), Reply()))
 
     async def can_admit(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, extra_key: Hashable = None) -> bool:
-        msg = CanAdmit(self._tokens(tokens), check_namespace(extra_key), Reply())
-        return await self._sup.ask(self._tree.mailbox, msg)
+        arr, ns = self._tokens(tokens), check_namespace(extra_key)
+        return await self._sup.ask(self._tree.mailbox, Query(lambda core: core.can_admit(arr, ns), Reply()))
 
     async def available(self) -> dict[str, int]:
-        return await self._sup.ask(self._tree.mailbox, Available(Reply()))
+        return await self._sup.ask(self._tree.mailbox, Query(lambda core: core.available(), Reply()))
 
     async def flush(self) -> int:
         """Drop every unlocked cached prefix from device and host (after a weight update)."""
@@ -477,14 +473,14 @@ class CacheRuntime:
         if self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
         check_backend(self.config, backend)
-        await self._sup.ask(self._tree.mailbox, AttachStorage(backend, Reply()))
+        await self._sup.ask(self._tree.mailbox, StorageControl(ControlAction.ATTACH, backend, Reply()))
 
     async def detach_storage(self) -> None:
         """Turn the storage tier off: no storage op starts from now on; those in flight (writes,
         prefetch lookups and reads, overdue ones too) land or fail as usual, releasing their pins
         and host pages; then the backend is forgotten (closed if the runtime built it from the
         config). Device and host tiers keep working. `StateError`: no storage tier attached."""
-        old = await self._sup.ask(self._tree.mailbox, DetachStorage(Reply()))
+        old = await self._sup.ask(self._tree.mailbox, StorageControl(ControlAction.DETACH, reply=Reply()))
         if old is not None and old is self._owned_storage:
             self._owned_storage = None
             await asyncio.to_thread(old.close)  # (a Mooncake teardown talks to its master: off the loop)
@@ -496,11 +492,11 @@ class CacheRuntime:
         starts meanwhile). Returns the pages removed (pages the backend had already evicted are not
         counted). `StateError`: no storage tier, or a backend without `remove(keys)`;
         `StorageError`: the backend's removal failed (the hints are forgotten either way)."""
-        return await self._sup.ask(self._tree.mailbox, ClearStorage(Reply()))
+        return await self._sup.ask(self._tree.mailbox, StorageControl(ControlAction.CLEAR, reply=Reply()))
 
     async def inspect(self, fn: Any) -> Any:
         """Debug/test hook: run `fn(core)` inside the tree actor (between two messages)."""
-        return await self._sup.ask_internal(self._tree.mailbox, Inspect(fn, Reply()))
+        return await self._sup.ask_internal(self._tree.mailbox, Query(fn, Reply()))
 
     # -- helpers -------------------------------------------------------------------------
     def _register_metrics(self) -> None:
