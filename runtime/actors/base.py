@@ -195,8 +195,10 @@ class Actor(Generic[M]):
 
     Subclasses fill `handlers` (message type -> bound method) and may override `after_message`
     (the tree actor hands on the core's effects, runs the debug invariant checker) and
-    `after_burst` (the transfer actor starts the copies a burst queued). Handlers run to
-    completion one at a time; an async handler is awaited before the next message.
+    `after_burst` (the transfer actor starts the copies a burst queued), and `started` /
+    `stopping` (what the actor's task sets up and tears down: the transfer actor's bridge).
+    Handlers run to completion one at a time; an async handler is awaited before the next
+    message.
     """
 
     name = "actor"
