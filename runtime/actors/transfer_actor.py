@@ -282,19 +282,23 @@ class TransferActor(Actor[TransferMessage]):
     # -- storage -------------------------------------------------------------------
     def on_submit_storage(self, msg: SubmitStorage) -> None:
         self.storage.submit(msg)
-        self._maybe_drained()  # (an inline miss is acked at once)
+        if self.drain_waiters:  # (an inline miss is acked at once)
+            self._maybe_drained()
 
     def on_storage_done(self, msg: StorageDone) -> None:
         self.storage.done(msg)
-        self._maybe_drained()
+        if self.drain_waiters:
+            self._maybe_drained()
 
     def on_storage_deadline(self, msg: StorageDeadline) -> None:
         self.storage.deadline(msg)
-        self._maybe_drained()
+        if self.drain_waiters:
+            self._maybe_drained()
 
     def on_storage_removed(self, msg: StorageRemoved) -> None:
         self.storage.removed(msg)
-        self._maybe_drained()
+        if self.drain_waiters:
+            self._maybe_drained()
 
     # storage controls (sent by the tree actor once no storage op is in flight)
     def on_set_storage(self, msg: SetStorageBackend) -> Any:

@@ -226,7 +226,8 @@ class TreeActor(Actor[TreeMessage]):
             self._release_waiters(pf)
         if self.controls:
             self._advance_controls()
-        self._maybe_quiesced()
+        if self.quiesce_waiters:
+            self._maybe_quiesced()
 
     def on_storage_overdue(self, msg: StorageOverdue) -> None:
         """A storage call ran past its deadline: a prefetch's waiting admits go on without it (it
