@@ -237,7 +237,7 @@ PRIVATE_READS: dict[tuple[str, str], str] = {
     ("runtime/runtime.py", "_sup"): "CacheRuntime.open on the instance it makes (its own class)",
     ("runtime/storage/mooncake_backend.py", "_teardown_now"): "the module's atexit hook tears down its own "
                                                               "class's backends",
-    ("runtime/storage/mooncake_backend.py", "_exit"): "os._exit: the standard library's immediate exit (a "
+    ("runtime/storage/mooncake_cluster.py", "_exit"): "os._exit: the standard library's immediate exit (a "
                                                       "child whose parent died)",
     ("runtime/transfer/cuda_engine.py", "_forget"): _FRIEND,
     ("runtime/transfer/fake_engine.py", "_complete"): _FRIEND,
