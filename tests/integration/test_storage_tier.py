@@ -108,7 +108,7 @@ async def test_read_path_calls(tmp_path):
     async with CacheRuntime.open(config, storage=fb) as rt:
         res = await rt.admit("cold", b)  # storage is empty: the admit does not wait on a thread
         assert res.cached == 0
-        assert rt._transfer._storage_pool is None  # no storage op reached a worker thread
+        assert rt._transfer.storage._pool is None  # no storage op reached a worker thread
         s = fb.stats()
         assert (s["exists_calls"], s["get_calls"]) == (1, 0)
         await rt.abort("cold")
