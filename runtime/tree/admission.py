@@ -17,7 +17,7 @@ table's (`RequestTable`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -26,6 +26,7 @@ from runtime.config import RuntimeConfig
 from runtime.errors import CapacityError
 from runtime.memory.owners import Owner
 from runtime.phase import Phase
+from runtime.tree.groups.base import PoolGroup
 from runtime.tree.nodes import MatchResult, Node
 from runtime.tree.readiness import LoadReadiness
 from runtime.tree.records import RequestRecord
@@ -33,7 +34,9 @@ from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
 from runtime.tree.tiers.copies import CopyTracker
 
-__all__ = ["Admission", "Look", "Admitted"]
+__all__ = ["Admission", "Look", "Admitted", "COUNTERS"]
+
+COUNTERS = ("requests_admitted", "tokens_device_hit", "tokens_host_hit", "tokens_recomputed")
 
 
 class Look(NamedTuple):
@@ -56,15 +59,14 @@ class Admitted(NamedTuple):
 
 class Admission:
     def __init__(self, config: RuntimeConfig, residency: Residency, copies: CopyTracker, table: RequestTable,
-                 phase: Phase, generations: Iterator[int], count: Callable[[int, int, int], None]) -> None:
-        """`generations`: the core's one counter ((rid, generation) is never reused); `count`:
-        the core's admission counters (device hit, host hit, recomputed tokens)."""
+                 phase: Phase, generations: Iterator[int]) -> None:
+        """`generations`: the core's one counter ((rid, generation) is never reused)."""
         self.residency = residency
         self.copies = copies
         self.table = table
         self.phase = phase
         self.generations = generations
-        self.count = count
+        self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.page_size = config.page_size
         # selective write-through: a hit this often backs its nodes up (0: never)
         self.hit_threshold = config.write_through_threshold if (
@@ -81,10 +83,17 @@ class Admission:
             raise self.phase.refuse(CapacityError(
                 f"request {rid!r} needs {pages} device pages; {res.device.num_free_pages()} free, "
                 f"{res.evictable_device_pages()} evictable"))
-        if not all(g.admission_room(match, host_len) for g in res.groups):
-            raise CapacityError(f"request {rid!r} needs slots of a pool group (state slots); too few are free "
-                                "or evictable")
+        for g in res.hooked.admission_room:
+            if not g.admission_room(match, host_len):
+                raise CapacityError(f"request {rid!r} needs slots of a pool group (state slots); too few are free "
+                                    "or evictable")
         return Look(match, host_len, pages)
+
+    def run(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, priority: int) -> tuple[Look, Admitted]:
+        """`look`, then (the phase marked changing) `admit`: a whole admission of `rid` (not live)."""
+        look = self.look(rid, tokens, extra_key)
+        self.phase.change()
+        return look, self.admit(rid, tokens, extra_key, priority, look)
 
     def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, priority: int, look: Look) -> Admitted:
         """Admit `rid` from `look` (the caller marked `phase.change()`): lock, reserve, allocate,
@@ -95,7 +104,8 @@ class Admission:
         m = res.tree.settle(look.match)  # = match(split=True, touch=True), without a second walk
         owner = Owner.request(rid, next(self.generations))
         device_nodes = m.device_nodes  # device residency is prefix-closed
-        host_nodes = [n for n in m.nodes if n.device is None] if host_len else []
+        # (device residency is prefix-closed: the host-only nodes follow the device ones)
+        host_nodes = m.nodes[len(device_nodes):] if host_len else []
         lock_node = host_nodes[-1] if host_nodes else (device_nodes[-1] if device_nodes else None)
         if lock_node is not None:
             res.tree.lock(lock_node)
@@ -106,8 +116,11 @@ class Admission:
         fresh, reserved = self._reserve(rid, owner, host_nodes, pages, lock_node)
         readiness = self._loads(rid, owner, device_nodes, host_nodes, host_len, fresh, reserved)
         if host_nodes:
-            prefix = np.concatenate([n.device for n in m.nodes[: len(device_nodes) + len(host_nodes)]])
-            slots = np.concatenate((prefix, fresh[host_len:]))
+            parts = list(m.device_parts)
+            for node in host_nodes:  # (their device copies: the load's destination, attached)
+                parts.append(node.device)
+            parts.append(fresh[host_len:])
+            slots = np.concatenate(parts)
         else:  # one copy: the cached prefix's per-node slots and the fresh pages together
             slots = np.concatenate((*m.device_parts, fresh[host_len:]))
         rec = RequestRecord(
@@ -115,30 +128,30 @@ class Admission:
             cached_len=cached, last_node=lock_node, prompt_len=len(tokens), readiness=readiness, priority=priority)
         self.table.add(rec, slots, len(tokens), cached, code)
         self.count(m.device_len, host_len, len(tokens) - cached)
-        for g in res.groups:
+        for g in res.hooked.admitted:
             g.admitted()
         if self.hit_threshold:
             for node in device_nodes:
                 if node.hit_count >= self.hit_threshold:
                     self.copies.backup(node)
         granted: dict[str, Any] = {}
-        for g, r in zip(res.groups, reserved, strict=True):
-            granted.update(g.grant(lock_node, r))
+        for g in res.hooked.grant:
+            granted.update(g.grant(lock_node, reserved.get(g)))
         return Admitted(rec, slots, m.device_len, readiness, granted)
 
     def _reserve(self, rid: Hashable, owner: Owner, host_nodes: list[Node], pages: int,
-                 lock_node: Node | None) -> tuple[np.ndarray, tuple[Any, ...]]:
-        """An admission's device pages, and what each group reserves for it (one value per group);
-        a shortfall (write-back evictions still copying) undoes the admission's changes and refuses it."""
+                 lock_node: Node | None) -> tuple[np.ndarray, dict[PoolGroup, Any]]:
+        """An admission's device pages, and what each group reserves for it (by group); a
+        shortfall (write-back evictions still copying) undoes the admission's changes and refuses it."""
         res = self.residency
-        reserved: list[Any] = []
+        reserved: dict[PoolGroup, Any] = {}
         try:
             # (a group's slots may evict unlocked snapshots: never the hit's, locked by the caller)
-            for g in res.groups:
-                reserved.append(g.reserve(rid, owner, host_nodes))
-            return self.alloc(pages, owner, rid=rid), tuple(reserved)
+            for g in res.hooked.reserve:
+                reserved[g] = g.reserve(rid, owner, host_nodes)
+            return self.alloc(pages, owner, rid=rid), reserved
         except CapacityError as exc:
-            for g, r in zip(res.groups, reserved):
+            for g, r in reserved.items():
                 g.cancel(rid, owner, host_nodes, r)
             res.unhold(owner)
             if lock_node is not None:
@@ -146,7 +159,7 @@ class Admission:
             raise self.phase.refuse(exc)
 
     def _loads(self, rid: Hashable, owner: Owner, device_nodes: list[Node], host_nodes: list[Node], host_len: int,
-               fresh: np.ndarray, reserved: tuple[Any, ...]) -> tuple[LoadReadiness, ...]:
+               fresh: np.ndarray, reserved: dict[PoolGroup, Any]) -> tuple[LoadReadiness, ...]:
         """The loads the request waits on: those in flight into its device prefix, and its host
         hit's own (into the first `host_len` fresh slots)."""
         copies = self.copies
@@ -158,6 +171,14 @@ class Admission:
         for r in readiness:
             copies.add_user(r, rid)
         return tuple(readiness)
+
+    def count(self, device_hit: int, host_hit: int, recomputed: int) -> None:
+        """An admission's counters (a session turn's too: its session's KV is its device hit)."""
+        stats = self.stats
+        stats["requests_admitted"] += 1
+        stats["tokens_device_hit"] += device_hit
+        stats["tokens_host_hit"] += host_hit
+        stats["tokens_recomputed"] += recomputed
 
     # -- device room -----------------------------------------------------------------------
     def alloc(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:

@@ -24,6 +24,7 @@ after passing it. (Tree keys are bytes encoded at insert time either way.)
 from __future__ import annotations
 
 import itertools
+from itertools import repeat
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -42,7 +43,7 @@ from runtime.errors import (
     UnknownRequestError,
 )
 from runtime.memory.owners import Owner
-from runtime.messages import AdmitResult, OffloadStarted, StateBlob, TransferPlan
+from runtime.messages import AdmitResult, OffloadStarted, TransferPlan
 from runtime.phase import Phase
 from runtime.events.recorder import KVEventRecorder
 from runtime.storage.hashing import KVIdentity
@@ -55,7 +56,7 @@ from runtime.tree.request_table import RequestTable
 from runtime.tree.residency import Residency
 from runtime.tree.request_kv import RequestKV
 from runtime.tree.sessions import Sessions
-from runtime.tree.admission import Admission, Look
+from runtime.tree.admission import Admission
 from runtime.tree.groups.recurrent import RecurrentStates
 from runtime.tree.groups.sliding import SlidingWindow
 from runtime.tree.tiers.storage import COUNTERS as STORAGE_COUNTERS
@@ -99,13 +100,9 @@ class CacheCore:
         self._op_ids = op_ids
         self._sessions = Sessions(self.residency, self.copies)
         self._generations = itertools.count(1)  # one counter: (rid, generation) is never reused
-        self._stats: dict[str, int] = {
-            "requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
-            "tokens_device_hit": 0, "tokens_host_hit": 0, "tokens_recomputed": 0,
-        }
+        self._stats: dict[str, int] = {"requests_finished": 0, "requests_aborted": 0}
         self._kv = RequestKV(config, self.residency, self.copies, self.table, self.offload, self._sessions)
-        self.admission = Admission(config, self.residency, self.copies, self.table, self.phase, self._generations,
-                                   self._count_admission)
+        self.admission = Admission(config, self.residency, self.copies, self.table, self.phase, self._generations)
 
     @property
     def sessions(self) -> dict[Hashable, SessionRecord]:
@@ -154,58 +151,48 @@ class CacheCore:
         self.storage.pause(paused)
         return len(self.storage.ops)
 
-    def storage_blobs(self, op_id: int) -> tuple[StateBlob, ...]:
-        """The state snapshots storage op `op_id` (in flight) carries beside its KV pages."""
-        return self.storage.blobs(op_id)
-
     def forget_storage(self) -> list[bytes]:
         """`clear_storage`, once no storage op is in flight: forget every page hash known stored and
         return them (the pages to remove; KV events report each one removed from STORAGE)."""
         return self.storage.forget_stored()
 
     # -- request lifecycle -------------------------------------------------------
-    def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
+    def admit(self, rid: Hashable, tokens: Any, extra_key: Hashable = None,
               session: Hashable = None, priority: int = 0) -> AdmitResult:
-        tokens = self._check_tokens(tokens)
+        """A direct caller's admit (loop-free tests and tools): its tokens checked here, then the
+        admission itself; the tree actor's entry is `admit_or_wait` (tokens checked by the façade)."""
+        return self._admit(rid, self._check_tokens(tokens), extra_key, session, priority)
+
+    def _admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, session: Hashable,
+               priority: int) -> AdmitResult:
         if rid in self.requests:
             raise DuplicateRequestError(f"request {rid!r} is still live")
         if session is not None:
             return self._admit_turn(rid, tokens, self._sessions.get(session))
-        return self._admitted(rid, tokens, extra_key, priority, self.admission.look(rid, tokens, extra_key))
-
-    def _admitted(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, priority: int, look: Look) -> AdmitResult:
-        """Admit `rid` from its `look` (`Admission`); a prefetch still running goes on without it."""
-        self.phase.change()
-        done = self.admission.admit(rid, tokens, extra_key, priority, look)
-        rec = done.rec
-        # (a lookup that landed while this admit waited marked it prepared)
-        from_storage = self.storage.admitted(rid, look.host_len)
-        return AdmitResult(rid, rec.generation, torch.from_numpy(done.slots[: len(tokens)]), done.device_hit,
+        look, done = self.admission.run(rid, tokens, extra_key, priority)
+        # a prefetch still running goes on without it (a lookup that landed while this admit
+        # waited marked it prepared)
+        storage = self.storage
+        from_storage = storage.admitted(rid, look.host_len) if (
+            rid in storage.prefetches or rid in storage.prefetched or rid in storage.prefetch_landed) else 0
+        return AdmitResult(rid, done.rec.generation, torch.from_numpy(done.slots[: len(tokens)]), done.device_hit,
                            look.host_len, done.readiness, from_storage, **done.granted)
-
-    def _count_admission(self, device_hit: int, host_hit: int, recomputed: int) -> None:
-        stats = self._stats
-        stats["requests_admitted"] += 1
-        stats["tokens_device_hit"] += device_hit
-        stats["tokens_host_hit"] += host_hit
-        stats["tokens_recomputed"] += recomputed
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
                       session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
-        """`admit`, or, with a storage tier whose policy waits for the request's prefetch, the
-        prefetch `waiter` (an opaque token of the caller's) now waits on: admit it again when
-        the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`). An admit
-        that does not wait detaches the rid's prefetch only once admitted: a refusal leaves it
-        prepared (a later abort cancels it)."""
-        storage = self.storage
-        if session is not None or rid in self.requests:
-            return self.admit(rid, tokens, extra_key, session, priority)
-        tokens = self._check_tokens(tokens)  # before the first change: bad tokens leave the rid prepared
-        if storage.waits(waiter):
-            wait = storage.wait_for(rid, tokens, extra_key, waiter)
+        """The tree actor's one admit entry: `admit`, or, with a storage tier whose policy waits for
+        the request's prefetch, the prefetch `waiter` (an opaque token of the caller's) now waits
+        on: the caller admits it again, with no waiter, when the prefetch ends (`apply_storage_ack`,
+        `storage_overdue`, `prefetch_deadline`). `waiter` None never waits (a batch item, or an
+        admit whose prefetch ended). `tokens` were checked by the sender (the façade's
+        `runtime.validation.tokens`: a new 1-D int32 array, non-empty, no longer than the pool). An
+        admit that does not wait detaches the rid's prefetch only once admitted: a refusal leaves
+        it prepared (a later abort cancels it)."""
+        if waiter is not None and self.storage.may_wait and session is None and rid not in self.requests:
+            wait = self.storage.wait_for(rid, tokens, extra_key, waiter)
             if wait is not None:
                 return wait
-        return self._admitted(rid, tokens, extra_key, priority, self.admission.look(rid, tokens, extra_key))
+        return self._admit(rid, tokens, extra_key, session, priority)
 
     def extend(self, rid: Hashable, n: int) -> torch.Tensor:
         rec = self._record(rid)
@@ -270,9 +257,7 @@ class CacheCore:
             table.append_page_each(starting, pages)
         self.phase.change()
         out = table.advance(rows, seq)
-        offload = self.offload
-        for rid in rids:  # (one Python call each: decode offload's commits; none without it)
-            offload.note_commit(self.requests[rid])
+        self.offload.note_commits(map(self.requests.__getitem__, rids))
         return torch.from_numpy(out)
 
     def commit(self, rid: Hashable, committed_len: int) -> int:
@@ -282,7 +267,7 @@ class CacheCore:
                 f"commit of {rid!r} must lie in [{rec.committed_len}, {rec.seq_len}], got {committed_len!r}")
         self.phase.change()
         rec.committed_len = committed_len
-        self.offload.note_commit(rec)
+        self.offload.note_commits((rec,))
         return committed_len
 
     def snapshot(self, rid: Hashable, position: int) -> int:
@@ -375,12 +360,12 @@ class CacheCore:
         floor = max(rec.cached_len, self._sessions.kv_len(rec))
         if not isinstance(new_len, int) or not floor <= new_len <= rec.seq_len:
             raise LengthError(f"rewind of {rid!r} must lie in [{floor}, {rec.seq_len}], got {new_len!r}")
-        for g in self.residency.groups:
+        for g in self.residency.hooked.check_rewind:
             g.check_rewind(rec, new_len)
         self.offload.check_rewind(rec, new_len)
         self.phase.change()
         self._kv.free_tail(rec, new_len)
-        for g in self.residency.groups:
+        for g in self.residency.hooked.rewind:
             g.rewind(rec, new_len)
         rec.rewound(new_len)
         return new_len
@@ -421,7 +406,7 @@ class CacheCore:
             cached_len=0, last_node=None, prompt_len=len(tokens), session=sess.sid, session_len=len(sess.slots)),
             slots, len(tokens), kv)
         self._sessions.begin_turn(sess, rid)
-        self._count_admission(kv, 0, len(tokens) - kv)
+        self.admission.count(kv, 0, len(tokens) - kv)
         return AdmitResult(rid, owner.generation, torch.from_numpy(slots[: len(tokens)].copy()), kv, 0, ())
 
     # -- read-only questions -----------------------------------------------------------
@@ -446,8 +431,9 @@ class CacheCore:
         no request's state, only which cached pages are being copied to host."""
         res = self.residency
         look, host_len, need = res.admission(self._check_tokens(tokens), extra_key)
-        if not all(g.admission_room(look, host_len) for g in res.groups):
-            return False  # (no write-back makes state slots free)
+        for g in res.hooked.admission_room:
+            if not g.admission_room(look, host_len):
+                return False  # (no write-back makes state slots free)
         if res.room_for(need, look):
             return True
         self.admission.start_writeback(need, look)
@@ -458,7 +444,7 @@ class CacheCore:
         """Counters of the core and its parts, the same names whatever is enabled (a fresh dict; a
         counter two parts keep is summed)."""
         out = dict(self._stats)
-        parts = [self.residency.stats, self.copies.stats]
+        parts = [self.admission.stats, self.residency.stats, self.copies.stats]
         parts.append(self.offload.stats)
         parts.append(self._storage_stats)
         parts.append(dict.fromkeys(GROUP_COUNTERS, 0))  # every group kind's, whichever the model has
@@ -498,7 +484,7 @@ class CacheCore:
 
     # -- acks and effects ----------------------------------------------------------------
     def apply_ack(self, op_id: int, error: str | None) -> None:
-        if self.offload.owns(op_id):
+        if op_id in self.offload.ops:
             self.offload.apply_ack(op_id, error)
             return
         if op_id not in self.copies.ops:
@@ -514,7 +500,7 @@ class CacheCore:
 
     def take_effects(self) -> Effects:
         copies = self.copies.take_plans()
-        copies += [(plan, None) for plan in self.offload.take_plans()]
+        copies.extend(zip(self.offload.take_plans(), repeat(None)))
         return Effects(copies, self.storage.take_requests(), self.offload.take_notes())
 
     def flush(self) -> int:

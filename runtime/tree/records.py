@@ -143,10 +143,6 @@ class RequestRecord:
         self.committed_len = min(self.committed_len, new_len)
         self.tokens = self.tokens[:new_len].copy()
 
-    def file(self, table: RequestTable | None, row: int = -1) -> None:
-        """Filed at `row` of `table` (the table's call; None: released, reads fail loudly)."""
-        self.table, self.row = table, row
-
 
 @dataclass(slots=True)
 class SessionRecord:
@@ -189,13 +185,6 @@ class CopyOp:
     # a load issued under another load that failed first: its nodes lost their device copies, and
     # its device slots stay with it (owner: its deepest node's id) until its ack frees them
     orphaned: bool = False
-
-    def use(self, rid: Hashable) -> None:
-        """Request `rid` waits on this load (it is failed with it)."""
-        self.users.add(rid)
-
-    def unuse(self, rid: Hashable) -> None:
-        self.users.discard(rid)
 
 
 @dataclass(slots=True)
@@ -307,3 +296,5 @@ class StorageRequest(NamedTuple):
     # under one control plane over tensor-parallel ranks: rank r's keys are rank_keys[r] (rank 0's
     # are `keys`); (): `keys` serve every rank (one rank; a replicated shard, written by rank 0)
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
+    # a hybrid model's state snapshots written, looked up or read with the pages (the op's own)
+    states: tuple[StateBlob, ...] = ()

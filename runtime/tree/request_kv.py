@@ -51,11 +51,11 @@ class RequestKV:
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
         # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless a
         # group says no (a leaf holding a state snapshot; own pages whose sliding KV dropped)
-        groups = self.residency.groups
+        hooked = self.residency.hooked
         extend = start is not None and not copies.busy(start)
-        if extend:
+        if extend and hooked.grows_in_place:
             first = int(rec.slot_view(rec.cached_len, n)[0])
-            extend = all(g.grows_in_place(start, first) for g in groups)  # type: ignore[arg-type]
+            extend = all(g.grows_in_place(start, first) for g in hooked.grows_in_place)  # type: ignore[arg-type]
         res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
                                     rec.priority)
         duplicates = res.duplicate_slots
@@ -67,7 +67,7 @@ class RequestKV:
         self.residency.tree.relock(rec.last_node, new_last)
         rec.inserted(new_last, n, len(tokens))
         adopted = res.adopted
-        for g in groups:
+        for g in hooked.after_insert:
             adopted = adopted + [(upper, upper.device) for upper in g.after_insert(rec, self.residency.tree.split)]
         self.write_through(adopted)
 
@@ -93,7 +93,7 @@ class RequestKV:
             res.free_device(rec.dups, rec.owner, rid=rec.rid, reason="duplicate")
         if rec.last_node is not None:
             self.residency.tree.unlock(rec.last_node)
-        for g in self.residency.groups:
+        for g in self.residency.hooked.release:
             g.release(rec.rid, rec.owner)
         for r in rec.readiness:
             self.copies.drop_user(r, rec.rid)

@@ -70,7 +70,7 @@ class RequestTable:
         if code:
             self.codes[row] = code
         self.record_at[row] = rec
-        rec.file(self, row)
+        rec.table, rec.row = self, row
         self.records[rec.rid] = rec
         self._row_of[rec.rid] = row
 
@@ -78,7 +78,7 @@ class RequestTable:
         """Take `rec` out for good (released): it reads no row any more, and its row is free.
         Returns the owner code its row held (0: none)."""
         code = self._free(rec)
-        rec.file(None)  # a read of a released record fails loudly, never reads a reused row
+        rec.table = None  # a read of a released record fails loudly, never reads a reused row
         return code
 
     def detach(self, rec: RequestRecord) -> int:
@@ -90,7 +90,7 @@ class RequestTable:
         own = RequestTable(self.page_size, rows=1, width=n)
         own.take_row(self.slot_map[row, :n], self.seq_len_at[row], self.committed_at[row])
         code = self._free(rec)
-        rec.file(own, 0)
+        rec.table, rec.row = own, 0
         return code
 
     def take_row(self, slots: np.ndarray, seq_len: int, committed: int) -> None:

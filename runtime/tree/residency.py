@@ -30,7 +30,7 @@ from runtime.tree.policies import policy_by_name
 from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, tests)
 from runtime.tree.page_hasher import PageHasher
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
-from runtime.tree.groups.base import PoolGroup
+from runtime.tree.groups.base import Hooked, PoolGroup
 from runtime.tree.groups.full import FullAttention
 from runtime.tree.groups.recurrent import NoSnapshots, RecurrentStates
 from runtime.tree.groups.sliding import SlidingWindow
@@ -87,6 +87,7 @@ class Residency:
             if host_state_slots > 0:
                 self.snapshots = states
         self.groups: tuple[PoolGroup, ...] = tuple(groups)
+        self.hooked = Hooked.of(self.groups)  # per hook, the groups that have a say
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | NoEvents = NoEvents()
@@ -193,7 +194,7 @@ class Residency:
         the caller starts those backups."""
         device = self.device
         target = device.num_free_pages() + pages
-        for g in self.groups:
+        for g in self.hooked.before_evict:
             g.before_evict(target)
         backup_first: list[Node] = []
         for node in self.tree.device_victims():
@@ -222,7 +223,7 @@ class Residency:
             self.delete(node)
 
     def drop_device(self, node: Node) -> None:
-        for g in self.groups:
+        for g in self.hooked.drop_device:
             g.drop_device(node)
         slots = self.tree.detach_device(node)
         self.device.free(slots, node_owner(node), trusted=True, node=node.id, reason="evict")
@@ -238,8 +239,9 @@ class Residency:
                 self.events.removed(node, GPU)
             if node.host is not None:
                 self.events.removed(node, CPU)
-            for g in self.groups:
+            for g in self.hooked.drop_device:
                 g.drop_device(node)
+            for g in self.hooked.drop_host:
                 g.drop_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
@@ -346,7 +348,7 @@ class Residency:
     def roll_back_load(self, chain: list[Node]) -> None:
         """A failed load's device copies never became valid: detach and free them."""
         for node in reversed(chain):
-            for g in self.groups:
+            for g in self.hooked.drop_device:
                 g.drop_device(node)
             slots = self.tree.detach_device(node, force=True)
             self.device.free(slots, node_owner(node), node=node.id, reason="load_failed")
@@ -356,7 +358,7 @@ class Residency:
         """Detach a load's device copies from its chain: its deepest node's owner keeps them all
         until the load's ack frees them (the load was started under a load that failed)."""
         owner = node_owner(chain[-1])
-        for g in self.groups:
+        for g in self.hooked.orphan_load:
             g.orphan_load(chain)
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
@@ -415,7 +417,7 @@ class Residency:
         new node, then tells the listeners (copies in flight)."""
         if self.hasher is not None:
             self.hasher.on_split(lower, upper)
-        for g in self.groups:
+        for g in self.hooked.on_split:
             g.on_split(lower, upper)
         if upper.device is not None:
             self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
@@ -445,9 +447,11 @@ class Residency:
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len
         matched = look.device_len + host_len
-        usable = min(g.usable_end(look, host_len) for g in self.groups) if matched else 0
+        usable = matched
+        for g in self.hooked.usable_end if matched else ():
+            usable = min(usable, g.usable_end(look, host_len))
         if admitting:  # every admission's look notes it (0: not cut)
-            for g in self.groups:
+            for g in self.hooked.note_cut:
                 g.note_cut(matched - usable)
         if usable < matched:
             look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
@@ -474,7 +478,7 @@ class Residency:
         def dry_run(need: int, weigh: Callable[[Node, int], int] | None = None) -> int:
             return self.freeable_now(need, keep, tail, weigh)
 
-        return all(g.room(pages, look, dry_run) for g in self.groups)
+        return all(g.room(pages, look, dry_run) for g in self.hooked.room)
 
     @staticmethod
     def _kept_by(look: MatchResult | None) -> tuple[set[Node], tuple[Node, int] | None]:

@@ -29,7 +29,8 @@ from typing import Any
 
 from runtime.errors import CapacityError, HiCacheError
 from runtime.runtime import CacheRuntime
-from runtime.storage.mooncake_backend import LocalMooncakeCluster, MooncakeBackend
+from runtime.storage.mooncake_backend import MooncakeBackend
+from runtime.storage.mooncake_cluster import LocalMooncakeCluster
 from tests.integration.support import bad_positions, compute, small_config, toks
 
 PROMPTS = 6        # distinct prompts the streams share (so storage has what they ask for)
@@ -110,9 +111,9 @@ async def scenario(args: argparse.Namespace, cluster: LocalMooncakeCluster) -> d
         "ops_submitted": transfer.get("storage_ops_submitted"), "ops_done": transfer["storage_ops_done"],
         "ops_failed": transfer["storage_ops_failed"], "ops_abandoned": transfer.get("storage_ops_abandoned"),
         "ops_overdue": transfer["storage_ops_overdue"],
-        "inflight_after_close": len(rt._transfer.storage_inflight),
+        "inflight_after_close": len(rt._transfer.storage.inflight),
         "copies_issued": rt._core.stats["backups_issued"] + rt._core.stats["loads_issued"],
-        "copies_settled": transfer["ops_done"] + transfer["ops_failed"], "copies_inflight": len(rt._transfer.inflight),
+        "copies_settled": transfer["ops_done"] + transfer["ops_failed"], "copies_inflight": len(rt._transfer.copies.inflight),
         "backend_calls_abandoned": bstats.get("calls_abandoned_at_close"),
         "backend_calls_running": bstats.get("calls_running"),
         "mooncake_errors": bstats["errors"], "pages_written": bstats["pages_written"], "pages_read": bstats["pages_read"],

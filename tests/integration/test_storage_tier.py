@@ -108,7 +108,7 @@ async def test_read_path_calls(tmp_path):
     async with CacheRuntime.open(config, storage=fb) as rt:
         res = await rt.admit("cold", b)  # storage is empty: the admit does not wait on a thread
         assert res.cached == 0
-        assert rt._transfer._storage_pool is None  # no storage op reached a worker thread
+        assert rt._transfer.storage._pool is None  # no storage op reached a worker thread
         s = fb.stats()
         assert (s["exists_calls"], s["get_calls"]) == (1, 0)
         await rt.abort("cold")
@@ -485,7 +485,7 @@ class SamplingFileBackend(FileBackend):
 
     def set_batch(self, keys, srcs, tags=None):
         ok = super().set_batch(keys, srcs, tags)
-        with self._lock():
+        with self._dir.lock():
             self.max_seen = max(self.max_seen, dir_bytes(self.directory))
             self.samples += 1
         return ok

@@ -5,13 +5,14 @@ slot, what it supports). `Residency` holds one rule object per group and calls e
 hook where a group may have a say: the core iterates its groups and never asks which exist. A
 group overrides only the hooks its rule needs; the rest keep the defaults below (no cut, no
 room needed, nothing to copy). A new kind of model state is one class here (its rule) plus its
-declaration.
+declaration. The core calls a hook only on the groups that override it (`Hooked`).
 
 The hooks, by where the core calls them:
 
 - matching: `usable_end` (a hit is cut back to where the group's state is whole), `note_cut`;
 - admission: `room` (device pages: each group's own pool must reach them), `admission_room`,
-  `reserve` / `cancel` / `grant` (what an admission takes of the group's own slots), `admitted`;
+  `reserve` / `cancel` / `grant` (what an admission takes of the group's own slots; `cancel` is
+  called on the groups that reserved), `admitted`;
 - requests: `grows_in_place`, `after_insert`, `check_rewind` / `rewind`, `release`;
 - the tree: `on_split`, `before_evict` (the group gives back what it can first),
   `drop_device` / `drop_host` (a node loses a copy), `orphan_load`;
@@ -26,6 +27,7 @@ nodes and the token ledgers change only in `Residency`.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -36,7 +38,7 @@ from runtime.messages import PoolTransfer
 from runtime.tree.nodes import MatchResult, Node
 from runtime.tree.records import RequestRecord
 
-__all__ = ["PoolGroup", "DryRun"]
+__all__ = ["PoolGroup", "DryRun", "Hooked"]
 
 
 class DryRun(Protocol):
@@ -139,3 +141,38 @@ class PoolGroup(Protocol):
     def counts(self) -> dict[str, int]:
         """Sizes of the group's live state (`COUNTS`)."""
         return {}
+
+
+@dataclass(frozen=True)
+class Hooked:
+    """Per hook, the groups whose rule overrides it (in the model's group order): the core calls
+    only those, so a hook no group has a say in costs nothing (full attention alone overrides
+    `room`). A value record, made once per model (`of`)."""
+
+    usable_end: tuple[PoolGroup, ...]
+    note_cut: tuple[PoolGroup, ...]
+    room: tuple[PoolGroup, ...]
+    admission_room: tuple[PoolGroup, ...]
+    reserve: tuple[PoolGroup, ...]
+    grant: tuple[PoolGroup, ...]
+    admitted: tuple[PoolGroup, ...]
+    grows_in_place: tuple[PoolGroup, ...]
+    after_insert: tuple[PoolGroup, ...]
+    check_rewind: tuple[PoolGroup, ...]
+    rewind: tuple[PoolGroup, ...]
+    release: tuple[PoolGroup, ...]
+    on_split: tuple[PoolGroup, ...]
+    before_evict: tuple[PoolGroup, ...]
+    drop_device: tuple[PoolGroup, ...]
+    drop_host: tuple[PoolGroup, ...]
+    orphan_load: tuple[PoolGroup, ...]
+    start_backup: tuple[PoolGroup, ...]
+    end_backup: tuple[PoolGroup, ...]
+    start_load: tuple[PoolGroup, ...]
+    end_load: tuple[PoolGroup, ...]
+
+    @classmethod
+    def of(cls, groups: tuple[PoolGroup, ...]) -> "Hooked":
+        def overriding(name: str) -> tuple[PoolGroup, ...]:
+            return tuple(g for g in groups if getattr(type(g), name) is not getattr(PoolGroup, name))
+        return cls(**{f.name: overriding(f.name) for f in fields(cls)})

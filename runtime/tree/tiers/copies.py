@@ -17,7 +17,8 @@ they are `unissued` (their pages not pinned yet).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +87,7 @@ class CopyTracker:
         self.ops[op_id] = op
         self.backup_pending[node.id] = op_id
         more: tuple[PoolTransfer, ...] = ()
-        for g in res.groups:  # (each group's pools: a snapshot, sliding rows)
+        for g in res.hooked.start_backup:  # (each group's pools: a snapshot, sliding rows)
             more += g.start_backup(op_id, node, device, host)
         self._open.append((op, more))
         self.stats["backups_issued"] += 1
@@ -128,11 +129,10 @@ class CopyTracker:
                 self.stats["writeback_deferred"] += node.num_tokens
 
     def start_load(self, host_nodes: list[Node], host_len: int, device: np.ndarray, owner: Owner,
-                   reserved: tuple[Any, ...] = ()) -> CopyOp:
+                   reserved: Mapping[Any, Any] = MappingProxyType({})) -> CopyOp:
         """Load the host-only chain into `device` slots (allocated by `owner`, handed to the nodes);
-        each group's part with what its admission reserved (`reserved`, one per group: with
-        recurrent state, the slot the deepest node's host snapshot comes back to; none: nothing
-        reserved)."""
+        each group's part with what its admission reserved (`reserved`, by group: with
+        recurrent state, the slot the deepest node's host snapshot comes back to)."""
         res = self.residency
         device = device.copy()  # the op's snapshot owns its arrays
         op_id = next(self._op_ids)
@@ -149,8 +149,8 @@ class CopyTracker:
         self.ops[op_id] = op
         res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
         more: tuple[PoolTransfer, ...] = ()
-        for g, r in zip(res.groups, reserved or (None,) * len(res.groups), strict=True):
-            more += g.start_load(op_id, host_nodes, r)
+        for g in res.hooked.start_load:
+            more += g.start_load(op_id, host_nodes, reserved.get(g))
         self._plans.append((make_plan(op_id, Direction.LOAD, host, device, more), readiness))
         self.stats["loads_issued"] += 1
         return op
@@ -174,12 +174,12 @@ class CopyTracker:
         return out
 
     def add_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
-        self._load_op_of(readiness).use(rid)
+        self._load_op_of(readiness).users.add(rid)
 
     def drop_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
         op = self._load_op_of(readiness, missing_ok=True)
         if op is not None:
-            op.unuse(rid)
+            op.users.discard(rid)
 
     def insert_cap(self, tokens: np.ndarray, n: int, extra_key: Hashable) -> int:
         """How much of tokens[:n] an insert may cover: it stops at a node whose load is in flight
@@ -223,10 +223,11 @@ class CopyTracker:
         op_id = op.op_id
         del self.ops[op_id]
         chain = res.tree.split_chain(op.node, op.length)
-        for g in res.groups:  # (unpinned first: a rollback or a write-back eviction frees them)
-            if op.direction is Direction.BACKUP:
+        if op.direction is Direction.BACKUP:  # (unpinned first: a rollback or a write-back eviction frees them)
+            for g in res.hooked.end_backup:
                 g.end_backup(op_id, chain, error is None)
-            else:
+        else:
+            for g in res.hooked.end_load:
                 g.end_load(op_id, op.orphaned)
         out = AckOutcome(op)
         if op.direction is Direction.BACKUP:
@@ -309,9 +310,10 @@ class CopyTracker:
             users |= op.users
 
     def _load_op_of(self, readiness: LoadReadiness, missing_ok: bool = False) -> CopyOp | None:
-        for op in self.ops.values():
-            if op.readiness is readiness:
-                return op
+        # a load's readiness is made for its op id (`ReadinessFactory`): one lookup, not a scan
+        op = self.ops.get(readiness.op_id) if readiness.op_id is not None else None
+        if op is not None and op.readiness is readiness:
+            return op
         if missing_ok:
             return None
         raise InternalError(f"no load in flight has readiness of op {readiness.op_id}")

@@ -16,7 +16,7 @@ An offload's host slots belong to the request (its generation's owner) until tha
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Iterator
+from collections.abc import Container, Hashable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,11 @@ class DecodeOffload:
         """Whether a released `rec` is retired until its offloads land (a session turn's KV stays
         with its session instead)."""
         return rec.session is None
+
+    def note_commits(self, recs: Iterable[RequestRecord]) -> None:
+        """The requests `recs` committed tokens (a decode step's, a commit's)."""
+        for rec in recs:
+            self.note_commit(rec)
 
     def note_commit(self, rec: RequestRecord) -> None:
         if rec.session is None:

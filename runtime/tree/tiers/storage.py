@@ -71,10 +71,11 @@ class StorageTier:
         self.config = config  # (its prefetch policy; tiers-only mode issues its own reads: `read`)
         self.residency = residency
         self._op_ids = op_ids
-        self.identity = identity
         # one control plane over tensor-parallel ranks: every rank's identity, its keys its own (the
-        # tree's own records, `known` and KV events, name a page by rank 0's key); () with one list
-        self.ranks = rank_identities(identity, config.tp_ranks)
+        # tree's own records, `known` and KV events, name a page by rank 0's key); one with one list
+        self.identities = rank_identities(identity, config.tp_ranks) or (identity,)
+        # an admit with a waiter may wait for its prefetch (policy not `best_effort`)
+        self.may_wait = config.prefetch_policy != "best_effort"
         residency.use_hasher(identity)  # nodes' page hashes (the residency's), shared with KV events
         self.ops: dict[int, StorageOp] = {}
         self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
@@ -98,6 +99,16 @@ class StorageTier:
     def restore(self, kept: StoredPages) -> None:
         """What this runtime knew of the backend's pages when it detached the same backend."""
         self.stored = kept
+
+    @property
+    def identity(self) -> KVIdentity:
+        """The identity the page hashes encode (rank 0's)."""
+        return self.identities[0]
+
+    @property
+    def ranks(self) -> tuple[KVIdentity, ...]:
+        """Every rank's identity when each rank has keys of its own; () when one key list serves all."""
+        return self.identities if len(self.identities) > 1 else ()
 
     @property
     def known(self) -> set[bytes]:
@@ -143,7 +154,7 @@ class StorageTier:
         self.ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys,
                                     states=blobs, tokens=path[first * ps:].reshape(-1, ps)[pick].reshape(-1),
                                     parents=[every[first + i - 1] if first + i else None for i in pick])
-        self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys))
+        self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys, blobs))
         self.stats["storage_writes_issued"] += 1
 
     def write_chain(self, node: Node, length: int) -> None:
@@ -181,7 +192,7 @@ class StorageTier:
         rank_keys = self.keys_per_rank(tokens[:match_len], extra_key, keys, range(start // ps, match_len // ps))
         self.prefetches[rid] = pf
         self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf, rank_keys=rank_keys, states=blobs)
-        self._requests.append(StorageRequest(op_id, False, tuple(keys), (), rank_keys))
+        self._requests.append(StorageRequest(op_id, False, tuple(keys), (), rank_keys, blobs))
         self.stats["storage_lookups_issued"] += 1
         return len(keys) * ps
 
@@ -208,13 +219,8 @@ class StorageTier:
         request = self._issue_read(pf, keys, host=None if reserved is None else reserved[0])
         return None if request is None else (pf, request)  # (the caller carries the request to its worker)
 
-    def waits(self, waiter: Any) -> bool:
-        """Whether an admit with `waiter` may wait for its prefetch (policy `best_effort`, or no
-        waiter: a batch item never waits)."""
-        return self.config.prefetch_policy != "best_effort" and waiter is not None
-
     def wait_for(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, waiter: Any) -> PrefetchWait | None:
-        """The prefetch an admit of `rid` (not live; `waits(waiter)`) waits for, with `waiter`
+        """The prefetch an admit of `rid` (not live; `may_wait`, a `waiter`) waits for, with `waiter`
         appended to it; None: admit now (nothing to fetch)."""
         pf = self.prefetches.get(rid)
         if pf is None and self.prepare(rid, tokens, extra_key):
@@ -259,10 +265,9 @@ class StorageTier:
         """Forget that `rid` was prepared (its landed pages are the tree's, nothing to release);
         True if it was."""
         self.prefetch_landed.pop(rid, None)
-        if rid in self.prefetched:
-            self.prefetched.discard(rid)
-            return True
-        return False
+        was = rid in self.prefetched
+        self.prefetched.discard(rid)
+        return was
 
     def admitted(self, rid: Hashable, host_len: int) -> int:
         """`rid` was admitted with `host_len` tokens loaded from host: it is no longer a prepared
@@ -369,11 +374,6 @@ class StorageTier:
         self.rank_keys.clear()
         self.known_states.clear()
         return out
-
-    def blobs(self, op_id: int) -> tuple[StateBlob, ...]:
-        """The state snapshots storage op `op_id` (in flight) carries beside its KV pages."""
-        sop = self.ops.get(op_id)
-        return sop.states if sop is not None else ()
 
     def take_requests(self) -> list[StorageRequest]:
         """The storage calls issued since the last call, for the transfer actor."""
@@ -549,7 +549,7 @@ class StorageTier:
         rank_keys = self.keys_per_rank(pf.tokens, pf.extra_key, keys, range(first, first + len(keys)))
         self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf, rank_keys=rank_keys, states=states)
         self.stats["storage_reads_issued"] += 1
-        return StorageRequest(op_id, False, tuple(keys), self._host_pages(host), rank_keys)
+        return StorageRequest(op_id, False, tuple(keys), self._host_pages(host), rank_keys, states)
 
     def _hold_anchor(self, pf: Prefetch, m: MatchResult) -> None:
         """Keep the prefetch's anchor (the matched prefix `m`, ending exactly at `pf.start`) in the
@@ -578,12 +578,13 @@ class StorageTier:
                        pages: Sequence[int]) -> tuple[tuple[bytes, ...], ...]:
         """Every rank's keys of pages `pages` (ascending) of `tokens`, rank 0's being `keys`: the
         prefix hashed once per rank's shard. () when `keys` serve every rank."""
-        if not self.ranks or not keys:
+        ranks = self.ranks
+        if not ranks or not keys:
             return ()
         ps = self.residency.page_size
         head = tokens[:(pages[-1] + 1) * ps]
         others = []
-        for identity in self.ranks[1:]:
+        for identity in ranks[1:]:
             every = page_hashes(head, ps, extra_key, identity)
             others.append(tuple(every[i] for i in pages))
         return (tuple(keys), *others)
