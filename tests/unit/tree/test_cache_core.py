@@ -232,7 +232,7 @@ def test_an_ack_for_no_copy_in_flight_is_an_internal_error_and_changes_nothing()
 def test_a_refused_admission_keeps_its_own_cached_prefix(policy):
     """A no from `can_admit` (or a refused `admit`) starts the evictions and backups that make
     room, but never at the cost of the prefix the request would reuse: its admission would lock
-    it. Checked failing without the lock in `_start_writeback` (the prefix, least recently used,
+    it. Checked failing without the lock in `Admission.start_writeback` (the prefix, least recently used,
     was deleted under write_through_selective and backed up then dropped under write_back)."""
     core = make_core(device_slots=64, write_policy=policy)
     prefix = toks(8, 1)
