@@ -236,3 +236,35 @@ class InsertResult:
         caller's slots after them, the device slots of the whole inserted path."""
         parts = self._prefix_parts
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def tally_match(nodes: list[Node], root: Node, matched: int, partial: int, extra_key: Hashable) -> MatchResult:
+    """The match of the path `nodes` (`partial`: tokens matched in a last node not split): its
+    device part (prefix-closed), then the host-only part after it."""
+    count = len(nodes)
+    i = 0
+    dev = []
+    while i < count:
+        d = nodes[i].device
+        if d is None:
+            break
+        dev.append(d)
+        i += 1
+    if partial and i == count:
+        dev[-1] = dev[-1][:partial]
+    device_len = 0
+    for d in dev:
+        device_len += len(d)
+    last_dev = nodes[i - 1] if dev else root
+    j = i
+    host_len = 0
+    while j < count:
+        nd = nodes[j]
+        if nd.host is None or nd.device is not None:
+            break
+        host_len += len(nd.key) >> 2
+        j += 1
+    if partial and j == count and j > i:
+        host_len -= (len(nodes[-1].key) >> 2) - partial
+    last = nodes[j - 1] if j else root
+    return MatchResult(nodes, device_len, host_len, dev, last_dev, last, matched, partial, i, extra_key)
