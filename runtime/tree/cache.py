@@ -204,7 +204,7 @@ class CacheCore:
             raise LengthError(f"request {rid!r} would hold {total} tokens, more than the device pool")
         missing = total - rec.num_slots
         if missing > 0:
-            pages = -(-missing // self.page_size)
+            pages = -(-missing // self.config.page_size)
             if not self.residency.room_for(pages):
                 self.admission.start_writeback(pages)
                 raise self.phase.refuse(CapacityError(f"extend of {rid!r} needs {pages} device pages"))
@@ -327,7 +327,7 @@ class CacheCore:
             self._sessions.end_turn(rec, tokens)
             self._kv.unfile(rec)
             return len(tokens)
-        if self.offload.takes(rec):
+        if self.offload.retires and rec.session is None:
             rec.grow(tokens)
             self._kv.retire(rec, len(tokens))
             return rec.cached_len

@@ -438,14 +438,14 @@ class RadixTree:
         there: its ancestors are only touched (last access, priority), not compared again.
         The result is the same as without ``start``.
 
-        ``extend_leaf`` (with ``start``; the caller holds exactly one lock on ``start``): when
-        the new pages would hang below ``start`` and ``start`` is a childless node on device,
-        without a host copy and with no lock but the caller's, they are appended to ``start``
-        itself instead of a new child (reported in ``adopted`` as ``(start, new slots)``).
-        A request growing its own prefix turn after turn then stays one node: a match walks
-        one node per shared prefix instead of one per turn.
+        ``extend_leaf`` (with ``start``): ``start`` may grow in place (``_insert_rest``).
         """
-        arr, key, n, slots = self._insert_input(tokens, device_slots)
+        if (type(tokens) is np.ndarray and tokens.dtype is _I4 and type(device_slots) is np.ndarray
+                and (device_slots.dtype is _I8 or device_slots.dtype is _I4) and tokens.ndim == 1 == device_slots.ndim
+                and len(tokens) == len(device_slots) and len(tokens) % self.page_size == 0):
+            arr, key, n, slots = tokens, None, len(tokens) << 2, device_slots  # (encoded from where the walk starts)
+        else:
+            arr, key, n, slots = self._insert_input(tokens, device_slots)
         root = self._roots.get(extra_key)
         if root is None:
             root = self.root(extra_key)
@@ -554,8 +554,12 @@ class RadixTree:
 
     def _insert_rest(self, node: Node, start: Node | None, extend_leaf: bool, key: bytes, slots: np.ndarray,
                      clock: int, priority: int, adopted: list[tuple[Node, np.ndarray]]) -> Node:
-        """The insert's new pages (`key`, `slots`) below `node`: appended to `start` itself when it
-        may grow in place (`extend_leaf`), else a new child. Returns the node the insert ends at."""
+        """The insert's new pages (`key`, `slots`) below `node`: a new child, or, with `extend_leaf`
+        (the caller holds exactly one lock on `start`), when the new pages would hang below `start`
+        and `start` is a childless node on device, without a host copy and with no lock but the
+        caller's, appended to `start` itself (reported in `adopted` as `(start, new slots)`): a
+        request growing its own prefix turn after turn then stays one node, and a match walks one
+        node per shared prefix instead of one per turn. Returns the node the insert ends at."""
         if (extend_leaf and node is start and node.lock_ref == 1 and not node.children
                 and node.host is None and node.parent is not None):
             node.key += key

@@ -80,7 +80,7 @@ class RequestKV:
         """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
         A session turn's session keeps exactly its KV from before the turn. With decode offload
         the request is retired instead: its device slots are freed once its offloads land (seed 000)."""
-        if self.offload.takes(rec):
+        if self.offload.retires and rec.session is None:
             self.retire(rec, None)
             return
         res = self.residency

@@ -102,15 +102,15 @@ class RequestTable:
         self.seq_len_at[0] = seq_len
         self.committed_at[0] = committed
 
-    def set_lengths(self, row: int, seq_len: int | None = None, committed: int | None = None,
-                    num_slots: int | None = None) -> None:
-        """A record's lengths, written through its row (`RequestRecord`'s setters)."""
-        if seq_len is not None:
-            self.seq_len_at[row] = seq_len
-        if committed is not None:
-            self.committed_at[row] = committed
-        if num_slots is not None:
-            self.num_slots_at[row] = num_slots
+    # a record's lengths, written through its row (`RequestRecord`'s setters)
+    def set_seq_len(self, row: int, value: int) -> None:
+        self.seq_len_at[row] = value
+
+    def set_committed(self, row: int, value: int) -> None:
+        self.committed_at[row] = value
+
+    def set_num_slots(self, row: int, value: int) -> None:
+        self.num_slots_at[row] = value
 
     def hold_codes(self, rows: np.ndarray, hold: Callable[[RequestRecord], int]) -> np.ndarray:
         """The ledger codes of `rows`' owners, holding (`hold(record)`) those not held yet (session

@@ -36,6 +36,10 @@ COUNTERS = ("offloads_issued", "offloads_skipped", "offloaded_tokens", "offload_
 
 
 class DecodeOffload:
+    # a released request (not a session turn: its KV stays with its session) is retired until its
+    # offloads land
+    retires = True
+
     # -- state -------------------------------------------------------------------
     def __init__(self, residency: Residency, op_ids: Iterator[int]) -> None:
         self.residency = residency
@@ -49,10 +53,6 @@ class DecodeOffload:
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     # -- the request's life ------------------------------------------------------------
-    def takes(self, rec: RequestRecord) -> bool:
-        """Whether a released `rec` is retired until its offloads land (a session turn's KV stays
-        with its session instead)."""
-        return rec.session is None
 
     def note_commits(self, recs: Iterable[RequestRecord]) -> None:
         """The requests `recs` committed tokens (a decode step's, a commit's)."""

@@ -121,9 +121,7 @@ class NoOffload:
         """`counters`: decode offload's counter names (reported as 0)."""
         self.stats: dict[str, int] = dict.fromkeys(counters, 0)
 
-    def takes(self, rec: RequestRecord) -> bool:
-        """Whether a released `rec` is retired until its offloads land (never, here)."""
-        return False
+    retires = False  # a released request's device pages are freed at once (`DecodeOffload.retires`)
 
     def note_commits(self, recs: Iterable[RequestRecord]) -> None:
         pass
