@@ -711,7 +711,7 @@ class CacheCore:
     def _write_through(self, adopted: list[tuple[Node, np.ndarray]]) -> None:
         if self._write_through_all:
             for node, _ in adopted:
-                self.copies.backup(node)
+                self.copies.backup(node, growth=True)
 
     def _release(self, rec: RequestRecord) -> None:
         """The one release path (finish, abort, cancelled caller): unlock, free owned pages.

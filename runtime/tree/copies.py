@@ -80,14 +80,15 @@ class CopyTracker:
                                       "writeback_deferred": 0}
 
     # -- issuing -------------------------------------------------------------------
-    def backup(self, node: Node, evict_after: bool = False) -> bool:
-        """Copy `node`'s device pages to fresh host pages (false: no need, or no host room)."""
+    def backup(self, node: Node, evict_after: bool = False, growth: bool = False) -> bool:
+        """Copy `node`'s device pages to fresh host pages (false: no need, or no host room).
+        `growth` (write-through): with backups of `node` in flight, back up what it grew since."""
         res = self.residency
         if node.host is not None or node.device is None or res.host is None or node.id in self.loading:
             return False
         pending = self.backup_pending.get(node.id)
         if pending is not None:
-            return not evict_after and self._backup_growth(node, pending)
+            return growth and self._backup_growth(node, pending)
         pages = node.num_tokens // res.page_size
         host = res.alloc_host(pages, node_owner(node), node=node.id)
         if host is None:
