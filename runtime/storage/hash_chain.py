@@ -237,7 +237,7 @@ def chain_function(algo: str) -> Callable[[bytes, bytes, int], bytes]:
 
 
 def load_chain(algo: str) -> None:
-    """Hash one page with `algo`'s chain, so that its code is loaded (numba compiles the SHA-256
-    chain, or loads it from its cache: a quarter to a whole second of CPU) before a page is hashed
+    """Hash one page with `algo`'s chain, so that its code is loaded (numba compiles the chain,
+    or loads it from its cache: a quarter to a whole second of CPU) before a page is hashed
     inside an actor's turn. Call it off the event loop."""
     chain_function(algo)(bytes(_HASH_BYTES), bytes(4), 4)
