@@ -682,7 +682,11 @@ class CacheCore:
         # a request's own leaf (no lock but its own and its backups', no load in flight) grows in place, unless
         # it holds a state snapshot: that is the state after the leaf's last token, not a later one
         states = self.residency.states
-        extend = copies.growth_locks(start) if start is not None and (states is None or start not in states.node_state) else 0
+        # (with backups in flight only under write-through, where a backup of the growth follows them:
+        # without one, their ack splits the node there, and its hit count makes the growth look hot)
+        extend = 0
+        if start is not None and (states is None or start not in states.node_state):
+            extend = copies.growth_locks(start) if self._write_through_all else int(not copies.busy(start))
         # (own pages whose sliding KV dropped must start a node: dropped pages are a node's prefix)
         sliding = self.residency.sliding
         if extend and sliding is not None and not sliding.present_at(int(rec.slot_view(rec.cached_len, n)[0])):

@@ -1,6 +1,7 @@
 """A node with a backup in flight grows in place (`CopyTracker`): the growth's backup is chained
 after it, the node gets its host copy whole at the last ack, splits while they run change nothing
-(seed 002), a failed part fails the rest, and with nothing chained the node is split at the ack.
+(seed 002), a failed part fails the rest, and with nothing chained (no host room for it) the node
+is split at the ack.
 Every step is followed by the invariant checker."""
 
 from __future__ import annotations
@@ -120,20 +121,19 @@ def test_a_failed_backup_fails_the_one_chained_after_it():
 
 
 def test_with_no_backup_of_the_growth_the_node_is_split_at_the_ack():
-    """write_through_selective backs up a hot node, not what it grew since: the backup's part is
-    split off at its ack and takes the host copy."""
-    core = make_core(write_policy="write_through_selective", write_through_threshold=1)
+    """No host room for the growth's backup: the first backup's part is split off at its ack and
+    takes the host copy; the growth stays a node of its own, on device only."""
+    core = make_core(host_tokens=8)
     p = toks(21, 5)
     core.admit("a", p)
-    core.finish("a", p[:8])
-    core.admit("b", p)  # a hit on the node: backed up
+    core.cache("a", p[:8])
     (op_id,) = issue(core)
-    core.cache("b", p[:16])  # grows it in flight
-    assert core.copies.ops[op_id].direction is Direction.BACKUP and len(nodes(core)) == 1
+    core.cache("a", p[:16])  # grows it in flight; its 8 host slots are all the first backup's
+    assert issue(core) == [] and len(nodes(core)) == 1
     ack(core, op_id)
     (upper,) = [n for n in nodes(core) if n.parent.parent is None]
     (lower,) = upper.children.values()
-    assert [n.num_tokens for n in (upper, lower)] == [8, 8]
+    assert [upper.num_tokens, lower.num_tokens] == [8, 8]
     assert upper.host is not None and lower.host is None and not core.copies.busy(lower)
-    core.finish("b", p)
+    core.finish("a", p)
     check_invariants(core, quiescent=True)
