@@ -25,7 +25,7 @@ they are `unissued` (their pages not pinned yet).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -120,11 +120,12 @@ class CopyTracker:
             return False
         device = node.device[len(node.device) - grown:]
         op = self.ops[last]
-        if last in self.unissued():
-            del self._grown[last]  # (it covers the growth now)
-            op.device = np.concatenate((op.device, device))
-            op.host = np.concatenate((op.host, host))
-            op.length += grown
+        if last in self.unissued():  # (a widened record in its place: it covers the growth now)
+            del self._grown[last]
+            wide = replace(op, device=np.concatenate((op.device, device)), host=np.concatenate((op.host, host)),
+                           length=op.length + grown)
+            self.ops[last] = wide
+            self._open = [(wide, more) if o is op else (o, more) for o, more in self._open]
             return True
         op_id = next(self._op_ids)
         res.tree.lock(node)
@@ -185,7 +186,7 @@ class CopyTracker:
         if res.tracer is not None and res.tracer.active:  # (the copy that pins them: the carrier)
             for op in ops:
                 res.emit("backup", Tier.HOST, op.host, node=op.node.id, op=carrier)
-        self.batches[carrier] = _Batch(carrier, ops, device, host)
+        self.batches[carrier] = _Batch(carrier, [op.op_id for op in ops], device, host)
         self._plans.append((make_plan(carrier, Direction.BACKUP, device, host, more), None))
 
     def write_back(self, nodes: list[Node]) -> None:
@@ -286,11 +287,11 @@ class CopyTracker:
         res.device.unpin(batch.device, op_id, trusted=True)  # (unpinned first: a write-back frees them)
         res.host.unpin(batch.host, op_id, trusted=True)  # type: ignore[union-attr]
         if self._handed:
-            for op in batch.ops:
-                for device, host in self._handed.pop(op.op_id, ()):
-                    res.device.unpin(device, op.op_id, trusted=True)
-                    res.host.unpin(host, op.op_id, trusted=True)  # type: ignore[union-attr]
-        return [self._apply_one(op, error) for op in batch.ops]
+            for each in batch.op_ids:
+                for device, host in self._handed.pop(each, ()):
+                    res.device.unpin(device, each, trusted=True)
+                    res.host.unpin(host, each, trusted=True)  # type: ignore[union-attr]
+        return [self._apply_one(self.ops[each], error) for each in batch.op_ids]
 
     def _apply_one(self, op: CopyOp, error: str | None) -> AckOutcome:
         res = self.residency
@@ -303,15 +304,16 @@ class CopyTracker:
             else:
                 res.states.end_load(op.state, op_id)
         node = op.node
-        out = AckOutcome(op)
         if op.direction is Direction.BACKUP:
             if op_id in self._poisoned:
                 self._poisoned.discard(op_id)
                 error = error or "an earlier part of its node's backup failed"
-            chain = self._backed_up_chain(op, error)
+            chain, op = self._backed_up_chain(op, error)
+            out = AckOutcome(op)
             self._finish_backup(op, chain, error)
             out.backed_up = error is None and bool(chain)
         else:
+            out = AckOutcome(op)
             chain = res.tree.split_chain(op.node, op.length)
             self._finish_load(op, chain, error, out)
         res.tree.unlock(node)
@@ -331,11 +333,11 @@ class CopyTracker:
             self.loading[upper.id] = self.loading[lower.id]
 
     # -- helpers -------------------------------------------------------------------
-    def _backed_up_chain(self, op: CopyOp, error: str | None) -> list[Node]:
+    def _backed_up_chain(self, op: CopyOp, error: str | None) -> tuple[list[Node], CopyOp]:
         """The nodes a landed backup covers whole, top-down (seed 002: found from its deepest node
         and lengths, whatever split since); none when it failed. When its node grew past it, its
         range ends inside a node: that node's covered head goes to the backup chained after it
-        (or, with none, is split off to take it here). `op` is narrowed to what it attaches here."""
+        (or, with none, is split off to take it here). Returns the chain and `op` narrowed to it."""
         op_id = op.op_id
         grown = self._grown.pop(op_id, 0)
         after = self._next.pop(op_id, None)
@@ -350,7 +352,7 @@ class CopyTracker:
         if error is not None:
             if after is not None:
                 self._poisoned.add(after)
-            return []
+            return [], op
         tree = self.residency.tree
         while grown >= node.num_tokens > 0:  # the growth may have been split into nodes of its own
             grown -= node.num_tokens
@@ -358,16 +360,14 @@ class CopyTracker:
         if grown:  # its range ends inside `node`, `head` tokens into it
             head = node.num_tokens - grown
             if after is not None:
-                self._hand_over(op, head, self.ops[after])
+                op = self._hand_over(op, head, self.ops[after])
                 self.backup_pending[node.id] = after
                 if op.length == 0:
-                    return []
+                    return [], op
                 node = node.parent  # type: ignore[assignment]
             else:
                 node = tree.split(node, head)
-        chain = tree.split_chain(node, op.length)
-        op.node = node
-        return chain
+        return tree.split_chain(node, op.length), replace(op, node=node)
 
     def _unmark(self, op: CopyOp, span: int) -> None:
         """Drop the in-flight marks of `op` from the nodes of the last `span` tokens ending at its node."""
@@ -379,19 +379,19 @@ class CopyTracker:
             span -= node.num_tokens
             node = node.parent  # type: ignore[assignment]
 
-    def _hand_over(self, op: CopyOp, head: int, after: CopyOp) -> None:
+    def _hand_over(self, op: CopyOp, head: int, after: CopyOp) -> CopyOp:
         """The last `head` tokens of landed backup `op` go to `after`, the backup of what follows
-        them in the same node: pinned under it until its ack."""
+        them in the same node (a widened record in its place, the pages pinned under it until its
+        ack); returns `op` without them."""
         res = self.residency
-        device, host = op.device[len(op.device) - head:], op.host[len(op.host) - head:]
+        cut = len(op.device) - head
+        device, host = op.device[cut:], op.host[cut:]
         res.device.pin(device, after.op_id, trusted=True)
         res.host.pin(host, after.op_id, trusted=True)  # type: ignore[union-attr]
         self._handed.setdefault(after.op_id, []).append((device, host))
-        after.device = np.concatenate((device, after.device))
-        after.host = np.concatenate((host, after.host))
-        after.length += head
-        op.device, op.host = op.device[:len(op.device) - head], op.host[:len(op.host) - head]
-        op.length -= head
+        self.ops[after.op_id] = replace(after, device=np.concatenate((device, after.device)),
+                                        host=np.concatenate((host, after.host)), length=after.length + head)
+        return replace(op, device=op.device[:cut], host=op.host[:cut], length=op.length - head)
 
     def _finish_backup(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
         res = self.residency
@@ -471,7 +471,7 @@ class _Batch:
     pinned once (`device`, `host`: every backup's, in order)."""
 
     op_id: int
-    ops: list[CopyOp]
+    op_ids: list[int]
     device: np.ndarray
     host: np.ndarray
 
