@@ -143,9 +143,14 @@ class CacheCore:
         return self.storage.forget_stored()
 
     # -- request lifecycle -------------------------------------------------------
-    def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
+    def admit(self, rid: Hashable, tokens: Any, extra_key: Hashable = None,
               session: Hashable = None, priority: int = 0) -> AdmitResult:
-        tokens = self._check_tokens(tokens)
+        """A direct caller's admit (loop-free tests and tools): its tokens checked here, then the
+        admission itself; the tree actor's entry is `admit_or_wait` (tokens checked by the façade)."""
+        return self._admit(rid, self._check_tokens(tokens), extra_key, session, priority)
+
+    def _admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, session: Hashable,
+               priority: int) -> AdmitResult:
         if rid in self.requests:
             raise DuplicateRequestError(f"request {rid!r} is still live")
         if session is not None:
@@ -234,20 +239,21 @@ class CacheCore:
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
                       session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
-        """`admit`, or, with a storage tier whose policy waits for the request's prefetch, the
-        prefetch `waiter` (an opaque token of the caller's) now waits on: admit it again when
-        the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`)."""
+        """The tree actor's one admit entry: `admit`, or, with a storage tier whose policy waits for
+        the request's prefetch, the prefetch `waiter` (an opaque token of the caller's) now waits
+        on: the caller admits it again, with no waiter, when the prefetch ends (`apply_storage_ack`,
+        `storage_overdue`, `prefetch_deadline`). `waiter` None never waits (a batch item, or an
+        admit whose prefetch ended). `tokens` were checked by the sender (the façade's
+        `runtime.validation.tokens`: a new 1-D int32 array, non-empty, no longer than the pool)."""
         storage = self.storage
         if storage is not None:
             fresh = session is None and rid not in self.requests
-            if fresh:  # checked before the first change: bad tokens leave the rid prepared
-                tokens = self._check_tokens(tokens)
             storage.prefetched.discard(rid)
             if fresh:
                 wait = storage.wait_for(rid, tokens, extra_key, waiter)
                 if wait is not None:
                     return wait
-        return self.admit(rid, tokens, extra_key, session, priority)
+        return self._admit(rid, tokens, extra_key, session, priority)
 
     def extend(self, rid: Hashable, n: int) -> torch.Tensor:
         rec = self._record(rid)

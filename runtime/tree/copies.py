@@ -457,9 +457,10 @@ class CopyTracker:
             users |= op.users
 
     def _load_op_of(self, readiness: LoadReadiness, missing_ok: bool = False) -> CopyOp | None:
-        for op in self.ops.values():
-            if op.readiness is readiness:
-                return op
+        # a load's readiness is made for its op id (`ReadinessFactory`): one lookup, not a scan
+        op = self.ops.get(readiness.op_id) if readiness.op_id is not None else None
+        if op is not None and op.readiness is readiness:
+            return op
         if missing_ok:
             return None
         raise InternalError(f"no load in flight has readiness of op {readiness.op_id}")
