@@ -421,7 +421,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens, extra_key: Hashable, device_slots, *, priority: int = 0,
-               start: Node | None = None, extend_leaf: bool = False) -> InsertResult:
+               start: Node | None = None, extend_leaf: int = 0) -> InsertResult:
         """Insert ``tokens`` (whole pages) with the caller's device slots, one per token
         (int64 or int32; the tree keeps its own int64 copies, and the result's
         ``prefix_slots`` reads the caller's array: read it before changing that).
@@ -438,7 +438,9 @@ class RadixTree:
         there: its ancestors are only touched (last access, priority), not compared again.
         The result is the same as without ``start``.
 
-        ``extend_leaf`` (with ``start``): ``start`` may grow in place (``_insert_rest``).
+        ``extend_leaf`` (with ``start``): the locks on ``start`` that are the caller's (its own,
+        plus those of copies in flight that follow the node's growth: `CopyTracker`); 0: never
+        grow; when ``start`` may grow in place, see ``_insert_rest``.
         """
         if (type(tokens) is np.ndarray and tokens.dtype is _I4 and type(device_slots) is np.ndarray
                 and (device_slots.dtype is _I8 or device_slots.dtype is _I4) and tokens.ndim == 1 == device_slots.ndim
@@ -552,15 +554,15 @@ class RadixTree:
             cur = cur.parent
         return base
 
-    def _insert_rest(self, node: Node, start: Node | None, extend_leaf: bool, key: bytes, slots: np.ndarray,
+    def _insert_rest(self, node: Node, start: Node | None, extend_leaf: int, key: bytes, slots: np.ndarray,
                      clock: int, priority: int, adopted: list[tuple[Node, np.ndarray]]) -> Node:
         """The insert's new pages (`key`, `slots`) below `node`: a new child, or, with `extend_leaf`
-        (the caller holds exactly one lock on `start`), when the new pages would hang below `start`
-        and `start` is a childless node on device, without a host copy and with no lock but the
-        caller's, appended to `start` itself (reported in `adopted` as `(start, new slots)`): a
+        (the locks on `start` that are the caller's), when the new pages would hang below `start`
+        and `start` is a childless node on device, without a host copy and with exactly those
+        locks, appended to `start` itself (reported in `adopted` as `(start, new slots)`): a
         request growing its own prefix turn after turn then stays one node, and a match walks one
         node per shared prefix instead of one per turn. Returns the node the insert ends at."""
-        if (extend_leaf and node is start and node.lock_ref == 1 and not node.children
+        if (extend_leaf and node is start and node.lock_ref == extend_leaf and not node.children
                 and node.host is None and node.parent is not None):
             node.key += key
             node.device = np.concatenate((node.device, slots))

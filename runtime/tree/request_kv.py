@@ -49,15 +49,23 @@ class RequestKV:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
-        # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless a
-        # group says no (a leaf holding a state snapshot; own pages whose sliding KV dropped)
+        # a request's own leaf (no lock but its own and its backups', no load in flight) grows in
+        # place, unless a group says no (a leaf holding a state snapshot; own pages whose sliding KV
+        # dropped); with backups in flight only under write-through, where a backup of the growth
+        # follows them (without one, their ack splits the node there, and its hit count makes the
+        # growth look hot). `extend`: the locks on the leaf that may be there (0: no growth)
         hooked = self.residency.hooked
-        extend = start is not None and not copies.busy(start)
+        extend = 0
+        if start is not None:
+            extend = copies.growth_locks(start) if self.write_through_all else int(not copies.busy(start))
         if extend and hooked.grows_in_place:
             first = int(rec.slot_view(rec.cached_len, n)[0])
-            extend = all(g.grows_in_place(start, first) for g in hooked.grows_in_place)  # type: ignore[arg-type]
+            if not all(g.grows_in_place(start, first) for g in hooked.grows_in_place):  # type: ignore[arg-type]
+                extend = 0
         res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
                                     rec.priority)
+        if extend > 1 and res.adopted and res.adopted[-1][0] is start:  # it grew with its backups in flight
+            copies.grew(start, len(res.adopted[-1][1]))  # type: ignore[arg-type]
         duplicates = res.duplicate_slots
         if len(duplicates):
             # the slot contract: a live request's slots never change under its caller, so its
@@ -74,7 +82,7 @@ class RequestKV:
     def write_through(self, adopted: list[tuple[Node, np.ndarray]]) -> None:
         if self.write_through_all:
             for node, _ in adopted:
-                self.copies.backup(node)
+                self.copies.backup(node, growth=True)
 
     def release(self, rec: RequestRecord) -> None:
         """The one release path (finish, abort, cancelled caller): unlock, free owned pages.
