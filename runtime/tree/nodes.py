@@ -107,6 +107,17 @@ class Node:
     def num_tokens(self) -> int:
         return len(self.key) >> 2
 
+    def keep_page_hashes(self, blob: bytes | None) -> None:
+        """The hashes of its own pages (`PageHasher`: computed once while it lives, read by KV
+        events and storage writes alike)."""
+        self.page_hashes = blob
+
+    def ledger_owner(self) -> Owner:
+        """Its ledger owner, made at the first ask (`node_owner`)."""
+        if self.owner is None:
+            self.owner = Owner.node(self.id)
+        return self.owner
+
     @property
     def tokens(self) -> np.ndarray:
         """This node's own token ids (read-only int32 view)."""
@@ -127,9 +138,7 @@ def node_owner(node: Node) -> Owner:
     """The ledger owner of a node's slots, made once per node (an `Owner` costs ~1 µs to build,
     and the eviction and split paths name it for every node they touch)."""
     owner = node.owner
-    if owner is None:
-        owner = node.owner = Owner.node(node.id)
-    return owner
+    return owner if owner is not None else node.ledger_owner()
 
 
 class MatchResult:
