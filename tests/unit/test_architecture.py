@@ -221,7 +221,8 @@ _LOOK = "a MatchResult the tree builds and fills in the same call"
 _ENGINE_OP = "the engine's own in-flight op record"
 _HF = "patches the Hugging Face model it wraps (its hooks and attention implementation)"
 _SERVING = "the demo scheduler's own request and metrics records"
-_SPLIT = "the split hook is an attribute set by the core (to become a declared hook of the parts)"
+_SPLIT = ("the vLLM-mode core sets its residency's tree split hook, which Residency now gives the tree at its "
+          "making: the one write into the tree from outside its owner left, leaving with tiers_only.py")
 WRITES: dict[tuple[str, str], str] = {
     ("runtime/actors/offload_actor.py", "finished"): "the offload actor's per-request progress record",
     ("runtime/actors/offload_actor.py", "inflight"): "the offload actor's per-request progress record",
