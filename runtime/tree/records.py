@@ -73,7 +73,7 @@ class RequestRecord:
 
     @seq_len.setter
     def seq_len(self, value: int) -> None:
-        self.table.set_seq_len(self.row, value)
+        self.table.seq_len_at[self.row] = value
 
     @property
     def committed_len(self) -> int:
@@ -81,7 +81,7 @@ class RequestRecord:
 
     @committed_len.setter
     def committed_len(self, value: int) -> None:
-        self.table.set_committed(self.row, value)
+        self.table.committed_at[self.row] = value
 
     @property
     def num_slots(self) -> int:
@@ -114,7 +114,7 @@ class RequestRecord:
 
     def truncate_slots(self, num_slots: int) -> None:
         """Unmap its slots from `num_slots` (a page boundary) on."""
-        self.table.set_num_slots(self.row, num_slots)
+        self.table.num_slots_at[self.row] = num_slots
 
     def fail(self, why: str) -> None:
         """Its cached prefix was lost (a load under it failed): it can only be released now."""

@@ -41,7 +41,8 @@ class RequestKV:
 
     def insert(self, rec: RequestRecord, tokens: np.ndarray) -> None:
         n = aligned(len(tokens), self.page_size)
-        rec.grow(tokens)
+        if len(tokens) > len(rec.tokens):
+            rec.grow(tokens)
         copies = self.copies
         if n > rec.cached_len and copies.loading:
             n = copies.insert_cap(tokens, n, rec.extra_key)

@@ -102,16 +102,6 @@ class RequestTable:
         self.seq_len_at[0] = seq_len
         self.committed_at[0] = committed
 
-    # a record's lengths, written through its row (`RequestRecord`'s setters)
-    def set_seq_len(self, row: int, value: int) -> None:
-        self.seq_len_at[row] = value
-
-    def set_committed(self, row: int, value: int) -> None:
-        self.committed_at[row] = value
-
-    def set_num_slots(self, row: int, value: int) -> None:
-        self.num_slots_at[row] = value
-
     def hold_codes(self, rows: np.ndarray, hold: Callable[[RequestRecord], int]) -> np.ndarray:
         """The ledger codes of `rows`' owners, holding (`hold(record)`) those not held yet (session
         turns: held from their first decode step)."""
