@@ -2,11 +2,17 @@
 
 It owns the radix tree, the device and host slot ledgers and the tracer, and is the only code
 that pairs a tree change with its ledger change: allocate, evict, drop, delete, insert, attach a
-copy's slots, adopt a host run, move ownership on a split. Every other part of the core changes
-the tree or a ledger only through these methods (locks, pins and host protections excepted:
-they change no ownership). Eviction that needs a backup first (write-back, or a node whose
-host-only children need it to keep a copy) is not issued here: `evict_device` returns those
-nodes, and the copy tracker starts their backups.
+copy's slots, adopt a host run, move ownership on a split, and give a part's own pages back or
+hand them over (`free_device`, `assign_device`...). Every other part of the core changes the tree
+or a ledger only through these methods (locks, pins and host protections excepted: they change
+no ownership; `tests/unit/test_architecture.py` checks the ledgers' side). Eviction that needs a
+backup first (write-back, or a node whose host-only children need it to keep a copy) is not
+issued here: `evict_device` returns those nodes, and the copy tracker starts their backups.
+
+It holds the model's pool groups (`groups`, built from the config's declarations) and calls each
+group's hooks where the group has a say (`hooked`: only the groups whose rule overrides a hook);
+a tier or feature that is off is a null object here too (no KV events: `NoEvents`; no host tier:
+a host ledger of no pages).
 """
 
 from __future__ import annotations
