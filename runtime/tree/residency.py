@@ -437,7 +437,7 @@ class Residency:
                   admitting: bool = False) -> tuple[MatchResult, int, int]:
         """The read-only look an admission starts from: (look, host tokens to load, device pages
         needed for them and the uncached rest). The last token is always computed (the model
-        needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (a sliding cut is
+        needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (the cut is
         noted by each group, counted when it is admitted)."""
         ps = self.page_size
         look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, admitting=admitting)
