@@ -20,7 +20,7 @@ class Feature(enum.Enum):
     """A tier or feature of the runtime a group may not support yet (the value: how the config
     names it in a refusal)."""
 
-    STORAGE = "a storage tier (storage_backend)"
+    STORAGE = "storage tier (storage_backend)"
     DECODE_OFFLOAD = "decode offload (decode_offload)"
     TENSOR_PARALLEL = "per-rank pools (tp_ranks > 1)"
     SESSIONS = "streaming sessions"
