@@ -143,6 +143,9 @@ class _Request:
         """Mark the request as queued again behind new turns, after yielding its room."""
         self.yielded = True
         self.overtaken = 0
+
+    def overtaken_by_new_turn(self) -> None:
+        self.overtaken += 1
     admissions: int = 0
     # recurrent state (a hybrid model): the running state slot, the snapshot the next forward
     # resumes from, and the last position a snapshot was asked at
@@ -330,7 +333,7 @@ class ServingLoop:
         while at and self._waiting[at - 1].yielded and self._waiting[at - 1].overtaken < self.max_running:
             at -= 1
         for i in range(at, len(self._waiting)):
-            self._waiting[i].overtaken += 1
+            self._waiting[i].overtaken_by_new_turn()
         self._waiting.insert(at, req)
 
     async def generate(self, prompt: Sequence[int] | np.ndarray | torch.Tensor, *, max_new_tokens: int,
