@@ -33,7 +33,10 @@ What it does, per scheduling step (one task, `ServingLoop._run`):
    ``threading.Event`` per layer; the model's ``before_layer(i)`` hook blocks on it, so layer 0
    runs while the later layers are still being copied (``layerwise=False`` awaits all layers
    before the forward instead; a hybrid model always does: its forward reads each resumed
-   state first, and the loads' layers are the pools', not the model's).
+   state first, and the loads' layers are the pools', not the model's). On CUDA, once the
+   copies are issued (every layer has its CUDA event), ``before_layer(i)`` makes the forward's
+   stream wait on layer ``i``'s event instead (``stream.wait_event``: the GPU orders it, nothing
+   on the host waits); the awaitables then only report a copy that failed to issue.
 5. **Sample and finish**: greedy (argmax); a request that emits an EOS id or reaches
    ``max_new_tokens`` is finished with ``rt.finish(rid, prompt + generated[:-1])`` (only
    tokens whose KV was written: the last sampled token never went through the model).
@@ -197,6 +200,39 @@ class _LayerGate:
             self.error, self.failed_from = TransferError("forward abandoned"), 0
         for ev in self.events:
             ev.set()
+
+
+class _EventGate:
+    """The forward's CUDA stream waits on each layer's copy event: no host round trip (no poller,
+    future, pump task or thread wake-up between a layer's copy and its compute)."""
+
+    wait_s = 0.0  # the forward's thread never blocks
+
+    def __init__(self, events: list[list[Any]], stream_of: Any) -> None:
+        self.events = events  # [layer][load]
+        self._stream_of = stream_of
+
+    def before_layer(self, layer: int) -> None:  # runs on the forward's thread
+        stream = self._stream_of()
+        for ev in self.events[layer]:
+            stream.wait_event(ev)
+
+    def close(self) -> None:
+        pass
+
+
+def _layer_gate(readiness: Sequence[Any], num_layers: int, stream_of: Any) -> _EventGate | _LayerGate:
+    """A CUDA event for every layer of every load (the CUDA copy engine's, bound once the copy
+    was issued): the stream waits on them; otherwise (a CPU model, a copy not issued yet) the
+    per-layer awaitables, bridged to the forward's thread."""
+    events = [[rd.event(layer) for rd in readiness] for layer in range(num_layers)]
+    if all(ev is not None for per_layer in events for ev in per_layer):
+        return _EventGate(events, stream_of)
+    return _LayerGate(readiness, num_layers)
+
+
+def _cuda_stream() -> Any:
+    return torch.cuda.current_stream()
 
 
 class ServingLoop:
@@ -477,10 +513,10 @@ class ServingLoop:
             for rd in r.readiness:
                 if not rd.all_ready() and rd not in pending:
                     pending.append(rd)
-        gate: _LayerGate | None = None
+        gate: _EventGate | _LayerGate | None = None
         try:
             if pending and self.layerwise:
-                gate = _LayerGate(pending, self.num_layers)
+                gate = _layer_gate(pending, self.num_layers, _cuda_stream)
             else:
                 for rd in pending:
                     await rd.wait_all()
@@ -492,6 +528,11 @@ class ServingLoop:
                 if gate is not None:
                     gate.close()
                     self.stats["layer_wait_s"] += gate.wait_s
+            if isinstance(gate, _EventGate):
+                # the stream waited on the events, not on the outcomes: a copy that failed to
+                # issue left its layers unwritten (settled while the forward ran, as a rule)
+                for rd in pending:
+                    await rd.wait_all()
         except TransferError:
             # a host->device load failed: its requests lost their prefix. Release the whole
             # batch (the others' KV of this step may be half written) and serve it again.
