@@ -31,6 +31,9 @@ class _Buffer:
     data: torch.Tensor  # int64, 1-D
     busy_until: Any = None  # the event after which the device no longer reads it
 
+    def hold(self, until: Any) -> None:
+        self.busy_until = until
+
 
 @dataclass(frozen=True, eq=False)
 class StagedIndices:
@@ -61,7 +64,7 @@ class IndexStaging:
         total = sum(int(a.size) for a in arrays)
         with self._lock:
             buf = self._free(max(1, total))
-            buf.busy_until = _PENDING  # until the caller says which event frees it
+            buf.hold(_PENDING)  # until the caller says which event frees it
         out = buf.data.numpy()
         spans = []
         at = 0
@@ -75,7 +78,7 @@ class IndexStaging:
     def release_after(staged: StagedIndices, event: Any) -> None:
         """The buffer is free again once ``event`` (``query()`` True) has completed; None: at once
         (nothing that reads it was queued)."""
-        staged.buffer.busy_until = event
+        staged.buffer.hold(event)
 
     def _free(self, n: int) -> _Buffer:
         for buf in self._buffers:
