@@ -49,7 +49,7 @@ from runtime.runtime import CacheRuntime  # noqa: E402
 from runtime.trace import configure_logging  # noqa: E402
 
 PAGE = 16
-FILLER = 2048  # tokens per filler prompt
+FILLER = 2048  # tokens per filler prompt (at most a quarter of the device pool)
 
 
 class Tokens:
@@ -106,15 +106,16 @@ def contiguous_copy(nbytes: int, device: str, repeats: int) -> float:
 
 async def one_round(rt: CacheRuntime, tok: Tokens, n: int, busy: bool, device_slots: int, rnd: str,
                     num_layers: int) -> dict[str, float]:
+    filler = min(FILLER, device_slots // 4)
     prefix = tok(n)
     await cache(rt, f"p{rnd}", prefix)
     await idle(rt)  # the prefix's own backup is done: it is on host
-    for i in range(device_slots // FILLER + 1):  # every older page leaves the device
-        await cache(rt, f"f{rnd}.{i}", tok(FILLER))
+    for i in range(device_slots // filler + 1):  # every older page leaves the device
+        await cache(rt, f"f{rnd}.{i}", tok(filler))
     await idle(rt)
     if busy:  # half the pool's worth of new prefixes, their backups in flight (they lock their pages)
-        for i in range(device_slots // 2 // FILLER):
-            await cache(rt, f"b{rnd}.{i}", tok(FILLER))
+        for i in range(device_slots // 2 // filler):
+            await cache(rt, f"b{rnd}.{i}", tok(filler))
     prompt = np.concatenate([prefix, tok(PAGE)])
     cuda = rt.config.device.startswith("cuda")
     t0 = time.perf_counter()
