@@ -116,7 +116,12 @@ install() {
     echo "installing:" $missing
     # (one requirement a line: a version range stays one argument)
     mapfile -t reqs <<< "$missing"
-    "${pip[@]}" "${reqs[@]}" || return 1
+    if ! "${pip[@]}" "${reqs[@]}"; then
+      # one that cannot be had (no carried wheel) must not keep the others out
+      local req failed=""
+      for req in "${reqs[@]}"; do "${pip[@]}" "$req" || failed="$failed $req"; done
+      if [ -n "$failed" ]; then echo "could not install:$failed"; return 1; fi
+    fi
   fi
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
     # a torch without CUDA on a GPU machine: the CUDA build of the torch this project pins
