@@ -110,7 +110,7 @@ install() {
   # offline machines (a lent GPU reaches no registry): WHEELS names a folder of carried wheels
   local pip=("$PY" -m pip install -q)
   if [ -n "${WHEELS:-}" ]; then pip+=(--no-index --find-links "$WHEELS"); fi
-  local missing
+  local missing rc=0
   missing=$(requirements --missing) || return 1
   if [ -n "$missing" ]; then
     echo "installing:" $missing
@@ -120,7 +120,7 @@ install() {
       # one that cannot be had (no carried wheel) must not keep the others out
       local req failed=""
       for req in "${reqs[@]}"; do "${pip[@]}" "$req" || failed="$failed $req"; done
-      if [ -n "$failed" ]; then echo "could not install:$failed"; return 1; fi
+      if [ -n "$failed" ]; then echo "could not install:$failed"; rc=1; fi
     fi
   fi
   if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
@@ -129,7 +129,8 @@ install() {
     echo "installing the CUDA build of torch 2.13.0"
     "${pip[@]}" --force-reinstall --no-deps "torch==2.13.0" || return 1
   fi
-  "$PY" -c "import torch; assert torch.cuda.is_available(), 'torch has no usable CUDA device'; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+  "$PY" -c "import torch; assert torch.cuda.is_available(), 'torch has no usable CUDA device'; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))" || return 1
+  return $rc
 }
 
 if [ "$MODE" = gpu ]; then
