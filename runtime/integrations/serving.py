@@ -21,7 +21,9 @@ What it does, per scheduling step (one task, `ServingLoop._run`):
    from its cached KV (one yield per step, so the copies the first one started can settle; a
    request yields only when its written KV ends on a page boundary, so that resuming
    recomputes nothing the cache could not keep).
-   New turns queue ahead of yielded requests; only a new turn makes a decode yield.
+   New turns queue ahead of yielded requests, but at most ``max_running`` of them pass each
+   yielded request (one left behind every later turn would lose its cached KV to eviction);
+   only a new turn makes a decode yield.
 3. **Extend** (one ``rt.step`` message): each decoding request commits its computed length and
    gets one more slot. A request whose extend finds no room is *preempted*: ``finish`` caches
    its computed KV and it goes back to the head of the queue to resume later (greedy decoding
@@ -355,7 +357,6 @@ class ServingLoop:
         prepare = getattr(self.rt, "prepare", None)
         if prepare is not None:  # storage prefetch while the request waits
             await prepare(rid, np.asarray(ids, dtype=np.int32), extra_key)
-        # a new turn goes ahead of requests that yielded (they resume from cached KV in any case)
         self._enqueue(req)
         self._wake.set()
         return fut
