@@ -1,8 +1,8 @@
 """Load latency through the public API: admit a prompt whose prefix is cached only on host, then
 wait for each layer of its load, against one contiguous pinned copy of the same bytes.
 
-Per prefix size (``--tokens``, default 512 / 2,048 / 8,192) and scenario, ``--repeats`` (12)
-rounds of:
+Per prefix size (``--tokens``, default 512 / 2,048 / 8,192), in one runtime, ``--repeats`` (12)
+rounds of each scenario (alternating) of:
 
 1. the prefix is cached (admit + finish, write-through: its pages are backed up to host) and
    pushed off the device by filler prompts (admit + finish of ``device_slots`` tokens, so every
@@ -92,14 +92,18 @@ def contiguous_copy(nbytes: int, device: str, repeats: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if not pin:
+        src_np, dst_np = src.numpy(), dst.numpy()
     times = []
     for _ in range(repeats + 1):
         if pin:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=pin)
         if pin:
+            dst.copy_(src, non_blocking=True)
             torch.cuda.synchronize()
+        else:  # one memcpy (torch's CPU copy_ splits over OpenMP threads: ms of waits on a loaded machine)
+            np.copyto(dst_np, src_np)
         times.append(time.perf_counter() - t0)
     return median(times[1:])
 
@@ -143,35 +147,40 @@ async def one_round(rt: CacheRuntime, tok: Tokens, n: int, busy: bool, device_sl
     return out
 
 
-async def run_size(args: argparse.Namespace, n: int, scenario: str) -> dict[str, Any]:
+async def run_size(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
+    """One runtime per size (opening one pins twice the device pool on host: seconds on a GPU
+    machine), the scenarios' rounds alternating in it."""
     cfg = RuntimeConfig(num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                         kv_dtype="bfloat16", page_size=PAGE, device_slots=args.device_slots,
                         host_tokens=2 * args.device_slots, write_policy="write_through", device=args.device)
     tok = Tokens(n)
-    rounds = []
+    rounds: dict[str, list[dict[str, float]]] = {sc: [] for sc in args.scenarios}
     async with CacheRuntime.open(cfg) as rt:
-        await one_round(rt, tok, n, scenario == "busy", args.device_slots, "warm", args.layers)
+        await one_round(rt, tok, n, False, args.device_slots, "warm", args.layers)
         for r in range(args.repeats):
-            rounds.append(await one_round(rt, tok, n, scenario == "busy", args.device_slots, str(r), args.layers))
+            for sc in args.scenarios:
+                rounds[sc].append(await one_round(rt, tok, n, sc == "busy", args.device_slots, f"{sc}{r}", args.layers))
         await idle(rt)
-    row: dict[str, Any] = {"tokens": n, "scenario": scenario, "bytes": n * token_bytes(args)}
-    for key in rounds[0]:
-        row[key.replace("_s", "_ms")] = 1e3 * median([r[key] for r in rounds])
-    return row
+    rows = []
+    for sc in args.scenarios:
+        row: dict[str, Any] = {"tokens": n, "scenario": sc, "bytes": n * token_bytes(args)}
+        for key in rounds[sc][0]:
+            row[key.replace("_s", "_ms")] = 1e3 * median([r[key] for r in rounds[sc]])
+        rows.append(row)
+    return rows
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in args.tokens:
         contig = contiguous_copy(n * token_bytes(args), args.device, max(21, args.repeats))
-        for scenario in args.scenarios:
-            row = await run_size(args, n, scenario)
+        for row in await run_size(args, n):
             row["contig_ms"] = 1e3 * contig
             row["ratio"] = row["all_ms"] / row["contig_ms"]
             if "event_all_ms" in row:
                 row["event_ratio"] = row["event_all_ms"] / row["contig_ms"]
             rows.append(row)
-            print(f"  {n} {scenario}: {row['all_ms']:.2f} ms", file=sys.stderr, flush=True)
+            print(f"  {n} {row['scenario']}: {row['all_ms']:.2f} ms", file=sys.stderr, flush=True)
     idle_by = {r["tokens"]: r for r in rows if r["scenario"] == "idle"}
     for r in rows:
         if r["scenario"] == "busy" and r["tokens"] in idle_by:
