@@ -206,12 +206,12 @@ class MeasuredReuseCost:
         for cand in ((h, 0), (h, s)):
             if cand == (0, 0):
                 continue
-            cost = self.cost(*cand, h, s)
+            cost = self._cost(*cand, h, s)
             if cost < best_cost:  # strictly faster: a tie recomputes (no copy, no host pages held)
                 best, best_cost = cand, cost
         return best
 
-    def cost(self, load_host: int, load_storage: int, host_tokens: int, storage_tokens: int) -> float:
+    def _cost(self, load_host: int, load_storage: int, host_tokens: int, storage_tokens: int) -> float:
         """Modelled seconds until the hit's KV is on device when ``load_host`` of its
         ``host_tokens`` and ``load_storage`` of its ``storage_tokens`` are loaded, the rest
         recomputed (``load_storage`` > 0 only with the whole host part)."""
