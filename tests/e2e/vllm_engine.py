@@ -56,8 +56,8 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
-from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
-from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
+from runtime.integrations.vllm.scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm.worker import HiCacheConnectorWorker  # noqa: E402
 
 BLOCK, LAYERS, KV_HEADS, HEAD, VOCAB, EOS = 16, 2, 2, 8, 1000, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -289,7 +289,7 @@ class FakeEngine:
         pool = sched.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == self.num_blocks - 1
         if self.connector is not None:
-            from runtime.invariants import check_tiers_only
+            from runtime.integrations.vllm.invariants import check_tiers_only
 
             check_tiers_only(self.connector.core, quiescent=True)
             conn = self.connector

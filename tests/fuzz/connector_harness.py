@@ -48,11 +48,11 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-import runtime.integrations.vllm as vllm_integration  # noqa: E402
+import runtime.integrations.vllm.connector as vllm_integration  # noqa: E402
 from runtime.integrations.vllm import HiCacheConnector, LoadJob  # noqa: E402
-from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
-from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
-from runtime.invariants import check_tiers_only  # noqa: E402
+from runtime.integrations.vllm.scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm.worker import HiCacheConnectorWorker  # noqa: E402
+from runtime.integrations.vllm.invariants import check_tiers_only  # noqa: E402
 from runtime.messages import PoolTransfer, TransferPlan  # noqa: E402
 from runtime.storage.backend import FaultPlan, FaultyBackend  # noqa: E402
 from runtime.storage.hashing import page_hashes  # noqa: E402

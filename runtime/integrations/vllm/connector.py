@@ -11,18 +11,18 @@ optionally, a storage tier behind it. Load it with::
 
 (``kv_load_failure_policy: recompute``: a load that fails makes vLLM recompute the blocks from
 the first failed one on; with vLLM's default ``fail`` the request ends with an error.)
-`runtime.integrations.vllm_config` reads and checks the options; docs/VLLM.md has every option
+`runtime.integrations.vllm.config` reads and checks the options; docs/VLLM.md has every option
 and how they map to vLLM's and LMCache's.
 
 Split as vLLM splits a connector (its OffloadingConnector): this class is a thin facade that
 vLLM loads and calls, and hands each call to its role's side:
 
-- scheduler side (`runtime.integrations.vllm_scheduler.HiCacheConnectorScheduler`): a
+- scheduler side (`runtime.integrations.vllm.scheduler.HiCacheConnectorScheduler`): a
   `TiersOnlyCore` decides what is a hit, loads it into the blocks vLLM allocated, backs up
   finished requests' blocks and writes them through to storage;
-- worker side (`runtime.integrations.vllm_worker.HiCacheConnectorWorker`): the host pool, the
+- worker side (`runtime.integrations.vllm.worker.HiCacheConnectorWorker`): the host pool, the
   copies and the storage calls, reported back through `get_finished` and `CopyAcks`;
-- what they send each other: `runtime.integrations.vllm_messages`.
+- what they send each other: `runtime.integrations.vllm.messages`.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from runtime.errors import ConfigError
-from runtime.integrations.vllm_config import ConnectorConfig, open_storage
-from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
-from runtime.integrations.vllm_metrics import HiCacheConnectorStats, HiCachePromMetrics
-from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler
-from runtime.integrations.vllm_worker import HiCacheConnectorWorker
+from runtime.integrations.vllm.config import ConnectorConfig, open_storage
+from runtime.integrations.vllm.messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm.metrics import HiCacheConnectorStats, HiCachePromMetrics
+from runtime.integrations.vllm.scheduler import HiCacheConnectorScheduler
+from runtime.integrations.vllm.worker import HiCacheConnectorWorker
 from runtime.storage.health import Health, HealthTracked
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     # -- both ----------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This side's stats since its last report (vLLM merges the workers' and the scheduler's
-        and hands them to its stat loggers: `runtime.integrations.vllm_metrics`)."""
+        and hands them to its stat loggers: `runtime.integrations.vllm.metrics`)."""
         side = self.connector_scheduler or self.connector_worker
         return side.get_kv_connector_stats() if side is not None else None
 

@@ -11,7 +11,7 @@ still reads (seed 000, enforced by vLLM's own free); a landed backup is written 
 storage; `build_connector_meta` carries the step's work (`TieredMeta`) to the workers;
 `update_connector_output` applies the workers' acks (`CopyAcks`, through vLLM's worker-metadata
 channel); with vLLM's KV events on, `take_events` hands vLLM's scheduler the host tier's and
-storage's events under vLLM's block hashes (`runtime.integrations.vllm_events`).
+storage's events under vLLM's block hashes (`runtime.integrations.vllm.events`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from runtime.errors import ConfigError
-from runtime.integrations.vllm_events import ConnectorEvents
-from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
-from runtime.integrations.vllm_metrics import HiCacheConnectorStats, report
+from runtime.integrations.vllm.events import ConnectorEvents
+from runtime.integrations.vllm.messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm.metrics import HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
 from runtime.storage.health import HealthTracked
 from runtime.storage.hashing import KVIdentity
-from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.integrations.vllm.core import TiersOnlyCore
 from runtime.validation import tokens as checked_tokens
 
 if TYPE_CHECKING:
@@ -239,7 +239,7 @@ class HiCacheConnectorScheduler:
         return {source: n for source, n in split.items() if n}
 
     def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
-        """What changed since the last report (`runtime.integrations.vllm_metrics`)."""
+        """What changed since the last report (`runtime.integrations.vllm.metrics`)."""
         health = self.storage.state.level if self.storage is not None else None
         # (asked every step; the tiers' counters only grow, so an unchanged sum is nothing new)
         total = sum(self.core.stats.values())

@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from runtime.messages import TransferPlan
 from runtime.tree.storage_tier import StorageRequest
-from runtime.tree.tiers_only import TierLoad
+from runtime.integrations.vllm.core import TierLoad
 
 __all__ = ["LoadJob", "TieredMeta", "CopyAcks", "StorageOutcome", "JobResult"]
 

@@ -24,8 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.logger import init_logger
 
 from runtime.errors import ConfigError
-from runtime.integrations.vllm_messages import CopyAcks, JobResult, LoadJob, StorageOutcome, TieredMeta
-from runtime.integrations.vllm_metrics import Deltas, HiCacheConnectorStats, report
+from runtime.integrations.vllm.messages import CopyAcks, JobResult, LoadJob, StorageOutcome, TieredMeta
+from runtime.integrations.vllm.metrics import Deltas, HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
 from runtime.storage.backend import read_prefix, write_pages
 from runtime.storage.health import HealthTracked
@@ -120,7 +120,7 @@ class HiCacheConnectorWorker:
         return acks
 
     def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
-        """What this worker moved since the last report (`runtime.integrations.vllm_metrics`)."""
+        """What this worker moved since the last report (`runtime.integrations.vllm.metrics`)."""
         health = self.storage.state.level if self.storage is not None else None
         stats = report(self.counts.take(), "storage_health_worker", health, self._reported_health)
         if stats is not None:
