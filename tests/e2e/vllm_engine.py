@@ -171,10 +171,29 @@ class FakeEngine:
                                            cache_salt=cache_salt))
 
     def run(self, max_steps: int = 10_000) -> None:
-        while self.scheduler.has_requests():
+        """Step until vLLM has no request left, then until the connector's storage ops landed:
+        those do not keep vLLM stepping (an idle engine takes no step), so here each wait for the
+        workers' jobs is followed by one step that delivers their acks (and sends what they
+        started)."""
+        while True:
+            while self.scheduler.has_requests():
+                self.step()
+                if self.steps > max_steps:
+                    raise AssertionError("the engine did not drain")
+            core = getattr(self.connector, "core", None)  # (this connector's: a peer's has none)
+            if core is None or not core.busy():
+                return
+            self.wait_for_workers()
             self.step()
             if self.steps > max_steps:
-                raise AssertionError("the engine did not drain")
+                raise AssertionError("the connector did not drain")
+
+    def wait_for_workers(self, timeout_s: float = 60.0) -> None:
+        """Until every worker's jobs in flight ended (their threads' reads and writes)."""
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            for fut, _, _ in list(w.connector_worker._jobs):
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def step(self) -> None:
         so = self._schedule()

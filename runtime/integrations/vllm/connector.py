@@ -135,9 +135,6 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
-    def has_pending_push_work(self) -> bool:
-        return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
-
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 

@@ -77,11 +77,24 @@ def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
         for op in core.copies.values():
             if op.read and (op.read not in storage_ops or op.direction is not Direction.LOAD):
                 _fail(f"copy {op.op_id} waits on storage read {op.read}, which is not in flight")
+    for op_id, stage in core.stage_reads.items():
+        if stage.read != op_id or op_id not in storage_ops or storage_ops[op_id].write:
+            _fail(f"staging read {op_id} of {stage.rid!r} is not a storage read in flight")
+        if not stage.detached and core.stages.get(stage.rid) is not stage:
+            _fail(f"staging read {op_id} of {stage.rid!r} is neither waited for nor detached")
+    for rid, stage in core.stages.items():
+        if stage.rid != rid or stage.detached or (stage.read and core.stage_reads.get(stage.read) is not stage):
+            _fail(f"staging of {stage.rid!r} filed under {rid!r} is not in flight, landed, or is detached")
+        rec = core.requests.get(rid)
+        if rec is not None and rec.finished:
+            _fail(f"finished request {rid!r} still stages a hit")
+    stage_locks = [st.node for st in core.stage_reads.values()] + [st.node for st in core.stages.values() if not st.read]
     assert core.residency.host is not None
     _check_ledger("host", core.residency.host, table, pins)
-    _check_locks(nodes, [op.node for op in core.copies.values()] + [h.node for h in core.holds.values()], roots)
+    _check_locks(nodes, [op.node for op in core.copies.values()] + [h.node for h in core.holds.values()]
+                 + stage_locks, roots)
     _check_host_protects(nodes, roots, [(sop.node, sop.length) for sop in storage_ops.values() if sop.write])
     _check_host_leaves(tree, nodes)
-    if quiescent and (core.copies or core.requests or storage_ops or core.holds):
-        _fail(f"{len(core.copies)} copies, {len(storage_ops)} storage ops, {len(core.requests)} requests and "
-              f"{len(core.holds)} holds left at quiescence")
+    if quiescent and (core.copies or core.requests or storage_ops or core.holds or core.stages or core.stage_reads):
+        _fail(f"{len(core.copies)} copies, {len(storage_ops)} storage ops, {len(core.requests)} requests, "
+              f"{len(core.holds)} holds and {len(core.stages)} stagings left at quiescence")
