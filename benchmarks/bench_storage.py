@@ -412,7 +412,8 @@ async def mooncake_runs(pages: int, repeats: int, batch: int, shape: str,
                         modes: list[str]) -> dict[str, dict[str, list[float]]]:
     """Per integrity mode, its results: one runtime per mode over one backend (each mode's own
     tokens, so its own keys), the modes taking turns within each round as in `file_runs`."""
-    from runtime.storage.mooncake_backend import TAG_SUFFIX, LocalMooncakeCluster, MooncakeBackend
+    from runtime.storage.mooncake_backend import TAG_SUFFIX, MooncakeBackend
+    from runtime.storage.mooncake_cluster import LocalMooncakeCluster
 
     out = {mode: new_results() for mode in modes}
     pb, rows = page_bytes(shape), op_rows(pages, shape)  # (rows: the pages and a hybrid shape's state chunks)

@@ -143,7 +143,8 @@ def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]
         return FileBackend(config.storage_dir, page_bytes, cap_bytes=config.storage_cap_bytes), True
     # mooncake: the cluster comes from the environment (MOONCAKE_MASTER, ... or MOONCAKE_CONFIG_PATH,
     # see docs/STORAGE.md); or pass storage=MooncakeBackend(page_bytes, MooncakeConfig(...))
-    from runtime.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+    from runtime.storage.mooncake_backend import MooncakeBackend
+    from runtime.storage.mooncake_config import MooncakeConfig
 
     return MooncakeBackend(page_bytes, MooncakeConfig.from_env()), True
 

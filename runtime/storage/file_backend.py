@@ -48,8 +48,6 @@ a machine crash may lose recent pages), ``"file"`` (fsync each page before its r
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import struct
 import threading
@@ -60,6 +58,7 @@ from typing import Any
 from runtime.errors import ConfigError, StateError
 from runtime.storage.backend import Buffer, CallGate, byte_view, check_batch, check_keys, check_tags, gated
 from runtime.storage.integrity import TAG_BYTES
+from runtime.storage.page_directory import PAGE_SUFFIX, TMP_SUFFIX, PageDirectory
 from runtime.trace import get_logger
 
 FSYNC_POLICIES = ("none", "file", "dir")
@@ -67,24 +66,8 @@ FSYNC_POLICIES = ("none", "file", "dir")
 # v2 (HCKVPG02, 40 bytes: the backend's own checksum) files differ in size: they read as misses.
 TRAILER = struct.Struct(f"<8sQ{TAG_BYTES}s")
 TRAILER_MAGIC = b"HCKVPG03"
-STATE = struct.Struct("<8sqq")
-STATE_MAGIC = b"HCSTATE1"
-STATE_NAME = ".hicache-state"
-PAGE_SUFFIX = ".kv"
-TMP_SUFFIX = ".tmp"
-FANOUT = [f"{i:02x}" for i in range(256)]
 
 _log = get_logger("hicache.storage.file")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class FileBackend:
@@ -127,22 +110,16 @@ class FileBackend:
         self.fsync = fsync
         self.evict_to = evict_to
         self.touch_interval_ns = int(touch_interval_s * 1e9)
-        self.stale_tmp_ns = int(stale_tmp_s * 1e9)
-        self._fanout = [os.path.join(self.directory, sub) for sub in FANOUT]  # by a key's first byte
-        self._make_dirs()
-        self._state_path = os.path.join(self.directory, STATE_NAME)
-        self._tlock = threading.Lock()
+        self._dir = PageDirectory(self.directory, self.file_bytes, cap_bytes, evict_to, stale_tmp_s)
+        self._fanout = self._dir.fanout  # by a key's first byte
         self._slock = threading.Lock()  # stats
-        self._pid = os.getpid()
-        self._state_fd: int | None = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._stale_fds: list[int] = []  # state files of a removed directory (closed at close())
         self._gate = CallGate("FileBackend")
         self.close_timeout_s = close_timeout_s
         self._nonce = 0
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "read_errors",
             "pages_written", "pages_present", "write_errors", "write_no_room", "bytes_read", "bytes_written",
-            "evicted_pages", "evicted_bytes", "scans", "stale_tmp_removed", "removed_pages", "dir_recreated"), 0)
+            "removed_pages"), 0)
         if cleanup_on_open:
             self.cleanup()
 
@@ -157,130 +134,15 @@ class FileBackend:
             for k, v in inc.items():
                 self._s[k] += v
 
-    def _make_dirs(self) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        for sub in self._fanout:
-            os.makedirs(sub, exist_ok=True)
-
-    def _heal(self) -> None:
-        """The directory was removed under us: make it again, with a fresh state file (the old
-        one, unlinked, would keep this process's accounting apart from every other's)."""
-        self._make_dirs()
-        with self._tlock:
-            fd = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
-            if self._state_fd is not None and os.fstat(fd).st_ino == os.fstat(self._state_fd).st_ino:
-                os.close(fd)  # (another writer made it again already, under the same file)
-            else:
-                if self._state_fd is not None:  # (a thread may be about to lock it: closed at close())
-                    self._stale_fds.append(self._state_fd)
-                self._state_fd = fd
-        self._count(dir_recreated=1)
-        _log.warning("storage_dir_recreated", directory=self.directory)
-
-    # -- the directory lock and state ------------------------------------------------------------
-    def _fd(self) -> int:
-        if self._pid != os.getpid():  # forked: our flock would be shared with the parent's
-            self._pid = os.getpid()
-            self._tlock = threading.Lock()
-            self._state_fd = os.open(self._state_path, os.O_RDWR | os.O_CREAT, 0o644)
-        assert self._state_fd is not None
-        return self._state_fd
-
-    def _lock(self) -> "_DirLock":
-        return _DirLock(self)
-
-    def _read_state(self, fd: int) -> tuple[int, int]:
-        raw = os.pread(fd, STATE.size, 0)
-        if len(raw) != STATE.size:
-            return -1, 0
-        magic, used, epoch = STATE.unpack(raw)
-        if magic != STATE_MAGIC:
-            return -1, 0
-        return used, epoch
-
-    def _write_state(self, fd: int, used: int, epoch: int) -> None:
-        os.pwrite(fd, STATE.pack(STATE_MAGIC, max(0, used), epoch), 0)
-
-    # -- scanning and eviction (under the directory lock) -----------------------------------------
-    def _scan(self) -> tuple[int, list[tuple[int, str, int]]]:
-        """Bytes in use (page files + reservations of live temporary files) and the page files as
-        ``(mtime_ns, path, size)``; deletes stale temporary files."""
-        used = 0
-        pages: list[tuple[int, str, int]] = []
-        now = time.time_ns()
-        removed = 0
-        for sub in FANOUT:
-            try:
-                it = os.scandir(os.path.join(self.directory, sub))
-            except FileNotFoundError:
-                continue
-            with it:
-                for e in it:
-                    name = e.name
-                    if name.endswith(PAGE_SUFFIX):
-                        try:
-                            st = e.stat()
-                        except FileNotFoundError:
-                            continue
-                        used += st.st_size
-                        pages.append((st.st_mtime_ns, e.path, st.st_size))
-                    elif name.endswith(TMP_SUFFIX) and name.startswith("."):
-                        parts = name.split(".")  # ['', hex, pid, nonce, size, 'tmp']
-                        try:
-                            pid, size = int(parts[2]), int(parts[4])
-                            st = e.stat()
-                        except (ValueError, IndexError, FileNotFoundError):
-                            continue
-                        age = now - st.st_mtime_ns
-                        stale = age > self.stale_tmp_ns or (pid != os.getpid() and not _pid_alive(pid))
-                        if stale:
-                            try:
-                                os.unlink(e.path)
-                                removed += 1
-                            except FileNotFoundError:
-                                pass
-                        else:
-                            used += size
-        self._count(scans=1, stale_tmp_removed=removed)
-        return used, pages
-
-    def _make_room(self, used: int, need: int) -> int:
-        """Rescan and evict LRU page files until ``used + need <= evict_to * cap`` (or nothing is
-        left to evict). Returns the new ``used``."""
-        used, pages = self._scan()
-        cap = self.cap_bytes
-        assert cap is not None
-        target = int(cap * self.evict_to)
-        if used + need > target:
-            pages.sort()
-            evicted = evicted_bytes = 0
-            for _mtime, path, size in pages:
-                if used + need <= target:
-                    break
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                used -= size
-                evicted += 1
-                evicted_bytes += size
-            self._count(evicted_pages=evicted, evicted_bytes=evicted_bytes)
-        return used
-
     @gated
     def cleanup(self) -> int:
         """Delete stale temporary files (killed writers) and recount ``used``. Returns ``used``."""
-        with self._lock() as fd:
-            used, _ = self._scan()
-            _, epoch = self._read_state(fd)
-            self._write_state(fd, used, epoch + 1)
-        return used
+        return self._dir.recount()
 
     @gated
     def used_bytes(self) -> int:
         """The directory's accounted bytes (page files + in-flight reservations), as last recorded."""
-        used, _ = self._read_state(self._fd())
-        return max(used, 0)
+        return self._dir.used_bytes()
 
     # -- protocol --------------------------------------------------------------------------------
     @gated
@@ -413,10 +275,9 @@ class FileBackend:
                 continue
             todo.append((i, key, hx, d, final))
         written = errors = no_room = 0
-        if todo and not os.path.exists(self._state_path):  # (removed under us: one stat per batch)
-            self._heal()
         if todo:
-            temps, fit = self._reserve(todo)
+            self._dir.heal_if_removed()  # (removed under us: one stat per batch)
+            temps, fit = self._dir.reserve(len(todo), lambda fit: self._create_temps(todo[:fit]))
             no_room = len(todo) - fit
             errors = fit - len(temps)  # (a temporary file that could not be made: a read-only directory)
             dirs: set[str] = set()
@@ -432,15 +293,7 @@ class FileBackend:
                 else:
                     errors += 1
             if self.fsync == "dir":
-                for d in dirs:
-                    try:
-                        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-                        try:
-                            os.fsync(dfd)
-                        finally:
-                            os.close(dfd)
-                    except OSError as exc:
-                        _log.warning("storage_dir_fsync_error", dir=d, error=str(exc))
+                _fsync_dirs(dirs)
         for i, j in dup:
             result[i] = result[j]
         self._count(set_calls=1, pages_written=written, pages_present=present, write_errors=errors,
@@ -462,29 +315,6 @@ class FileBackend:
             return None
         finally:
             os.close(fd)
-
-    def _reserve(self, todo: list[tuple[int, bytes, str, str, str]]) -> tuple[list[tuple[str, int]], int]:
-        """Create the temporary files for as many leading pages of ``todo`` as the cap allows,
-        accounting their full size in ``used`` (under the directory lock, with or without a cap, so
-        that an uncapped writer never breaks the accounting of capped ones sharing the directory).
-        Returns them and how many pages the cap allowed."""
-        fb = self.file_bytes
-        with self._lock() as fd:
-            used, epoch = self._read_state(fd)
-            need = len(todo) * fb
-            if used < 0:  # no valid state yet: count the directory
-                used, _ = self._scan()
-                epoch += 1
-            if self.cap_bytes is None:
-                fit = len(todo)
-            else:
-                if used + need > self.cap_bytes:
-                    used = self._make_room(used, need)
-                    epoch += 1
-                fit = max(0, min(len(todo), (self.cap_bytes - used) // fb))
-            temps = self._create_temps(todo[:fit])
-            self._write_state(fd, used + len(temps) * fb, epoch)
-        return temps, fit
 
     def _create_temps(self, todo: list[tuple[int, bytes, str, str, str]]) -> list[tuple[str, int]]:
         temps: list[tuple[str, int]] = []
@@ -513,7 +343,7 @@ class FileBackend:
         renamed: set[str] = set()
         failed: list[str] = []
         if filled:
-            with self._lock() as fd:
+            with self._dir.lock() as fd:
                 replaced = 0  # bytes of page files a rename replaced (another page's, refused or older)
                 for _i, tmp, final in filled:
                     try:
@@ -527,10 +357,7 @@ class FileBackend:
                     except OSError as exc:
                         _log.warning("storage_write_error", path=final, error=str(exc))
                         failed.append(tmp)
-                if replaced:
-                    used, epoch = self._read_state(fd)
-                    if used >= 0:
-                        self._write_state(fd, used - replaced, epoch)
+                self._dir.shrink(fd, replaced)
         for tmp in failed:
             self._drop_temp(tmp)
         return renamed
@@ -566,10 +393,8 @@ class FileBackend:
             return
         except OSError:
             return
-        with self._lock() as fd:
-            used, epoch = self._read_state(fd)
-            if used >= 0:
-                self._write_state(fd, used - self.file_bytes, epoch)
+        with self._dir.lock() as fd:
+            self._dir.shrink(fd, self.file_bytes)
 
     @gated
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -579,7 +404,7 @@ class FileBackend:
         the same key by another process that lands after this stores the page again."""
         check_keys(keys)
         removed = freed = 0
-        with self._lock() as fd:
+        with self._dir.lock() as fd:
             for key in dict.fromkeys(bytes(k) for k in keys):
                 path = self._path(key)[2]
                 try:
@@ -592,9 +417,7 @@ class FileBackend:
                     continue
                 removed += 1
                 freed += size
-            used, epoch = self._read_state(fd)
-            if used >= 0:
-                self._write_state(fd, used - freed, epoch)
+            self._dir.shrink(fd, freed)
         self._count(removed_pages=removed)
         return removed
 
@@ -602,19 +425,12 @@ class FileBackend:
         """No call starts any more; the directory's state descriptor is closed once the calls in
         flight have left (never under one: its number could be reused by another open), waiting at
         most ``close_timeout_s`` (`CallGate`)."""
-        self._gate.close(self._release_fd, self.close_timeout_s)
-
-    def _release_fd(self) -> None:
-        if self._state_fd is not None and self._pid == os.getpid():
-            os.close(self._state_fd)
-            for fd in self._stale_fds:
-                os.close(fd)
-        self._state_fd = None
-        self._stale_fds = []
+        self._gate.close(self._dir.close, self.close_timeout_s)
 
     def stats(self) -> dict[str, Any]:
         with self._slock:
             s: dict[str, Any] = dict(self._s)
+        s.update(self._dir.counts())
         s.update(backend="file", directory=self.directory, page_bytes=self.page_bytes,
                  file_bytes=self.file_bytes, cap_bytes=self.cap_bytes, fsync=self.fsync, **self._gate.stats())
         try:
@@ -630,35 +446,14 @@ class FileBackend:
         self.close()
 
 
-class _DirLock:
-    """Thread lock + ``flock`` on the state file: one holder per directory across processes."""
 
-    __slots__ = ("_b", "_fd")
-
-    def __init__(self, backend: FileBackend) -> None:
-        self._b = backend
-
-    def __enter__(self) -> int:
-        fd = self._b._fd()
-        self._b._tlock.acquire()
+def _fsync_dirs(dirs: set[str]) -> None:
+    for d in dirs:
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    break
-                except InterruptedError:
-                    continue
-                except OSError as exc:
-                    if exc.errno != errno.EINTR:
-                        raise
-        except BaseException:
-            self._b._tlock.release()
-            raise
-        self._fd = fd
-        return fd
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            self._b._tlock.release()
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as exc:
+            _log.warning("storage_dir_fsync_error", dir=d, error=str(exc))

@@ -24,28 +24,20 @@ Data paths:
   the staging buffer, ``get_batch`` to bytes + one copy. (Mooncake's ``*_from``/``*_into`` must never see
   unregistered memory: ``batch_put_from`` from an unregistered address corrupts the heap.)
 
-`LocalMooncakeCluster` starts a master and a metadata server on 127.0.0.1 (tests, benchmarks,
-a single-machine deployment). See docs/STORAGE.md for pointing the backend at a real cluster.
+`LocalMooncakeCluster` (`runtime.storage.mooncake_cluster`) starts a master and a metadata server on
+127.0.0.1 (tests, benchmarks, a single-machine deployment); `MooncakeConfig`
+(`runtime.storage.mooncake_config`) says how to reach a cluster. See docs/STORAGE.md for pointing
+the backend at a real cluster.
 """
 
 from __future__ import annotations
 
 import atexit
 import bisect
-import ctypes
-import functools
-import json
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -65,105 +57,14 @@ from runtime.storage.backend import (
     leading_hits,
 )
 from runtime.storage.integrity import TAG_BYTES
+from runtime.storage.mooncake_buffers import RegisteredBuffers, StagingBuffer
+from runtime.storage.mooncake_config import INSTALL_HINT, MooncakeConfig
 from runtime.trace import get_logger
 
 _log = get_logger("hicache.storage.mooncake")
 
-_PR_SET_PDEATHSIG = 1
-# looked up here, not in the forked child (a dlopen there could wait on a lock another thread held)
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 MASTER_PROBE_S = 0.5  # a master that accepts no connection within this long is gone (teardown at exit)
 TAG_SUFFIX = "/tag"  # companion object of a page: its tag (the storage tier's, TAG_BYTES)
-INSTALL_HINT = "install it with scripts/install_mooncake.sh (Debian libibverbs1 libnl-3-200 libnl-route-3-200 + " \
-               "pip mooncake-transfer-engine-non-cuda)"
-_SIZE_SUFFIXES = (("tb", 1 << 40), ("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10), ("t", 1 << 40),
-                  ("g", 1 << 30), ("m", 1 << 20), ("k", 1 << 10), ("b", 1))
-
-
-def parse_size(value: int | str) -> int:
-    """``123``, ``"123"``, ``"512mb"``, ``"4GB"`` -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    s = str(value).strip().lower().replace(" ", "")
-    for suffix, mult in _SIZE_SUFFIXES:
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * mult)
-    return int(s)
-
-
-@dataclass(frozen=True)
-class MooncakeConfig:
-    """How to reach a Mooncake Store cluster (field names follow Mooncake's own config)."""
-
-    master_server_address: str                 # "host:port" of mooncake_master's RPC
-    metadata_server: str                       # "http://host:port/metadata", "etcd://host:2379", "P2PHANDSHAKE"
-    local_hostname: str = "127.0.0.1"          # the address peers use to reach this client
-    global_segment_size: int = 512 << 20       # memory this process contributes to the pool (0: none)
-    local_buffer_size: int = 128 << 20         # this client's transfer buffer for the plain calls
-    protocol: str = "tcp"                      # "tcp" or "rdma"
-    device_name: str = ""                      # RDMA NICs, e.g. "mlx5_0,mlx5_1" (or "" / "auto-discovery")
-    replica_num: int = 1
-    key_prefix: str = "hicache/"
-    tcp_bind_address: str | None = None        # exported as MC_TCP_BIND_ADDRESS before setup
-    env: dict[str, str] = field(default_factory=dict)  # other MC_* variables to export before setup
-    close_timeout_s: float = 5.0               # how long close() waits for calls in flight (then abandons them)
-
-    def __post_init__(self) -> None:
-        for name in ("global_segment_size", "local_buffer_size"):
-            object.__setattr__(self, name, parse_size(getattr(self, name)))
-            if getattr(self, name) < 0:
-                raise ConfigError(f"MooncakeConfig.{name} must be >= 0")
-        if not self.master_server_address or ":" not in self.master_server_address:
-            raise ConfigError(f"master_server_address must be 'host:port', got {self.master_server_address!r}")
-        if not self.metadata_server:
-            raise ConfigError("metadata_server must be set (http://host:port/metadata, etcd://..., P2PHANDSHAKE)")
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
-        if not isinstance(self.replica_num, int) or self.replica_num < 1:
-            raise ConfigError(f"replica_num must be >= 1, got {self.replica_num!r}")
-        if isinstance(self.close_timeout_s, bool) or not isinstance(self.close_timeout_s, (int, float)) \
-                or not 0 <= self.close_timeout_s < float("inf"):
-            raise ConfigError(f"close_timeout_s must be a finite number >= 0, got {self.close_timeout_s!r}")
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> "MooncakeConfig":
-        known = {f.name for f in fields(MooncakeConfig)}
-        unknown = set(d) - known
-        if unknown:
-            raise ConfigError(f"unknown MooncakeConfig keys {sorted(unknown)}")
-        return MooncakeConfig(**d)
-
-    @staticmethod
-    def from_file(path: str) -> "MooncakeConfig":
-        with open(path, encoding="utf-8") as f:
-            return MooncakeConfig.from_dict(json.load(f))
-
-    @staticmethod
-    def from_env(environ: dict[str, str] | None = None) -> "MooncakeConfig":
-        """``MOONCAKE_CONFIG_PATH`` (a JSON file of these fields), else the variables Mooncake and
-        SGLang use: ``MOONCAKE_MASTER``, ``MOONCAKE_TE_META_DATA_SERVER``, ``MOONCAKE_LOCAL_HOSTNAME``,
-        ``MOONCAKE_GLOBAL_SEGMENT_SIZE``, ``MOONCAKE_LOCAL_BUFFER_SIZE``, ``MOONCAKE_PROTOCOL``,
-        ``MOONCAKE_DEVICE``, ``MOONCAKE_TCP_BIND_ADDRESS``, ``MOONCAKE_KEY_PREFIX``."""
-        env = os.environ if environ is None else environ
-        path = env.get("MOONCAKE_CONFIG_PATH")
-        if path:
-            return MooncakeConfig.from_file(path)
-        if not env.get("MOONCAKE_MASTER"):
-            raise ConfigError("set MOONCAKE_CONFIG_PATH or MOONCAKE_MASTER to use the Mooncake backend")
-        d: dict[str, Any] = {
-            "master_server_address": env["MOONCAKE_MASTER"],
-            "metadata_server": env.get("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE"),
-        }
-        for var, name in (("MOONCAKE_LOCAL_HOSTNAME", "local_hostname"),
-                          ("MOONCAKE_GLOBAL_SEGMENT_SIZE", "global_segment_size"),
-                          ("MOONCAKE_LOCAL_BUFFER_SIZE", "local_buffer_size"),
-                          ("MOONCAKE_PROTOCOL", "protocol"), ("MOONCAKE_DEVICE", "device_name"),
-                          ("MOONCAKE_TCP_BIND_ADDRESS", "tcp_bind_address"), ("MOONCAKE_KEY_PREFIX", "key_prefix")):
-            if env.get(var):
-                d[name] = env[var]
-        return MooncakeConfig(**d)
-
-
 def _import_store() -> Any:
     try:
         from mooncake import store  # noqa: PLC0415
@@ -199,23 +100,10 @@ class MooncakeBackend:
         self._rconf = mstore.ReplicateConfig()
         self._rconf.replica_num = config.replica_num
         self._prefix = config.key_prefix
-        self._reg_lock = threading.Lock()
-        self._reg_starts: list[int] = []
-        self._reg_ends: list[int] = []
-        self._reg_objs: list[Any] = []
+        self._registered = RegisteredBuffers(self._store)
         self._gate = CallGate("MooncakeBackend")
         self._teardown_deferred = False  # the master was gone at close: torn down at process exit
-        self._staging: np.ndarray | None = None
-        self._staging_lock = threading.Lock()
-        self._staging_pages = max(1, staging_bytes // page_bytes) if staging_bytes > 0 else 0
-        if self._staging_pages:
-            staging = np.ones(self._staging_pages * page_bytes, dtype=np.uint8)  # touched: no faults later
-            if self._store.register_buffer(int(staging.ctypes.data), staging.nbytes) == 0:
-                self._staging = staging
-                self._staging_addr = int(staging.ctypes.data)
-                self._staging_view = memoryview(staging)
-            else:
-                _log.warning("mooncake_staging_register_failed", bytes=staging.nbytes)
+        self._staging = StagingBuffer(self._store, page_bytes, staging_bytes)
         self._slock = threading.Lock()
         self._s: dict[str, int] = dict.fromkeys((
             "exists_calls", "get_calls", "set_calls", "pages_read", "read_misses", "pages_written",
@@ -231,33 +119,17 @@ class MooncakeBackend:
         addr, n = buffer_address(buf), _nbytes(buf)
         if n <= 0:
             raise ConfigError("cannot register an empty buffer")
-        with self._reg_lock:
-            i = bisect.bisect_right(self._reg_starts, addr)
-            if (i > 0 and self._reg_ends[i - 1] > addr) or (i < len(self._reg_starts) and self._reg_starts[i] < addr + n):
-                raise ConfigError("buffer overlaps a registered buffer")
-            rc = self._store.register_buffer(addr, n)
-            if rc != 0:
-                raise StorageError(f"Mooncake register_buffer failed ({rc})")
-            self._reg_starts.insert(i, addr)
-            self._reg_ends.insert(i, addr + n)
-            self._reg_objs.insert(i, buf)
+        self._registered.add(buf, addr, n)
 
     @gated
     def unregister_buffer(self, buf: Buffer) -> None:
-        addr = buffer_address(buf)
-        with self._reg_lock:
-            i = bisect.bisect_left(self._reg_starts, addr)
-            if i == len(self._reg_starts) or self._reg_starts[i] != addr:
-                raise ConfigError("buffer is not registered")
-            self._store.unregister_buffer(addr)
-            del self._reg_starts[i], self._reg_ends[i], self._reg_objs[i]
+        self._registered.remove(buffer_address(buf))
 
     def _split(self, bufs: Sequence[Buffer], writable: bool) -> tuple[list[int], list[int], list[int]]:
         """Indices and addresses of the buffers inside registered memory (zero-copy), and the
         indices of the others. Validates every buffer (size, contiguity, CPU, writability)."""
         pb = self.page_bytes
-        with self._reg_lock:
-            starts, ends = list(self._reg_starts), list(self._reg_ends)
+        starts, ends = self._registered.ranges()
         zc_i: list[int] = []
         zc_a: list[int] = []
         plain: list[int] = []
@@ -374,10 +246,10 @@ class MooncakeBackend:
         transfer + one copy), else Mooncake's ``get_batch`` (bytes objects + one copy)."""
         pb = self.page_bytes
         views = {i: byte_view(dests[i], pb, writable=True) for i in plain}
-        if self._staging is not None and self._staging_lock.acquire(blocking=False):
+        staging = self._staging
+        if staging.try_acquire():
             try:
-                base, cap = self._staging_addr, self._staging_pages
-                sv = self._staging_view
+                base, cap, sv = staging.addr, staging.pages, staging.view
                 for c in range(0, len(plain), cap):
                     chunk = plain[c:c + cap]
                     got = [False] * len(chunk)
@@ -388,7 +260,7 @@ class MooncakeBackend:
                             views[i][:] = sv[j * pb:(j + 1) * pb]
                             out[i] = True
             finally:
-                self._staging_lock.release()
+                staging.release()
             return
         try:
             datas = self._store.get_batch([skeys[i] for i in plain])
@@ -541,20 +413,8 @@ class MooncakeBackend:
             return False
 
     def _teardown_now(self) -> None:
-        with self._reg_lock:
-            for addr in self._reg_starts:
-                try:
-                    self._store.unregister_buffer(addr)
-                except Exception:  # noqa: BLE001
-                    pass
-            self._reg_starts.clear(); self._reg_ends.clear(); self._reg_objs.clear()
-        with self._staging_lock:
-            if self._staging is not None:
-                try:
-                    self._store.unregister_buffer(self._staging_addr)
-                except Exception:  # noqa: BLE001
-                    pass
-                self._staging = None
+        self._registered.unregister_all()
+        self._staging.unregister()
         try:
             self._store.close()
         except Exception as exc:  # noqa: BLE001
@@ -564,7 +424,7 @@ class MooncakeBackend:
         with self._slock:
             s: dict[str, Any] = dict(self._s)
         s.update(backend="mooncake", page_bytes=self.page_bytes, master=self.config.master_server_address,
-                 registered_buffers=len(self._reg_starts), teardown_deferred=self._teardown_deferred,
+                 registered_buffers=len(self._registered), teardown_deferred=self._teardown_deferred,
                  **self._gate.stats())
         return s
 
@@ -602,151 +462,3 @@ def _nbytes(buf: Buffer) -> int:
     if hasattr(buf, "nbytes"):
         return int(buf.nbytes)  # numpy, memoryview
     return len(memoryview(buf).cast("B"))
-
-
-# -- a local cluster (tests, benchmarks, one-machine deployments) ------------------------------
-
-def find_binary(name: str) -> str | None:
-    """A Mooncake executable: next to this Python (the venv's bin), else on PATH."""
-    here = os.path.dirname(sys.executable)
-    return shutil.which(name, path=here + os.pathsep + os.environ.get("PATH", ""))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _die_with_parent(parent: int) -> None:
-    """In a spawned server, before it runs: SIGKILL it when the process that started it dies, even
-    by a crash that runs no `stop()` (Linux ``PR_SET_PDEATHSIG``; strictly, when the *thread* that
-    started it ends: start a cluster from a thread that outlives it, e.g. the main thread)."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above: nobody would stop us
-        os._exit(1)
-
-
-def _wait_port(host: str, port: int, proc: subprocess.Popen, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.settimeout(0.2)
-            if s.connect_ex((host, port)) == 0:
-                return True
-        time.sleep(0.02)
-    return False
-
-
-class LocalMooncakeCluster:
-    """A ``mooncake_master`` and a standalone ``mooncake_http_metadata_server``, both listening on
-    127.0.0.1 only (free ports), started and stopped (and reaped) by this object; both are killed
-    when the process that started them dies, so even a crash that runs no `stop()` leaves none
-    behind (Linux; `_die_with_parent`).
-
-    The master's built-in metadata server is not used: it ignores its host flag. Note that
-    Mooncake *clients* (`MooncakeBackend`) open their transfer listeners on all interfaces
-    whatever ``MC_TCP_BIND_ADDRESS`` says; the tests therefore run in a private network
-    namespace (see tests/unit/storage/conftest.py)."""
-
-    HOST = "127.0.0.1"
-
-    def __init__(self, *, lease_ttl_ms: int = 500, eviction_high_watermark: float = 0.9,
-                 log_dir: str | None = None, start_timeout_s: float = 20.0) -> None:
-        self.lease_ttl_ms = lease_ttl_ms
-        self.eviction_high_watermark = eviction_high_watermark
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="mooncake-")
-        self.start_timeout_s = start_timeout_s
-        self.rpc_port = self.metadata_port = self.metrics_port = 0
-        self._procs: list[subprocess.Popen] = []
-        self._logs: list[Any] = []
-
-    @property
-    def master_address(self) -> str:
-        return f"{self.HOST}:{self.rpc_port}"
-
-    @property
-    def metadata_url(self) -> str:
-        return f"http://{self.HOST}:{self.metadata_port}/metadata"
-
-    @property
-    def pids(self) -> dict[str, int]:
-        """The running cluster's processes: ``{"metadata": pid, "master": pid}``."""
-        return {name: p.pid for name, p in zip(("metadata", "master"), self._procs)}
-
-    @property
-    def master_pid(self) -> int:
-        return self.pids["master"]
-
-    def config(self, **overrides: Any) -> MooncakeConfig:
-        base = MooncakeConfig(master_server_address=self.master_address, metadata_server=self.metadata_url,
-                              local_hostname=self.HOST, tcp_bind_address=self.HOST)
-        return replace(base, **overrides) if overrides else base
-
-    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen:
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        self._logs.append(log)
-        env = dict(os.environ)
-        env.setdefault("MC_TCP_BIND_ADDRESS", self.HOST)
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                             start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()))
-        self._procs.append(p)
-        return p
-
-    def log_tail(self, name: str, n: int = 2000) -> str:
-        try:
-            with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def start(self) -> "LocalMooncakeCluster":
-        master = find_binary("mooncake_master")
-        meta = find_binary("mooncake_http_metadata_server")
-        if not master or not meta:
-            raise StorageError(f"mooncake_master / mooncake_http_metadata_server not found; {INSTALL_HINT}")
-        last = ""
-        for _attempt in range(3):  # a free port can be taken between probe and bind
-            self.stop()
-            self.rpc_port, self.metadata_port, self.metrics_port = free_port(), free_port(), free_port()
-            deadline = time.monotonic() + self.start_timeout_s
-            pm = self._spawn([meta, "--host", self.HOST, "--port", str(self.metadata_port), "--log-level", "WARNING"],
-                             "metadata")
-            pr = self._spawn([master, f"--rpc_address={self.HOST}", f"--rpc_port={self.rpc_port}",
-                              "--enable_http_metadata_server=false", f"--metrics_host={self.HOST}",
-                              f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={self.lease_ttl_ms}",
-                              f"--eviction_high_watermark_ratio={self.eviction_high_watermark}"], "master")
-            if _wait_port(self.HOST, self.metadata_port, pm, deadline) and _wait_port(self.HOST, self.rpc_port, pr, deadline):
-                return self
-            last = f"master log: {self.log_tail('master')}\nmetadata log: {self.log_tail('metadata')}"
-        self.stop()
-        raise StorageError(f"local Mooncake cluster did not start\n{last}")
-
-    def stop(self) -> None:
-        for p in self._procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for p in self._procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(timeout=5)
-        self._procs.clear()
-        for f in self._logs:
-            f.close()
-        self._logs.clear()
-
-    def __enter__(self) -> "LocalMooncakeCluster":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -19,7 +19,8 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by scripts/install_vllm.sh")
 pytest.importorskip("mooncake.store", reason="Mooncake is installed by scripts/install_mooncake.sh")
 
-from runtime.storage.mooncake_backend import MooncakeBackend, find_binary  # noqa: E402
+from runtime.storage.mooncake_backend import MooncakeBackend  # noqa: E402
+from runtime.storage.mooncake_cluster import find_binary  # noqa: E402
 from tests.e2e.vllm_engine import BLOCK, FakeEngine, save_tiny_model, vllm_config  # noqa: E402
 from tests.unit.storage.conftest import mooncake_cluster, netns_run  # noqa: E402,F401 - the fixtures
 

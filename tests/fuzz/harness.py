@@ -116,7 +116,8 @@ from runtime.messages import Abort, Admit, AdmitResult, Cache, Commit, Direction
 from runtime.runtime import CacheRuntime
 from runtime.stats import STATS, Kind
 from runtime.storage.backend import FaultPlan, FaultyBackend
-from runtime.storage.file_backend import FANOUT, PAGE_SUFFIX, FileBackend
+from runtime.storage.file_backend import FileBackend
+from runtime.storage.page_directory import FANOUT, PAGE_SUFFIX
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.transfer.cpu_engine import CpuCopyEngine
 from runtime.transfer.fake_engine import FakeCopyEngine

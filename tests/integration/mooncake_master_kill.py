@@ -29,7 +29,8 @@ from typing import Any
 
 from runtime.errors import CapacityError, HiCacheError
 from runtime.runtime import CacheRuntime
-from runtime.storage.mooncake_backend import LocalMooncakeCluster, MooncakeBackend
+from runtime.storage.mooncake_backend import MooncakeBackend
+from runtime.storage.mooncake_cluster import LocalMooncakeCluster
 from tests.integration.support import bad_positions, compute, small_config, toks
 
 PROMPTS = 6        # distinct prompts the streams share (so storage has what they ask for)

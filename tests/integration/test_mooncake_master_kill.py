@@ -27,7 +27,7 @@ import pytest
 
 pytest.importorskip("mooncake.store", reason="Mooncake is not installed: run scripts/install_mooncake.sh")
 
-from runtime.storage.mooncake_backend import find_binary  # noqa: E402
+from runtime.storage.mooncake_cluster import find_binary  # noqa: E402
 from tests.netns import CANNOT_UNSHARE, netns_popen  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -485,7 +485,7 @@ class SamplingFileBackend(FileBackend):
 
     def set_batch(self, keys, srcs, tags=None):
         ok = super().set_batch(keys, srcs, tags)
-        with self._lock():
+        with self._dir.lock():
             self.max_seen = max(self.max_seen, dir_bytes(self.directory))
             self.samples += 1
         return ok

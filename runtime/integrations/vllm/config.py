@@ -36,7 +36,7 @@ from runtime.config_sources import parse_size
 from runtime.errors import ConfigError
 from runtime.storage.file_backend import TRAILER, FileBackend
 from runtime.storage.hashing import KVIdentity, tp_shard
-from runtime.storage.mooncake_backend import MooncakeConfig
+from runtime.storage.mooncake_config import MooncakeConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -41,7 +41,7 @@ def mooncake_cluster(tmp_path_factory):
     if not in_private_netns() and os.environ.get("HICACHE_MOONCAKE_HOST_NETNS") != "1":
         pytest.fail("Mooncake tests must run in a private network namespace (the launcher test does this); "
                     "set HICACHE_MOONCAKE_HOST_NETNS=1 to run them in the host namespace on purpose")
-    from runtime.storage.mooncake_backend import LocalMooncakeCluster
+    from runtime.storage.mooncake_cluster import LocalMooncakeCluster
 
     cluster = LocalMooncakeCluster(log_dir=str(tmp_path_factory.mktemp("mooncake-logs")))
     cluster.start()

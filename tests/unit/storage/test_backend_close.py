@@ -89,7 +89,7 @@ def test_file_backend_close_keeps_its_descriptor_until_the_call_in_flight_return
     t = threading.Thread(target=lambda: out.append(fb.get_prefix([k], [dest])))
     t.start()
     assert entered.wait(5)
-    fd = fb._state_fd
+    fd = fb._dir.state_fd
     fb.close()
     assert fb.stats()["calls_abandoned_at_close"] == 1
     os.fstat(fd)  # still open
@@ -99,6 +99,6 @@ def test_file_backend_close_keeps_its_descriptor_until_the_call_in_flight_return
     t.join(5)
     assert out == [1] and (dest == 7).all()
     deadline = time.monotonic() + 5
-    while fb._state_fd is not None and time.monotonic() < deadline:
+    while fb._dir.state_fd is not None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert fb._state_fd is None and fb.stats()["torn_down"]
+    assert fb._dir.state_fd is None and fb.stats()["torn_down"]

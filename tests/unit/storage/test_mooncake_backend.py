@@ -27,7 +27,9 @@ pytest.importorskip(
 
 from runtime.errors import ConfigError, StateError, ValidationError  # noqa: E402
 from runtime.storage.backend import StorageBackend  # noqa: E402
-from runtime.storage.mooncake_backend import MooncakeBackend, MooncakeConfig, find_binary, parse_size  # noqa: E402
+from runtime.storage.mooncake_backend import MooncakeBackend  # noqa: E402
+from runtime.storage.mooncake_config import MooncakeConfig, parse_size  # noqa: E402
+from runtime.storage.mooncake_cluster import find_binary  # noqa: E402
 
 IN_NETNS = os.environ.get("HICACHE_TEST_NETNS") == "1" or os.environ.get("HICACHE_MOONCAKE_HOST_NETNS") == "1"
 REPO = Path(__file__).resolve().parents[3]
@@ -260,7 +262,8 @@ class TestMooncakeBackend:
         assert backend.set_batch(keys_a, [page(200 + i) for i in range(6)]) == [True] * 6
         child = textwrap.dedent(f"""
             import sys, numpy as np
-            from runtime.storage.mooncake_backend import MooncakeBackend, MooncakeConfig
+            from runtime.storage.mooncake_backend import MooncakeBackend
+            from runtime.storage.mooncake_config import MooncakeConfig
             PB = {PB}
             def key(i, tag): return f"{{tag}}{{i:06d}}".encode().ljust(16, b".")
             def page(i): return np.random.default_rng(i).integers(0, 256, PB, dtype=np.uint8)
