@@ -291,3 +291,23 @@ def test_vllms_stat_loggers_receive_the_tiers_hits_bytes_failures_and_storage_he
     # the same tokens by tier (vLLM counts a preempted request's hits apart: none on this trace)
     split = {"host": s["tokens_loaded"] - s["tokens_storage_loaded"], "disk": s["tokens_storage_loaded"]}
     assert e.preemptions or e.hits_by_source == {k: n for k, n in split.items() if n}
+
+
+def test_pages_refused_by_their_integrity_tag_are_a_miss_counted_in_vllms_metrics(model_dir, plain_outputs,
+                                                                                  tmp_path, monkeypatch):
+    """A writes its pages under one storage key, B (a fresh instance on the same directory) reads
+    them under another: every page B stages fails its MAC, is refused and counted in vLLM's
+    metrics (`storage_pages_refused`), and is a miss: no request fails, outputs equal plain
+    vLLM's."""
+    root = str(tmp_path / "kv")
+    monkeypatch.setenv("HICACHE_STORAGE_KEY", "writer-key-" + "a" * 16)
+    a = engine(model_dir, host_blocks=32, storage_dir=root)
+    sessions(a, range(1))
+    monkeypatch.setenv("HICACHE_STORAGE_KEY", "reader-key-" + "b" * 16)
+    b = engine(model_dir, host_blocks=32, storage_dir=root)
+    sessions(b, range(1))
+    refused = sum(data["counters"].get("storage_pages_refused", 0) for data in b.connector_stats)
+    assert refused > 0 and refused == b.worker.stats()["storage_pages_refused"]
+    assert b.connector.core.stats["tokens_staged"] == 0 and b.connector.core.stats["stagings"] > 0
+    assert not b.errors and b.outputs == {rid: out for rid, out in plain_outputs.items() if rid.endswith("t0")}
+    b.assert_drained()
