@@ -82,7 +82,6 @@ def configure_logging(*, json_output: bool = False, level: int = logging.INFO, s
     setattr(handler, _HANDLER_MARK, True)
     root.addHandler(handler)
     root.setLevel(level)
-    root.propagate = False  # (its lines once, in its format, whatever the root logger does)
 
 
 def page_runs(slots: np.ndarray, page_size: int) -> list[list[int]]:

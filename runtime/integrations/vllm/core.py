@@ -133,6 +133,13 @@ class TierStage:
     detached: bool = False
     landed: int = 0  # the end of the tokens it brought to the host tier (once landed)
 
+    def detach(self) -> None:
+        self.detached = True
+
+    def land(self, node: Node | None, landed: int) -> None:
+        """Its read's ack was applied: `node` (the path its pages landed on) is locked for it now."""
+        self.read, self.node, self.landed = 0, node, landed
+
 
 @dataclass(slots=True)
 class TierRequest:
@@ -317,7 +324,7 @@ class TiersOnlyCore:
         if stage is None:
             return None
         if stage.read:
-            stage.detached = True
+            stage.detach()
             return None
         return stage.node
 
@@ -335,7 +342,7 @@ class TiersOnlyCore:
             landed = None
         if stage.node is not None:
             res.tree.unlock(stage.node)
-        stage.read, stage.node, stage.landed = 0, landed, stage.start + pages * self.page_size
+        stage.land(landed, stage.start + pages * self.page_size)
         if stage.detached:
             return
         self.stats["tokens_staged"] += pages * self.page_size
