@@ -7,7 +7,8 @@ copies that fail or run slowly on the worker's thread, storage calls that fail o
 and a workload: multi-turn sessions over a few shared system prompts whose turns start at random
 steps, under a few tenants (vLLM cache salts, which the fake forward's fingerprints start from),
 random aborts of running requests (and of requests whose load, or the staging of whose storage
-hit, runs), and, with storage, the instance shut down halfway and a
+hit, runs: loads and staging reads run in the step or, in half the episodes each, on the load
+lane's thread, landing steps later), and, with storage, the instance shut down halfway and a
 fresh one started on the same directory. A third of the episodes run under vLLM's default load
 failure policy ("fail": a failed load ends its request with an error), the rest "recompute".
 
@@ -409,6 +410,8 @@ def _engine(model_dir: str, blocks: int, max_batched: int, host_blocks: int, sto
     _faulty_copier(e.worker._copier(), random.Random(f"{seed}:copies"), faults)
     if storage_dir is not None:  # staging reads in the step, or on the load lane's thread (a remote store's way)
         e.worker._stage_inline = random.Random(f"{seed}:stage-lane").random() < 0.5
+    # loads in the step, or on the load lane's thread, landing steps later (as a GPU's side stream's)
+    e.worker._load_inline = random.Random(f"{seed}:load-lane").random() < 0.5
     return e
 
 

@@ -5,12 +5,12 @@ optionally, a storage tier behind it. Load it with::
 
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
                            "kv_connector_module_path": "runtime.integrations.vllm",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_role": "kv_both",
                            "kv_connector_extra_config": {"host_bytes": "64GiB",
                                                          "storage_dir": "/mnt/kv"}}'
 
-(``kv_load_failure_policy: recompute``: a load that fails makes vLLM recompute the blocks from
-the first failed one on; with vLLM's default ``fail`` the request ends with an error.)
+(vLLM's default ``kv_load_failure_policy``, ``fail``, stays: a reported hit is held, and a
+storage hit is read into the host tier before it is reported.)
 `runtime.integrations.vllm.config` reads and checks the options; docs/VLLM.md has every option
 and how they map to vLLM's and LMCache's.
 

@@ -12,9 +12,10 @@ back through `apply_ack`. Synchronous and loop-free: the engine's scheduler driv
 
 With storage (`enable_storage`), full mode's `StorageTier` sits behind the host tier: a landed
 backup is written through to storage by page hash, `lookup` also asks storage (through the
-backend's `exists_prefix`) for the pages after the host hit, and `load` reads those into fresh
-host pages (a storage read) that the same load then copies to the engine's blocks; the read's
-pages join the tree at its ack, after the load's.
+backend's `exists_prefix`) for the pages after the host hit. `reserve(stage=True)` reads those
+into host pages first (a staging read, `TierStage`), reporting nothing of them until they joined
+the tree; `load` can also read them into fresh host pages that the same load then copies to the
+engine's blocks (the read's pages join the tree at its ack, after the load's).
 
 Ownership, as in full mode:
 - a host page has one owner: a tree node, or the backup that fills it until its ack;
@@ -23,6 +24,9 @@ Ownership, as in full mode:
 - a reported hit (`reserve`) holds what its load needs until the load, `release` or `finish`:
   the host path it reads locked, and host pages for its storage part, owned by the hold (a part
   no host room can be had for is cut from the hit, and counted);
+- a staging read owns its host pages until its ack (then the tree's, or freed) and locks the
+  prefix they hang under; landed, it locks their path for its request until the request's next
+  `reserve` or `finish`;
 - the engine's blocks are the engine's: it must not free a block a backup still reads or a
   load still writes (a request aborted mid-load). `finish(rid)` says whether one is in flight
   (vLLM's ``delay_free_blocks``).

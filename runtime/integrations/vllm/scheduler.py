@@ -1,9 +1,12 @@
 """The connector's scheduler side (`runtime.integrations.vllm`): a `TiersOnlyCore` decides.
 
-vLLM's synchronous scheduler calls it directly. `get_num_new_matched_tokens` answers, without
-side effects, how many tokens past vLLM's own prefix-cache hit the host tier, then storage,
-hold; every hit is an asynchronous load (the request waits in ``WAITING_FOR_REMOTE_KVS`` until
-the worker reports it: docs/VLLM.md says why no load is synchronous).
+vLLM's synchronous scheduler calls it directly. `get_num_new_matched_tokens` answers how many
+tokens past vLLM's own prefix-cache hit the host tier holds, and holds them for the request; a
+storage hit is first staged (read into host pages held for the request: the answer is None,
+"not known yet", until the read landed, then the staged pages are a host hit); every hit is an
+asynchronous load (the request waits in ``WAITING_FOR_REMOTE_KVS`` until the worker reports it:
+docs/VLLM.md says why no load is synchronous). A request's page keys come from a cache by vLLM's
+own block hashes for the blocks earlier requests had (a chat's next turn hashes its new pages only).
 `update_state_after_alloc` turns it into a load into the blocks vLLM allocated;
 `request_finished` backs up the request's computed blocks the tier lacks and returns
 ``delay_free_blocks=True`` while that backup reads them, so vLLM never frees a block a copy

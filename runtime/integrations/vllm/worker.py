@@ -61,6 +61,10 @@ class HiCacheConnectorWorker:
         # vLLM asks about the request once more, not once per step a thread takes to get the GIL
         # (in one process with vLLM's scheduler, hundreds of idle steps in bench_vllm_connector.py)
         self._stage_inline = storage is not None and getattr(storage.inner, "exists_is_local", False) is True
+        # a load from host pages runs in the step that gets it (whole-block CPU copies); off, it
+        # runs on the load lane's thread and lands steps later, as a CUDA copy on a side stream
+        # would (the connector fuzzer runs both)
+        self._load_inline = True
         # page tags written and checked here (docs/STORAGE.md, "Page integrity"; keyed by HICACHE_STORAGE_KEY)
         self.seal = PageSeal(os.environ.get("HICACHE_STORAGE_KEY"))
         self.copier: PagedKVCopier | None = None
@@ -89,7 +93,7 @@ class HiCacheConnectorWorker:
 
     def start_load_kv(self, meta: TieredMeta) -> None:
         for job in meta.loads:
-            if job.load.read is None:
+            if job.load.read is None and self._load_inline:
                 # host pages only: copied here and now (vLLM still sees an asynchronous load, done
                 # at this step's report); a worker thread would wait on the GIL for each copy
                 self._record("load", job.rid, self._load(job))
