@@ -196,21 +196,6 @@ class LoadOnePageLate(HiCacheConnector):
     Scheduler = _LoadOnePageLateScheduler
 
 
-class _BackedUpMidLoadScheduler(HiCacheConnectorScheduler):
-    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
-        self._awaiting.discard(request.request_id)
-        self.core.loading = lambda rid: False  # type: ignore[method-assign]
-        return super().request_finished(request, block_ids)
-
-
-class BackedUpMidLoad(HiCacheConnector):
-    """A request aborted while its load runs is backed up as if it had finished (both guards
-    off: the scheduler side's `_awaiting`, the core's `loading`): vLLM frees its blocks at one
-    report, then is told about a request it no longer has."""
-
-    Scheduler = _BackedUpMidLoadScheduler
-
-
 class _StagedOnePageOffWorker(HiCacheConnectorWorker):
     def _stage(self, request):  # type: ignore[no-untyped-def]
         if len(request.pages) > 1:
@@ -257,7 +242,6 @@ STORAGE_PLANTS = frozenset({"staged_one_page_off"})
 PLANTS: dict[str, type[HiCacheConnector]] = {
     "salt_blind": SaltBlind,
     "staged_one_page_off": StagedOnePageOff,
-    "backed_up_mid_load": BackedUpMidLoad,
     "eager_free": EagerFreeConnector,
     "load_errors_dropped": LoadErrorsDropped,
     "load_one_page_late": LoadOnePageLate,
@@ -410,8 +394,12 @@ def _engine(model_dir: str, blocks: int, max_batched: int, host_blocks: int, sto
     _faulty_copier(e.worker._copier(), random.Random(f"{seed}:copies"), faults)
     if storage_dir is not None:  # staging reads in the step, or on the load lane's thread (a remote store's way)
         e.worker._stage_inline = random.Random(f"{seed}:stage-lane").random() < 0.5
-    # loads in the step, or on the load lane's thread, landing steps later (as a GPU's side stream's)
+    # loads in the step, or on the load lane's thread, landing steps later (as a GPU's side stream's:
+    # each takes a few ms there, so that a request can be aborted or preempted while it runs)
     e.worker._load_inline = random.Random(f"{seed}:load-lane").random() < 0.5
+    if not e.worker._load_inline:
+        load = e.worker._load
+        e.worker._load = lambda job: (time.sleep(0.003), load(job))[1]  # type: ignore[method-assign]
     return e
 
 

@@ -3,15 +3,16 @@
 - `test_connector_fuzz_finds_nothing`: the default run's episodes find no violation.
 - `test_connector_fuzz_finds_the_planted_bug`: each planted connector variant is found within
   `PLANT_BUDGET` episodes of the same seed (the harness stops at the first violation).
-  `backed_up_mid_load` is a bug this fuzzer found in the connector, put back: the scheduler side's (a request aborted while its load ran was also backed up, so vLLM heard of
-  it twice and asserted on the second report; the variant turns off both guards against it,
-  the connector's and the core's). `unheld_hits` is the connector before it held reported hits:
+  `unheld_hits` is the connector before it held reported hits:
   a hit whose host pages were evicted, or whose storage read found no host room, between its
   report and its load (under vLLM's default "fail" policy, a failed request).
-  `staged_one_page_off`: a staging read puts each storage page into the next host page. (The
-  fuzzer's other find, a load cut short by a short storage read copying its first pages in
-  host-page order, has no plant any more: storage hits are staged into the host tier before
-  they are reported, so no load of the connector's reads storage or is cut short.)
+  `staged_one_page_off`: a staging read puts each storage page into the next host page. The two
+  bugs this fuzzer found in the connector have no plant any more, since storage hits are staged
+  into the host tier before they are reported and every load reads host pages only: a load cut
+  short by a short storage read (it copied its first pages in host-page order), and a request
+  aborted while its load ran also backed up (vLLM heard of it twice): a backup then finds every
+  page the load reads in the host tier already, and backs up nothing. The guards against the
+  second stay (the scheduler side's `_awaiting`, the core's `loading`).
 - `test_connector_fuzz_long`: `--runslow`, `HICACHE_CONNECTOR_FUZZ_EPISODES` episodes (2,000 by
   default) from `HICACHE_CONNECTOR_FUZZ_SEED` (1).
 """
