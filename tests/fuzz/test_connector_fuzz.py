@@ -54,7 +54,9 @@ def test_connector_fuzz_finds_nothing(model_dir, capsys):
     # the episodes reach what they are for: loads from both tiers, failures, preemption, aborts
     assert out["tokens_loaded"] > 0 and out["tokens_storage_loaded"] > 0 and out["load_errors"] > 0
     assert out["backup_errors"] > 0 and out["preemptions"] > 0 and out["aborted"] > 0
-    assert out["hits_cut"] > 0 and out["failed"] > 0  # hits cut to the host room; faults failing requests
+    # hits cut to the host room (a load fault fails its request only in an episode under the
+    # "fail" policy: 1-2 of the 60 did before loads could land steps later, none since)
+    assert out["hits_cut"] > 0
     assert out["stagings"] > 0 and out["tokens_staged"] > 0 and out["stagings_short"] > 0  # (reads short, failing)
     assert out["instances"] > CI_EPISODES  # some episodes restarted on their storage
 
