@@ -150,21 +150,23 @@ def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]
 
 
 @dataclass(frozen=True, slots=True)
-class Parts:
-    """What `assemble` built; the façade keeps each one (rank 0's pools are the instance's)."""
+class Pools:
+    """The instance's pools (rank 0's; every rank's in `device_pools` / `host_pools`)."""
 
     device_pool: DevicePool
     swa_pool: DevicePool | None
-    swa_map: torch.Tensor | None
     host_pool: HostPool | None
     host_swa_pool: HostPool | None
     device_pools: tuple[DevicePool, ...]
     host_pools: tuple[HostPool, ...]
     state_pool: StatePool | None
     host_state_pool: StatePool | None
-    tracer: SlotTracer
-    owned_storage: Any  # closed by the runtime (built from the config); None otherwise
-    engine: CopyEngine
+
+
+@dataclass(frozen=True, slots=True)
+class Actors:
+    """The core, the actors over it and their supervisor (and the KV event hub the tree feeds)."""
+
     transfer: TransferActor
     core: CacheCore
     offload: OffloadActor
@@ -173,19 +175,52 @@ class Parts:
     sup: Supervisor
 
 
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """What `assemble` built; the façade keeps each one."""
+
+    pools: Pools
+    actors: Actors
+    swa_map: torch.Tensor | None  # the full -> sliding slot map (the tree's ledger's, read-only)
+    tracer: SlotTracer
+    engine: CopyEngine
+    owned_storage: Any  # closed by the runtime (built from the config); None otherwise
+
+
 def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None, storage: Any = None) -> Parts:
     """The pools, copy engine, storage backend, core and actors of a runtime of `config` (nothing
     started). `ConfigError` for a storage tier without a host tier or a backend that does not fit."""
+    pools = make_pools(config)
+    sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
+    tracer = SlotTracer(config.page_size, sinks)
+    storage, own = make_storage(config, storage)
+    if storage is not None and pools.host_pool is None:
+        raise ConfigError("a storage tier needs the host tier")
+    if config.tp_ranks == 1:
+        engine = make_engine(
+            config, pools.device_pool, pools.host_pool, engine_factory,
+            (pools.state_pool, pools.host_state_pool) if pools.host_state_pool is not None else None,
+            (pools.swa_pool, pools.host_swa_pool) if pools.host_swa_pool is not None else None)
+    else:
+        engine = make_rank_engines(config, pools.device_pools, pools.host_pools, engine_factory)
+    actors = make_actors(config, pools, engine, storage, tracer)
+    sliding = actors.core.residency.sliding
+    # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
+    swa_map = torch.from_numpy(sliding.swa.map) if sliding is not None else None
+    return Parts(pools, actors, swa_map, tracer, engine, storage if own else None)
+
+
+def make_pools(config: RuntimeConfig) -> Pools:
     shape = KVShape(config.num_layers, config.num_kv_heads, config.head_dim, config.torch_dtype,
                     parts=config.kv_parts)
     sliding = len(config.sliding_layer_set)
+    device = torch.device(config.device)
     # sliding layers: the full pool holds the other layers, in order; the sliding ones are in
-    # `swa_pool`, addressed through `swa_map` (set below, from the tree's ledger)
+    # `swa_pool`, addressed through `swa_map` (from the tree's ledger)
     full = dataclasses.replace(shape, num_layers=config.num_layers - sliding) if sliding else shape
-    device_pool = DevicePool(full, config.device_slots, config.page_size, torch.device(config.device))
+    device_pool = DevicePool(full, config.device_slots, config.page_size, device)
     swa_pool = (DevicePool(dataclasses.replace(shape, num_layers=sliding), config.swa_slots, config.page_size,
-                           torch.device(config.device)) if sliding else None)
-    swa_map: torch.Tensor | None = None
+                           device) if sliding else None)
     host_pool = (HostPool(full, config.host_slots, config.page_size, layout=config.host_layout)
                  if config.host_slots > 0 else None)
     # host copies keep every layer: the sliding ones at the same host slots as the full ones
@@ -194,51 +229,24 @@ def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None,
     # one control plane over `tp_ranks` tensor-parallel ranks: every rank's pools, one geometry
     # (rank 0's the ones above); one rank: just those
     device_pools: tuple[DevicePool, ...] = (device_pool,) + tuple(
-        DevicePool(full, config.device_slots, config.page_size, torch.device(config.device))
-        for _ in range(config.tp_ranks - 1))
+        DevicePool(full, config.device_slots, config.page_size, device) for _ in range(config.tp_ranks - 1))
     host_pools: tuple[HostPool, ...] = () if host_pool is None else (host_pool,) + tuple(
         HostPool(full, config.host_slots, config.page_size, layout=config.host_layout)
         for _ in range(config.tp_ranks - 1))
     # a hybrid model's recurrent states: running requests' and the tree's snapshots
-    state_pool = (StatePool(config.state_shape, config.state_slots, torch.device(config.device))
+    state_pool = (StatePool(config.state_shape, config.state_slots, device)
                   if config.state_shape is not None else None)
-    host_state_pool = (StatePool(config.state_shape, config.host_state_slot_count,
-                                 pin_memory=torch.device(config.device).type == "cuda")
+    host_state_pool = (StatePool(config.state_shape, config.host_state_slot_count, pin_memory=device.type == "cuda")
                        if config.host_state_slot_count > 0 else None)
-    sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
-    tracer = SlotTracer(config.page_size, sinks)
-    storage, own = make_storage(config, storage)
-    if storage is not None and host_pool is None:
-        raise ConfigError("a storage tier needs the host tier")
-    owned_storage = storage if own else None  # closed by the runtime (built from the config)
-    if config.tp_ranks == 1:
-        engine = make_engine(
-            config, device_pool, host_pool, engine_factory,
-            (state_pool, host_state_pool) if host_state_pool is not None else None,
-            (swa_pool, host_swa_pool) if host_swa_pool is not None else None)
-    else:
-        engine = make_rank_engines(config, device_pools, host_pools, engine_factory)
-    seal = PageSeal(config.storage_key)  # (one per runtime: tags every page stored, checks every page read)
-    transfer = TransferActor(
-        engine, max_inflight_loads=config.max_inflight_loads,
-        max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
-        bytes_per_slot=full.bytes_per_token, storage=storage, host_pool=host_pool,
-        storage_timeout_s=config.storage_timeout_s,
-        pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
-                          for name, pool in state_pool.component_pools()}
-                         if state_pool is not None else
-                         {SWA_POOL: swa_pool.shape.bytes_per_token} if swa_pool is not None else None),
-        rank_host_pools=host_pools if config.tp_ranks > 1 else (),
-        state_io=(StateBlobIO(host_state_pool, StateBlobFormat.of(config.state_shape,
-                                                                  config.page_size * config.bytes_per_token), seal)
-                  if host_state_pool is not None and config.state_shape is not None else None),
-        seal=seal)
+    return Pools(device_pool, swa_pool, host_pool, host_swa_pool, device_pools, host_pools, state_pool,
+                 host_state_pool)
+
+
+def make_actors(config: RuntimeConfig, pools: Pools, engine: CopyEngine, storage: Any, tracer: SlotTracer) -> Actors:
+    transfer = make_transfer_actor(config, pools, engine, storage)
     readiness = (LayerReadiness.pending if config.tp_ranks == 1
                  else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
     core = CacheCore(config, tracer, readiness_factory=readiness)
-    if core.residency.sliding is not None:
-        # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
-        swa_map = torch.from_numpy(core.residency.sliding.swa.map)
     if storage is not None:
         core.enable_storage()
     # decode offload: the offload actor and the tree actor know each other's mailbox
@@ -251,6 +259,23 @@ def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None,
     tree = TreeActor(core, transfer.mailbox, mailbox_capacity=config.mailbox_capacity,
                      debug_invariants=config.debug_invariants, offload_mailbox=offload.mailbox,
                      mailbox=tree_mailbox, storage=storage, events=events)
-    sup = Supervisor([tree, transfer, offload])
-    return Parts(device_pool, swa_pool, swa_map, host_pool, host_swa_pool, device_pools, host_pools, state_pool,
-                 host_state_pool, tracer, owned_storage, engine, transfer, core, offload, events, tree, sup)
+    return Actors(transfer, core, offload, events, tree, Supervisor([tree, transfer, offload]))
+
+
+def make_transfer_actor(config: RuntimeConfig, pools: Pools, engine: CopyEngine, storage: Any) -> TransferActor:
+    state_pool, host_state_pool, swa_pool = pools.state_pool, pools.host_state_pool, pools.swa_pool
+    seal = PageSeal(config.storage_key)  # (one per runtime: tags every page stored, checks every page read)
+    return TransferActor(
+        engine, max_inflight_loads=config.max_inflight_loads,
+        max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
+        bytes_per_slot=pools.device_pool.shape.bytes_per_token, storage=storage, host_pool=pools.host_pool,
+        storage_timeout_s=config.storage_timeout_s,
+        pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
+                          for name, pool in state_pool.component_pools()}
+                         if state_pool is not None else
+                         {SWA_POOL: swa_pool.shape.bytes_per_token} if swa_pool is not None else None),
+        rank_host_pools=pools.host_pools if config.tp_ranks > 1 else (),
+        state_io=(StateBlobIO(host_state_pool, StateBlobFormat.of(config.state_shape,
+                                                                  config.page_size * config.bytes_per_token), seal)
+                  if host_state_pool is not None and config.state_shape is not None else None),
+        seal=seal)

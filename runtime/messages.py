@@ -172,20 +172,13 @@ class ReleaseAbandoned(Message):
     reply: None = None
 
 
-class MatchPrefix(Message):
-    tokens: np.ndarray
-    extra_key: Hashable = None
-    reply: "Reply[dict[str, int]] | None" = None
+class Query(Message):
+    """A read of the tree actor's state: `fn(core)` runs in the actor's turn and its result is the
+    reply (`match_prefix`, `can_admit`, `available`, `inspect`; the façade checked the arguments
+    `fn` closes over). Changes nothing a caller sees (an `inspect` from tests may)."""
 
-
-class CanAdmit(Message):
-    tokens: np.ndarray
-    extra_key: Hashable = None
-    reply: "Reply[bool] | None" = None
-
-
-class Available(Message):
-    reply: "Reply[dict[str, int]] | None" = None
+    fn: Any
+    reply: "Reply[Any] | None" = None
 
 
 class Flush(Message):
@@ -202,13 +195,6 @@ class DrainTree(Message):
     reply: "Reply[None] | None" = None
 
 
-class Inspect(Message):
-    """Debug/test: run `fn(core)` inside the tree actor and reply with its result."""
-
-    fn: Any
-    reply: "Reply[Any] | None" = None
-
-
 class Prepare(Message):
     """Start reading from storage what it holds of `tokens` beyond the device and host hit."""
 
@@ -218,26 +204,20 @@ class Prepare(Message):
     reply: "Reply[int] | None" = None
 
 
-class AttachStorage(Message):
-    """Storage controls (`attach_storage`): put a storage tier behind the host tier, on `backend`
-    (checked by the façade)."""
+class ControlAction(str, Enum):
+    ATTACH = "attach"  # `attach_storage`: put a storage tier behind the host tier, on `backend`
+    DETACH = "detach"  # `detach_storage`: drain the storage ops, then turn the tier off
+    CLEAR = "clear"  # `clear_storage`: drain, forget the known-stored hints, remove those pages
 
-    backend: Any
+
+class StorageControl(Message):
+    """A storage control (run one at a time, in arrival order). Replies with: nothing (attach),
+    the detached backend (detach), the pages removed (clear). `backend`: attach's (checked by
+    the façade)."""
+
+    action: ControlAction
+    backend: Any = None
     reply: "Reply[Any] | None" = None
-
-
-class DetachStorage(Message):
-    """Storage controls (`detach_storage`): drain the storage ops, then turn the tier off. Replies
-    with the detached backend."""
-
-    reply: "Reply[Any] | None" = None
-
-
-class ClearStorage(Message):
-    """Storage controls (`clear_storage`): drain the storage ops, forget the known-stored hints and
-    remove those pages from the backend. Replies with the pages removed."""
-
-    reply: "Reply[int] | None" = None
 
 
 class StorageCleared(Message):
@@ -413,10 +393,27 @@ class StateBlob:
     page: bytes = b""
 
 
-class StorageCallbackFailed(Message):
-    """Applying a storage completion raised (a bug): fail the runtime from inside the actor."""
+class StorageDone(Message):
+    """A storage op's worker call returned (`future`: its concurrent future): the transfer actor's
+    own completion, through its mailbox like `CopyDone`."""
 
-    error: BaseException
+    op_id: int
+    future: Any
+    reply: None = None
+
+
+class StorageDeadline(Message):
+    """Storage op `op_id` reached its deadline (`storage_timeout_s`): the transfer actor's timer."""
+
+    op_id: int
+    reply: None = None
+
+
+class StorageRemoved(Message):
+    """`clear_storage`'s removal returned (`future`: the worker's concurrent future)."""
+
+    request: "RemoveStoragePages"
+    future: Any
     reply: None = None
 
 
@@ -438,8 +435,8 @@ class RemoveStoragePages(Message):
     reply: None = None
 
 
-TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage
-                   | StorageCallbackFailed | SetStorageBackend | RemoveStoragePages)
+TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage | StorageDone
+                   | StorageDeadline | StorageRemoved | SetStorageBackend | RemoveStoragePages)
 
 
 # -- tree actor: a batch of requests (one scheduling step), the prefetch deadline ----------------
@@ -460,6 +457,6 @@ class PrefetchDeadline(Message):
 
 
 TreeMessage = (Admit | Extend | DecodeStep | Commit | Cache | Finish | Abort | Rewind | Snapshot | OpenSession | CloseSession | ReleaseAbandoned
-               | MatchPrefix | CanAdmit | Available | Flush | TreeStats | DrainTree | Inspect | TransferAck | Prepare
+               | Query | Flush | TreeStats | DrainTree | TransferAck | Prepare
                | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline
-               | AttachStorage | DetachStorage | ClearStorage | StorageCleared)
+               | StorageControl | StorageCleared)

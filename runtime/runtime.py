@@ -41,28 +41,24 @@ from runtime.messages import (
     Abort,
     Admit,
     AdmitResult,
-    AttachStorage,
-    Available,
     Batch,
     Cache,
-    CanAdmit,
-    ClearStorage,
     CloseSession,
     Commit,
     DecodeStep,
-    DetachStorage,
+    ControlAction,
     DrainTransfer,
     DrainTree,
     Extend,
     Finish,
     Flush,
-    Inspect,
-    MatchPrefix,
     OpenSession,
+    Query,
     Prepare,
     ReleaseAbandoned,
     Rewind,
     Snapshot,
+    StorageControl,
     TransferStats,
     TreeStats,
 )
@@ -73,13 +69,12 @@ from runtime.supervisor import State, wait_shielded
 from runtime.trace import get_logger
 from runtime.validation import (
     TOKEN_LIMIT,
+    admit_message,
     check_count,
     check_flag,
     check_id,
     check_namespace,
     check_optional_count,
-    check_optional_id,
-    check_priority,
     step_item,
     step_tokens,
 )
@@ -88,7 +83,13 @@ from runtime.validation import tokens as _checked_tokens
 if TYPE_CHECKING:  # prometheus_client is imported only when metrics are on
     from prometheus_client.registry import CollectorRegistry
 
+    from runtime.actors.offload_actor import OffloadActor
+    from runtime.actors.transfer_actor import TransferActor
+    from runtime.events.hub import EventHub
+    from runtime.memory.pools import DevicePool, HostPool
+    from runtime.memory.state_pool import StatePool
     from runtime.metrics import MetricsExporter
+    from runtime.tree.cache import CacheCore
 
 log = get_logger("hicache.runtime")
 
@@ -109,14 +110,11 @@ class CacheRuntime:
                                   f"got {type(metrics_registry).__name__}")
         self.config = config
         parts = assemble(config, engine_factory, storage)
-        self.device_pool, self.swa_pool, self.swa_map = parts.device_pool, parts.swa_pool, parts.swa_map
-        self.host_pool, self.host_swa_pool = parts.host_pool, parts.host_swa_pool
-        self.device_pools, self.host_pools = parts.device_pools, parts.host_pools
-        self.state_pool, self.host_state_pool = parts.state_pool, parts.host_state_pool
-        self.tracer, self.engine = parts.tracer, parts.engine
+        self.pools = parts.pools  # (each pool is a property below: rt.device_pool, rt.host_pool, ...)
+        self.swa_map, self.tracer, self.engine = parts.swa_map, parts.tracer, parts.engine
         self._owned_storage = parts.owned_storage
-        self._transfer, self._core, self._offload, self._tree = parts.transfer, parts.core, parts.offload, parts.tree
-        self._events, self._sup = parts.events, parts.sup
+        self._actors = parts.actors
+        self._tree, self._sup = parts.actors.tree, parts.actors.sup  # (every call's)
         self._token_limit = config.vocab_size if config.vocab_size is not None else TOKEN_LIMIT
         self._closer: asyncio.Task[None] | None = None
         # metrics: on with a registry given or an endpoint asked for (a private registry then)
@@ -126,6 +124,55 @@ class CacheRuntime:
         self._metrics: MetricsExporter | None = None if metrics_registry is None else MetricsExporter(
             metrics_registry, self.stats, interval_s=config.metrics_interval_s, addr=config.metrics_addr,
             port=config.metrics_port)
+
+    # -- the pools (rank 0's; every rank's in device_pools / host_pools) and the actors -------
+    @property
+    def device_pool(self) -> DevicePool:
+        return self.pools.device_pool
+
+    @property
+    def swa_pool(self) -> DevicePool | None:
+        return self.pools.swa_pool
+
+    @property
+    def host_pool(self) -> HostPool | None:
+        return self.pools.host_pool
+
+    @property
+    def host_swa_pool(self) -> HostPool | None:
+        return self.pools.host_swa_pool
+
+    @property
+    def device_pools(self) -> tuple[DevicePool, ...]:
+        return self.pools.device_pools
+
+    @property
+    def host_pools(self) -> tuple[HostPool, ...]:
+        return self.pools.host_pools
+
+    @property
+    def state_pool(self) -> StatePool | None:
+        return self.pools.state_pool
+
+    @property
+    def host_state_pool(self) -> StatePool | None:
+        return self.pools.host_state_pool
+
+    @property
+    def _transfer(self) -> TransferActor:
+        return self._actors.transfer
+
+    @property
+    def _core(self) -> CacheCore:
+        return self._actors.core
+
+    @property
+    def _offload(self) -> OffloadActor:
+        return self._actors.offload
+
+    @property
+    def _events(self) -> EventHub | None:
+        return self._actors.events
 
     # A close whose caller is cancelled (a shutdown deadline) still waits this long for the copies in
     # flight, then stops the actors without them (the runtime fails). Copies take milliseconds; a
@@ -222,7 +269,7 @@ class CacheRuntime:
     @property
     def storage(self) -> Any:
         """The storage backend in use (None: no storage tier). The transfer actor holds it."""
-        return self._transfer.storage
+        return self._transfer.storage.backend
 
     @property
     def failed(self) -> bool:
@@ -239,9 +286,9 @@ class CacheRuntime:
         With `session`, the turn appends to that session's KV instead (no tree match).
         `priority` (an int >= 0) is raised onto every tree node the request inserts (`cache`,
         `finish`): with `eviction_policy="priority"` lower priorities are evicted first."""
-        msg = Admit(check_id(rid), self._tokens(tokens), check_namespace(extra_key),
-                    check_optional_id(session, "session"), check_priority(priority),
-                    reply=Reply(on_abandon=self._release_abandoned))
+        reply = Reply(on_abandon=self._release_abandoned)
+        msg = admit_message(rid, tokens, extra_key, session, priority, reply, self._token_limit,
+                            self.config.device_slots)
         return await self._sup.ask(self._tree.mailbox, msg)
 
     async def prepare(self, rid: Hashable, tokens: Sequence[int] | np.ndarray | torch.Tensor,
@@ -378,15 +425,15 @@ class CacheRuntime:
     async def match_prefix(self, tokens: Sequence[int] | np.ndarray | torch.Tensor,
                            extra_key: Hashable = None) -> dict[str, int]:
         """Read-only look: tokens cached per tier, no lock, no split, no side effect."""
-        msg = MatchPrefix(self._tokens(tokens), check_namespace(extra_key), Reply())
-        return await self._sup.ask(self._tree.mailbox, msg)
+        arr, ns = self._tokens(tokens), check_namespace(extra_key)
+        return await self._sup.ask(self._tree.mailbox, Query(lambda core: core.match_prefix(arr, ns), Reply()))
 
     async def can_admit(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, extra_key: Hashable = None) -> bool:
-        msg = CanAdmit(self._tokens(tokens), check_namespace(extra_key), Reply())
-        return await self._sup.ask(self._tree.mailbox, msg)
+        arr, ns = self._tokens(tokens), check_namespace(extra_key)
+        return await self._sup.ask(self._tree.mailbox, Query(lambda core: core.can_admit(arr, ns), Reply()))
 
     async def available(self) -> dict[str, int]:
-        return await self._sup.ask(self._tree.mailbox, Available(Reply()))
+        return await self._sup.ask(self._tree.mailbox, Query(lambda core: core.available(), Reply()))
 
     async def flush(self) -> int:
         """Drop every unlocked cached prefix from device and host (after a weight update)."""
@@ -426,14 +473,14 @@ class CacheRuntime:
         if self.host_pool is None:
             raise ConfigError("a storage tier needs the host tier (host_slots > 0)")
         check_backend(self.config, backend)
-        await self._sup.ask(self._tree.mailbox, AttachStorage(backend, Reply()))
+        await self._sup.ask(self._tree.mailbox, StorageControl(ControlAction.ATTACH, backend, Reply()))
 
     async def detach_storage(self) -> None:
         """Turn the storage tier off: no storage op starts from now on; those in flight (writes,
         prefetch lookups and reads, overdue ones too) land or fail as usual, releasing their pins
         and host pages; then the backend is forgotten (closed if the runtime built it from the
         config). Device and host tiers keep working. `StateError`: no storage tier attached."""
-        old = await self._sup.ask(self._tree.mailbox, DetachStorage(Reply()))
+        old = await self._sup.ask(self._tree.mailbox, StorageControl(ControlAction.DETACH, reply=Reply()))
         if old is not None and old is self._owned_storage:
             self._owned_storage = None
             await asyncio.to_thread(old.close)  # (a Mooncake teardown talks to its master: off the loop)
@@ -445,11 +492,11 @@ class CacheRuntime:
         starts meanwhile). Returns the pages removed (pages the backend had already evicted are not
         counted). `StateError`: no storage tier, or a backend without `remove(keys)`;
         `StorageError`: the backend's removal failed (the hints are forgotten either way)."""
-        return await self._sup.ask(self._tree.mailbox, ClearStorage(Reply()))
+        return await self._sup.ask(self._tree.mailbox, StorageControl(ControlAction.CLEAR, reply=Reply()))
 
     async def inspect(self, fn: Any) -> Any:
         """Debug/test hook: run `fn(core)` inside the tree actor (between two messages)."""
-        return await self._sup.ask_internal(self._tree.mailbox, Inspect(fn, Reply()))
+        return await self._sup.ask_internal(self._tree.mailbox, Query(fn, Reply()))
 
     # -- helpers -------------------------------------------------------------------------
     def _register_metrics(self) -> None:

@@ -79,7 +79,7 @@ class Supervisor:
         try:
             async with anyio.create_task_group() as tg:
                 for actor in self.actors:
-                    tg.start_soon(self._guard, actor, name=f"hicache-{actor.name}")
+                    tg.start_soon(actor.run, self._actor_failed, name=f"hicache-{actor.name}")
                 self._started.set()
         except BaseException as exc:  # noqa: BLE001 - the failure is recorded and re-raised at exit
             if self.failure is None:
@@ -87,14 +87,9 @@ class Supervisor:
         finally:
             self._started.set()
 
-    async def _guard(self, actor: Actor[Any]) -> None:
-        try:
-            await actor.run()
-        except anyio.get_cancelled_exc_class():
-            raise
-        except BaseException as exc:
-            self._fail(exc, actor=actor.name)
-            raise
+    def _actor_failed(self, exc: BaseException, name: str) -> None:
+        """An actor's task is failing with `exc` (`Actor.run` calls this as it leaves)."""
+        self._fail(exc, actor=name)
 
     def _fail(self, exc: BaseException, *, actor: str | None = None, event: str = "actor_failed") -> None:
         if self.failure is not None:

@@ -202,6 +202,14 @@ def _with_reply(item: Any) -> ArgumentError:
                          "with a reply")
 
 
+def admit_message(rid: Any, value: Any, extra_key: Any, session: Any, priority: Any, reply: Any, limit: int,
+                  max_len: int) -> Admit:
+    """`rt.admit`'s message, every argument checked (its tokens a new int32 array, `tokens`): the
+    one check of an admit's input (the tree actor and its core take the message as it is)."""
+    return Admit(check_id(rid), tokens(value, limit, max_len), check_namespace(extra_key),
+                 None if session is None else check_id(session, "session"), check_priority(priority), reply=reply)
+
+
 # The plain cases are tested inline (`type(x) in ATOMS`): a step checks several items per request.
 def _admit(m: Admit, toks: Callable[[Any], np.ndarray]) -> Admit:
     if m.reply is not None:

@@ -16,22 +16,20 @@ Anything that is not a `CallerError` fails the runtime too (the tree's and the l
 errors are `InternalError`s), and so does a `CallerError` raised for a message that has no
 reply (an ack: nobody would ever hear of it).
 
-The mailbox is an anyio memory object stream. Its buffer is unbounded underneath so that
-acks and internal messages never block their sender (no cycle of blocking sends); the
-bound applies to external sends: `put_nowait` raises `MailboxFull` (explicit
-back-pressure, never a silent drop).
+The mailbox is an unbounded queue, so that acks and internal messages never block their
+sender (no cycle of blocking sends); the bound applies to external sends: `put_nowait` raises
+`MailboxFull` (explicit back-pressure, never a silent drop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import types
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from runtime.errors import CallerError, MailboxFull, RuntimeClosed
 from runtime.messages import Batch
@@ -97,21 +95,23 @@ class Reply(Generic[T]):
 
 
 class Mailbox(Generic[M]):
-    """A private mailbox: unbounded anyio stream, soft capacity for external senders."""
+    """A private mailbox: an unbounded queue with a soft capacity for external senders.
 
-    __slots__ = ("capacity", "_send", "_recv", "_queued", "_closed")
+    One receiver (its actor) takes whole bursts; it waits on a plain future that the first send
+    into an empty mailbox completes, so a wake-up is one resumption of the actor's task (no
+    stream checkpoint in between)."""
+
+    __slots__ = ("capacity", "_queue", "_waiter", "_closed")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._send: MemoryObjectSendStream[M]
-        self._recv: MemoryObjectReceiveStream[M]
-        self._send, self._recv = anyio.create_memory_object_stream[M](math.inf)
-        self._queued = 0
+        self._queue: deque[M] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._closed = False
 
     @property
     def depth(self) -> int:
-        return self._queued
+        return len(self._queue)
 
     @property
     def closed(self) -> bool:
@@ -119,7 +119,7 @@ class Mailbox(Generic[M]):
 
     def put_nowait(self, msg: M) -> None:
         """External send: raises `MailboxFull` at capacity, `RuntimeClosed` once closed."""
-        if self._queued >= self.capacity:
+        if len(self._queue) >= self.capacity:
             raise MailboxFull(f"mailbox full ({self.capacity} messages queued)")
         self.put_internal(msg)
 
@@ -127,52 +127,55 @@ class Mailbox(Generic[M]):
         """Acks and internal messages: never blocks, ignores the capacity."""
         if self._closed:
             raise RuntimeClosed("mailbox closed")
-        self._send.send_nowait(msg)
-        self._queued += 1
+        self._queue.append(msg)
+        self._wake()
+
+    def take_burst(self) -> list[M]:
+        """Everything queued, oldest first ([] when nothing is)."""
+        queue = self._queue
+        if not queue:
+            return []
+        burst = list(queue)
+        queue.clear()
+        return burst
+
+    def ready(self) -> asyncio.Future[None] | None:
+        """A future done once a message is queued or the mailbox closes; None when one already
+        is, or it is closed (the receiver then takes a burst, or stops on an empty one)."""
+        if self._queue or self._closed:
+            return None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+        return waiter
 
     async def get_burst(self) -> list[M]:
         """Wait for at least one message, then drain everything queued (one wake-up per burst).
         Returns [] once the mailbox is closed and empty, or aborted (the runtime failed: the
         other actors stop quietly, the failure is the first actor's)."""
-        burst: list[M] = []
-        try:
-            while True:
-                burst.append(self._recv.receive_nowait())
-        except anyio.WouldBlock:
-            pass
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            pass
-        if not burst:
-            try:
-                burst.append(await self._recv.receive())
-            except (anyio.EndOfStream, anyio.ClosedResourceError):
-                return []
-            try:
-                while True:
-                    burst.append(self._recv.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                pass
-        self._queued -= len(burst)
-        return burst
+        while True:
+            waiter = self.ready()
+            if waiter is None:
+                return self.take_burst()
+            await waiter
 
     def close(self) -> None:
         """No more sends; the receiver drains what is queued, then sees the end."""
         if not self._closed:
             self._closed = True
-            self._send.close()
+            self._wake()
 
     def abort(self) -> list[M]:
-        """Close both ends and return what was still queued (used when the runtime fails)."""
+        """Close and return what was still queued (used when the runtime fails)."""
         self.close()
-        left: list[M] = []
-        try:
-            while True:
-                left.append(self._recv.receive_nowait())
-        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-            pass
-        self._recv.close()
-        self._queued = 0
-        return left
+        return self.take_burst()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 Handler = Callable[[Any], Any]
@@ -192,8 +195,10 @@ class Actor(Generic[M]):
 
     Subclasses fill `handlers` (message type -> bound method) and may override `after_message`
     (the tree actor hands on the core's effects, runs the debug invariant checker) and
-    `after_burst` (the transfer actor starts the copies a burst queued). Handlers run to
-    completion one at a time; an async handler is awaited before the next message.
+    `after_burst` (the transfer actor starts the copies a burst queued), and `started` /
+    `stopping` (what the actor's task sets up and tears down: the transfer actor's bridge).
+    Handlers run to completion one at a time; an async handler is awaited before the next
+    message.
     """
 
     name = "actor"
@@ -207,47 +212,96 @@ class Actor(Generic[M]):
         self.handlers: dict[type, Handler] = {}
         self.messages_handled = 0
 
-    async def run(self) -> None:
-        phase = self.phase
-        while True:
-            burst = await self.mailbox.get_burst()
-            if not burst:
-                return
-            for msg in burst:
-                self.messages_handled += 1
-                reply = msg.reply
-                if type(msg) is Batch:
-                    # inline (no coroutine per item): a batch is a whole scheduling step
-                    handlers = self.handlers
-                    out = []
-                    for item in msg.items:
-                        phase.begin()
-                        try:
-                            r = handlers[type(item)](item)
-                            if type(r) is _Coroutine:
-                                r = await r
-                        except CallerError as exc:
-                            if phase.internal(exc):
-                                raise self._unrefusable(exc, item)
-                            r = exc
-                        out.append(r)
-                    result: Any = tuple(out)
-                else:
-                    phase.begin()
-                    try:
-                        result = self.handlers[type(msg)](msg)
-                        if type(result) is _Coroutine or asyncio.iscoroutine(result):
-                            result = await result
-                    except CallerError as exc:
-                        if reply is None or phase.internal(exc):
-                            raise self._unrefusable(exc, msg)
-                        reply.set_exception(exc)
-                        self.after_message(msg)
+    async def run(self, on_failure: Callable[[BaseException, str], None] | None = None) -> None:
+        """The actor's task: `started`, bursts until the mailbox closes, then `stopping`. A failure
+        (anything but a cancellation) is handed to `on_failure` (the supervisor's) as it leaves.
+        One coroutine frame from the task down to the wait: a wake-up resumes only this one."""
+        mailbox = self.mailbox
+        # the per-message hook runs only where an actor has one (a call fewer per message elsewhere)
+        after_message = self.after_message if type(self).after_message is not Actor.after_message else None
+        try:
+            self.started()
+            try:
+                while True:
+                    burst = mailbox.take_burst()
+                    if not burst:
+                        waiter = mailbox.ready()
+                        if waiter is None:
+                            return  # closed and drained (or aborted)
+                        await waiter
                         continue
-                if reply is not None and result is not DEFERRED:
-                    reply.set_result(result)
-                self.after_message(msg)
-            self.after_burst()
+                    for msg in burst:
+                        self.messages_handled += 1
+                        result = self._handle(msg)
+                        if type(result) is _Coroutine:
+                            result = await result
+                        reply = msg.reply
+                        if reply is not None and result is not DEFERRED:
+                            reply.set_result(result)
+                        if after_message is not None:
+                            after_message(msg)
+                    self.after_burst()
+            finally:
+                await self.stopping()
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseException as exc:
+            if on_failure is not None:
+                on_failure(exc, self.name)
+            raise
+
+    def _handle(self, msg: Any) -> Any:
+        """One message's result (a coroutine of an async handler; DEFERRED when the reply was
+        set here, a refusal included); a batch's is its items' results in order."""
+        phase = self.phase
+        if type(msg) is Batch:
+            return self._handle_batch(msg)
+        if phase.changing:  # (a handler that changed nothing left it checking)
+            phase.begin()
+        try:
+            result = self.handlers[type(msg)](msg)
+        except CallerError as exc:
+            if msg.reply is None or phase.internal(exc):
+                raise self._unrefusable(exc, msg)
+            msg.reply.set_exception(exc)
+            return DEFERRED
+        if type(result) is _Coroutine or asyncio.iscoroutine(result):
+            return self._awaited(result, msg)
+        return result
+
+    async def _awaited(self, coro: Any, msg: Any) -> Any:
+        try:
+            return await coro
+        except CallerError as exc:
+            if msg.reply is None or self.phase.internal(exc):
+                raise self._unrefusable(exc, msg)
+            msg.reply.set_exception(exc)
+            return DEFERRED
+
+    async def _handle_batch(self, msg: Batch) -> tuple[Any, ...]:
+        """A whole scheduling step, its items inline (no coroutine per item); an item's refusal is
+        its result."""
+        phase = self.phase
+        handlers = self.handlers
+        out = []
+        for item in msg.items:
+            phase.begin()
+            try:
+                r = handlers[type(item)](item)
+                if type(r) is _Coroutine:
+                    r = await r
+            except CallerError as exc:
+                if phase.internal(exc):
+                    raise self._unrefusable(exc, item)
+                r = exc
+            out.append(r)
+        return tuple(out)
+
+    def started(self) -> None:
+        """Hook run once as the actor's task starts, before the first message."""
+
+    async def stopping(self) -> None:
+        """Hook run once as the actor's task ends (mailbox closed, a failure, a cancellation)."""
 
     def _unrefusable(self, exc: CallerError, msg: Any) -> CallerError:
         """`exc` fails the runtime as it is (the supervisor's cause); the note says why it was not

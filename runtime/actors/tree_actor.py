@@ -21,27 +21,23 @@ from runtime.messages import (
     Abort,
     Admit,
     AdmitResult,
-    AttachStorage,
-    ClearStorage,
-    DetachStorage,
+    ControlAction,
+    StorageControl,
     RemoveStoragePages,
     SetStorageBackend,
     StorageCleared,
     PrefetchDeadline,
     SubmitCopy,
     SubmitStorage,
-    Available,
     Cache,
-    CanAdmit,
     CloseSession,
     Commit,
     DecodeStep,
     Extend,
     Finish,
     Flush,
-    Inspect,
-    MatchPrefix,
     OpenSession,
+    Query,
     DrainTree,
     ReleaseAbandoned,
     Prepare,
@@ -79,7 +75,7 @@ class TreeActor(Actor[TreeMessage]):
         self.offload_mailbox = offload_mailbox  # decode offload: where OffloadCommit/Finish/Ack go
         # storage controls (attach, detach, clear), one at a time in arrival order; the head may wait
         # for the storage ops to drain, or (a clear) for its removal
-        self.controls: deque[AttachStorage | DetachStorage | ClearStorage] = deque()
+        self.controls: deque[StorageControl] = deque()
         self.backend = storage  # the storage backend attached (a key only: the transfer actor calls it)
         # page hashes known stored in backends detached earlier: a re-attach (of the same object)
         # gets them back, so that its clear removes the pages written before the detach too
@@ -98,20 +94,16 @@ class TreeActor(Actor[TreeMessage]):
             OpenSession: self.on_open_session,
             CloseSession: self.on_close_session,
             ReleaseAbandoned: self.on_release_abandoned,
-            MatchPrefix: self.on_match_prefix,
-            CanAdmit: self.on_can_admit,
-            Available: self.on_available,
+            Query: self.on_query,
             Flush: self.on_flush,
             TreeStats: self.on_stats,
             DrainTree: self.on_quiesce,
-            Inspect: self.on_inspect,
             TransferAck: self.on_transfer_ack,
         }
         self.handlers.update({StartOffload: self.on_start_offload, ReleaseOffloaded: self.on_release_offloaded})
         self.handlers.update({Prepare: self.on_prepare, StorageAck: self.on_storage_ack,
                               StorageOverdue: self.on_storage_overdue, PrefetchDeadline: self.on_prefetch_timeout})
-        self.handlers.update({AttachStorage: self.on_storage_control, DetachStorage: self.on_storage_control,
-                              ClearStorage: self.on_storage_control, StorageCleared: self.on_storage_cleared})
+        self.handlers.update({StorageControl: self.on_storage_control, StorageCleared: self.on_storage_cleared})
 
     # -- handlers ----------------------------------------------------------------
     def on_admit(self, msg: Admit) -> Any:
@@ -158,14 +150,8 @@ class TreeActor(Actor[TreeMessage]):
     def on_release_abandoned(self, msg: ReleaseAbandoned) -> None:
         self.core.abort_if_live(msg.rid, msg.generation)
 
-    def on_match_prefix(self, msg: MatchPrefix) -> dict[str, int]:
-        return self.core.match_prefix(msg.tokens, msg.extra_key)
-
-    def on_can_admit(self, msg: CanAdmit) -> bool:
-        return self.core.can_admit(msg.tokens, msg.extra_key)
-
-    def on_available(self, msg: Available) -> dict[str, int]:
-        return self.core.available()
+    def on_query(self, msg: Query) -> Any:
+        return msg.fn(self.core)
 
     def on_flush(self, msg: Flush) -> int:
         return self.core.flush()
@@ -184,12 +170,10 @@ class TreeActor(Actor[TreeMessage]):
             self.quiesce_waiters.append(msg.reply)
         return DEFERRED
 
-    def on_inspect(self, msg: Inspect) -> Any:
-        return msg.fn(self.core)
-
     def on_transfer_ack(self, msg: TransferAck) -> None:
         self.core.apply_ack(msg.op_id, msg.error)
-        self._maybe_quiesced()
+        if self.quiesce_waiters:
+            self._maybe_quiesced()
 
     def _maybe_quiesced(self) -> None:
         if self.quiesce_waiters and self.core.quiet():
@@ -202,8 +186,7 @@ class TreeActor(Actor[TreeMessage]):
         copies, stores, notes = self.core.take_effects()
         for plan, readiness in copies:
             self.transfer_mailbox.put_internal(SubmitCopy(plan, self.mailbox, readiness))
-        for op_id, write, keys, pages, rank_keys in stores:
-            states = self.core.storage.blobs(op_id) if self.core.storage is not None else ()
+        for op_id, write, keys, pages, rank_keys, states in stores:
             self.transfer_mailbox.put_internal(SubmitStorage(op_id, write, keys, pages, self.mailbox, states,
                                                              rank_keys=rank_keys))
         if notes:
@@ -243,7 +226,8 @@ class TreeActor(Actor[TreeMessage]):
             self._release_waiters(pf)
         if self.controls:
             self._advance_controls()
-        self._maybe_quiesced()
+        if self.quiesce_waiters:
+            self._maybe_quiesced()
 
     def on_storage_overdue(self, msg: StorageOverdue) -> None:
         """A storage call ran past its deadline: a prefetch's waiting admits go on without it (it
@@ -274,7 +258,8 @@ class TreeActor(Actor[TreeMessage]):
                 continue
             phase.begin()  # each admit is checked on its own, as if it were the message
             try:
-                result = self.core.admit(w.rid, w.tokens, w.extra_key, w.session, w.priority)
+                # the one admit entry, waiting no more (the prefetch ended)
+                result = self.core.admit_or_wait(w.rid, w.tokens, w.extra_key, w.session, None, w.priority)
             except CallerError as exc:
                 if phase.internal(exc):
                     raise
@@ -287,7 +272,7 @@ class TreeActor(Actor[TreeMessage]):
     # written through, prepares fetch nothing) and wait until every storage op in flight, overdue
     # ones included, is acked: writes land or fail, prefetches end, their pins and host pages are
     # released by the same acks as always. Only then does the tier change.
-    def on_storage_control(self, msg: AttachStorage | DetachStorage | ClearStorage) -> Any:
+    def on_storage_control(self, msg: StorageControl) -> Any:
         self.controls.append(msg)
         if len(self.controls) == 1:
             self._advance_controls()
@@ -312,7 +297,7 @@ class TreeActor(Actor[TreeMessage]):
             storage = self.core.storage
             reply = msg.reply
             assert reply is not None
-            if type(msg) is AttachStorage:
+            if msg.action is ControlAction.ATTACH:
                 controls.popleft()
                 if storage is not None:
                     reply.set_exception(StateError("a storage tier is attached already: detach it first"))
@@ -326,14 +311,14 @@ class TreeActor(Actor[TreeMessage]):
                 controls.popleft()
                 reply.set_exception(StateError("no storage tier is attached"))
                 continue
-            if type(msg) is ClearStorage and not can_remove(self.backend):
+            if msg.action is ControlAction.CLEAR and not can_remove(self.backend):
                 controls.popleft()
                 reply.set_exception(StateError("the storage backend cannot remove pages (it has no remove(keys))"))
                 continue
             storage.paused = True
             if storage.ops:
                 return  # on_storage_ack comes back here as the ops drain
-            if type(msg) is DetachStorage:
+            if msg.action is ControlAction.DETACH:
                 controls.popleft()
                 kept = self.core.disable_storage()
                 try:

@@ -143,9 +143,14 @@ class CacheCore:
         return self.storage.forget_stored()
 
     # -- request lifecycle -------------------------------------------------------
-    def admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
+    def admit(self, rid: Hashable, tokens: Any, extra_key: Hashable = None,
               session: Hashable = None, priority: int = 0) -> AdmitResult:
-        tokens = self._check_tokens(tokens)
+        """A direct caller's admit (loop-free tests and tools): its tokens checked here, then the
+        admission itself; the tree actor's entry is `admit_or_wait` (tokens checked by the façade)."""
+        return self._admit(rid, self._check_tokens(tokens), extra_key, session, priority)
+
+    def _admit(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, session: Hashable,
+               priority: int) -> AdmitResult:
         if rid in self.requests:
             raise DuplicateRequestError(f"request {rid!r} is still live")
         if session is not None:
@@ -234,20 +239,21 @@ class CacheCore:
 
     def admit_or_wait(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable = None,
                       session: Hashable = None, waiter: Any = None, priority: int = 0) -> AdmitResult | PrefetchWait:
-        """`admit`, or, with a storage tier whose policy waits for the request's prefetch, the
-        prefetch `waiter` (an opaque token of the caller's) now waits on: admit it again when
-        the prefetch ends (`apply_storage_ack`, `storage_overdue`, `prefetch_deadline`)."""
+        """The tree actor's one admit entry: `admit`, or, with a storage tier whose policy waits for
+        the request's prefetch, the prefetch `waiter` (an opaque token of the caller's) now waits
+        on: the caller admits it again, with no waiter, when the prefetch ends (`apply_storage_ack`,
+        `storage_overdue`, `prefetch_deadline`). `waiter` None never waits (a batch item, or an
+        admit whose prefetch ended). `tokens` were checked by the sender (the façade's
+        `runtime.validation.tokens`: a new 1-D int32 array, non-empty, no longer than the pool)."""
         storage = self.storage
         if storage is not None:
             fresh = session is None and rid not in self.requests
-            if fresh:  # checked before the first change: bad tokens leave the rid prepared
-                tokens = self._check_tokens(tokens)
             storage.prefetched.discard(rid)
             if fresh:
                 wait = storage.wait_for(rid, tokens, extra_key, waiter)
                 if wait is not None:
                     return wait
-        return self.admit(rid, tokens, extra_key, session, priority)
+        return self._admit(rid, tokens, extra_key, session, priority)
 
     def extend(self, rid: Hashable, n: int) -> torch.Tensor:
         rec = self._record(rid)
@@ -679,16 +685,22 @@ class CacheCore:
             return
         # the walk starts at the request's locked cached prefix (its slots are the tree's)
         start = rec.last_node if rec.last_node is not None and rec.last_node.device is not None else None
-        # a request's own leaf (its lock the only one, no copy in flight) grows in place, unless
+        # a request's own leaf (no lock but its own and its backups', no load in flight) grows in place, unless
         # it holds a state snapshot: that is the state after the leaf's last token, not a later one
         states = self.residency.states
-        extend = start is not None and not copies.busy(start) and (states is None or start not in states.node_state)
+        # (with backups in flight only under write-through, where a backup of the growth follows them:
+        # without one, their ack splits the node there, and its hit count makes the growth look hot)
+        extend = 0
+        if start is not None and (states is None or start not in states.node_state):
+            extend = copies.growth_locks(start) if self._write_through_all else int(not copies.busy(start))
         # (own pages whose sliding KV dropped must start a node: dropped pages are a node's prefix)
         sliding = self.residency.sliding
         if extend and sliding is not None and not sliding.present_at(int(rec.slot_view(rec.cached_len, n)[0])):
-            extend = False
+            extend = 0
         res = self.residency.insert(tokens[:n], rec.extra_key, rec.slot_view(0, n), rec.owner, start, extend, True, rec.rid,
                                     rec.priority)
+        if extend > 1 and res.adopted and res.adopted[-1][0] is start:  # it grew with its backups in flight
+            copies.grew(start, len(res.adopted[-1][1]))
         duplicates = res.duplicate_slots
         if len(duplicates):
             # the slot contract: a live request's slots never change under its caller, so its
@@ -709,7 +721,7 @@ class CacheCore:
     def _write_through(self, adopted: list[tuple[Node, np.ndarray]]) -> None:
         if self._write_through_all:
             for node, _ in adopted:
-                self.copies.backup(node)
+                self.copies.backup(node, growth=True)
 
     def _release(self, rec: RequestRecord) -> None:
         """The one release path (finish, abort, cancelled caller): unlock, free owned pages.

@@ -8,6 +8,13 @@ that node (`split_chain`), so a split while it ran changes nothing (seed 002). A
 rolled back, with the loads started under it; the requests that used them are named in the
 ack's outcome for the request table to fail.
 
+A node with a backup in flight may grow in place (a request extending its own leaf): the growth
+is noted on each of its backups (`grew`: they now end that many tokens before the node's end), and
+a backup of it then covers only the growth, chained after the one before it. At an ack, a backup
+whose range ends inside a node hands that node's covered head (its pages, pinned anew) to the
+backup chained after it, so the node gets its host copy whole at the last one's ack; with none
+chained after it, the node is split there and its upper half takes the copy.
+
 Backups are batched per turn: `backup` records the op, locks its node and takes its host pages
 at once (so the rest of the turn sees it in flight), and the turn's backups leave together at
 `take_plans` as one plan under the first one's op id (the carrier): one pin and one unpin per
@@ -18,7 +25,7 @@ they are `unissued` (their pages not pinned yet).
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -61,17 +68,27 @@ class CopyTracker:
         # batches in flight: carrier op id -> its backups, in issue order
         self._open: list[tuple[CopyOp, tuple[PoolTransfer, ...]]] = []
         self.batches: dict[int, _Batch] = {}
+        # backups of nodes that grew in place: op id -> tokens its node grew past its range, the
+        # backup chained after it (covering that growth) and before it, and pages handed over from
+        # the one before (pinned under it, beyond its batch's arrays)
+        self._grown: dict[int, int] = {}
+        self._next: dict[int, int] = {}
+        self._prev: dict[int, int] = {}
+        self._handed: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._poisoned: set[int] = set()  # chained after a backup that failed: fails too
         self.stats: dict[str, int] = {"backups_issued": 0, "loads_issued": 0, "copy_failures": 0,
                                       "writeback_deferred": 0}
 
     # -- issuing -------------------------------------------------------------------
-    def backup(self, node: Node, evict_after: bool = False) -> bool:
-        """Copy `node`'s device pages to fresh host pages (false: no need, or no host room)."""
+    def backup(self, node: Node, evict_after: bool = False, growth: bool = False) -> bool:
+        """Copy `node`'s device pages to fresh host pages (false: no need, or no host room).
+        `growth` (write-through): with backups of `node` in flight, back up what it grew since."""
         res = self.residency
-        if node.host is not None or node.device is None or res.host is None:
+        if node.host is not None or node.device is None or res.host is None or node.id in self.loading:
             return False
-        if node.id in self.backup_pending or node.id in self.loading:
-            return False
+        pending = self.backup_pending.get(node.id)
+        if pending is not None:
+            return growth and self._backup_growth(node, pending)
         pages = node.num_tokens // res.page_size
         host = res.alloc_host(pages, node_owner(node), node=node.id)
         if host is None:
@@ -90,6 +107,59 @@ class CopyTracker:
         self._open.append((op, more))
         self.stats["backups_issued"] += 1
         return True
+
+    def _backup_growth(self, node: Node, last: int) -> bool:
+        """Back up what `node` grew past its last backup `last`: that backup takes it while it has
+        not left yet, else a backup of the growth alone is chained after it."""
+        grown = self._grown.get(last, 0)
+        if not grown:
+            return False
+        res = self.residency
+        host = res.alloc_host(grown // res.page_size, node_owner(node), node=node.id)
+        if host is None:
+            return False
+        device = node.device[len(node.device) - grown:]
+        op = self.ops[last]
+        if last in self.unissued():  # (a widened record in its place: it covers the growth now)
+            del self._grown[last]
+            wide = replace(op, device=np.concatenate((op.device, device)), host=np.concatenate((op.host, host)),
+                           length=op.length + grown)
+            self.ops[last] = wide
+            self._open = [(wide, more) if o is op else (o, more) for o, more in self._open]
+            return True
+        op_id = next(self._op_ids)
+        res.tree.lock(node)
+        new = CopyOp(op_id, Direction.BACKUP, node, grown, device.copy(), host, node_owner(node))
+        self.ops[op_id] = new
+        self.backup_pending[node.id] = op_id
+        self._next[last], self._prev[op_id] = op_id, last
+        self._open.append((new, ()))
+        self.stats["backups_issued"] += 1
+        return True
+
+    def grew(self, node: Node, tokens: int) -> None:
+        """`node` grew in place by `tokens` with its backups in flight: they end that much earlier."""
+        op_id = self.backup_pending.get(node.id)
+        while op_id is not None:
+            self._grown[op_id] = self._grown.get(op_id, 0) + tokens
+            op_id = self._prev.get(op_id)
+
+    def growth_locks(self, node: Node) -> int:
+        """The locks on `node` a request that holds it may grow it with (`RadixTree.insert`'s
+        `extend_leaf`): its own and those of its backups in flight; 0 while a load is in flight,
+        or a backup that copies other pools too (their transfers are not handed over)."""
+        if node.id in self.loading:
+            return 0
+        op_id = self.backup_pending.get(node.id)
+        locks = 1
+        while op_id is not None:
+            op = self.ops.get(op_id)
+            if op is None or op.state is not None or self.residency.sliding is not None:
+                return 0
+            if op.node is node:
+                locks += 1
+            op_id = self._prev.get(op_id)
+        return locks
 
     def unissued(self) -> set[int]:
         """Op ids of the backups recorded this turn whose batch has not left yet (pages unpinned)."""
@@ -116,7 +186,7 @@ class CopyTracker:
         if res.tracer is not None and res.tracer.active:  # (the copy that pins them: the carrier)
             for op in ops:
                 res.emit("backup", Tier.HOST, op.host, node=op.node.id, op=carrier)
-        self.batches[carrier] = _Batch(carrier, ops, device, host)
+        self.batches[carrier] = _Batch(carrier, [op.op_id for op in ops], device, host)
         self._plans.append((make_plan(carrier, Direction.BACKUP, device, host, more), None))
 
     def write_back(self, nodes: list[Node]) -> None:
@@ -216,7 +286,12 @@ class CopyTracker:
             return [self._apply_one(op, error)]
         res.device.unpin(batch.device, op_id, trusted=True)  # (unpinned first: a write-back frees them)
         res.host.unpin(batch.host, op_id, trusted=True)  # type: ignore[union-attr]
-        return [self._apply_one(op, error) for op in batch.ops]
+        if self._handed:
+            for each in batch.op_ids:
+                for device, host in self._handed.pop(each, ()):
+                    res.device.unpin(device, each, trusted=True)
+                    res.host.unpin(host, each, trusted=True)  # type: ignore[union-attr]
+        return [self._apply_one(self.ops[each], error) for each in batch.op_ids]
 
     def _apply_one(self, op: CopyOp, error: str | None) -> AckOutcome:
         res = self.residency
@@ -228,14 +303,20 @@ class CopyTracker:
                 res.states.end_backup(op.state, op_id, error is None)
             else:
                 res.states.end_load(op.state, op_id)
-        chain = res.tree.split_chain(op.node, op.length)
-        out = AckOutcome(op)
+        node = op.node
         if op.direction is Direction.BACKUP:
+            if op_id in self._poisoned:
+                self._poisoned.discard(op_id)
+                error = error or "an earlier part of its node's backup failed"
+            chain, op = self._backed_up_chain(op, error)
+            out = AckOutcome(op)
             self._finish_backup(op, chain, error)
-            out.backed_up = error is None
+            out.backed_up = error is None and bool(chain)
         else:
+            out = AckOutcome(op)
+            chain = res.tree.split_chain(op.node, op.length)
             self._finish_load(op, chain, error, out)
-        res.tree.unlock(op.node)
+        res.tree.unlock(node)
         if error is not None:
             self.stats["copy_failures"] += 1
         if op.direction is Direction.BACKUP and op.evict_after and error is None:
@@ -252,16 +333,78 @@ class CopyTracker:
             self.loading[upper.id] = self.loading[lower.id]
 
     # -- helpers -------------------------------------------------------------------
+    def _backed_up_chain(self, op: CopyOp, error: str | None) -> tuple[list[Node], CopyOp]:
+        """The nodes a landed backup covers whole, top-down (seed 002: found from its deepest node
+        and lengths, whatever split since); none when it failed. When its node grew past it, its
+        range ends inside a node: that node's covered head goes to the backup chained after it
+        (or, with none, is split off to take it here). Returns the chain and `op` narrowed to it."""
+        op_id = op.op_id
+        grown = self._grown.pop(op_id, 0)
+        after = self._next.pop(op_id, None)
+        before = self._prev.pop(op_id, None)
+        if before is not None:
+            self._next.pop(before, None)
+        if after is not None:
+            self._prev.pop(after, None)
+        node = op.node
+        if grown or before is not None or error is not None:
+            self._unmark(op, grown + op.length)
+        if error is not None:
+            if after is not None:
+                self._poisoned.add(after)
+            return [], op
+        tree = self.residency.tree
+        while grown >= node.num_tokens > 0:  # the growth may have been split into nodes of its own
+            grown -= node.num_tokens
+            node = node.parent  # type: ignore[assignment]
+        if grown:  # its range ends inside `node`, `head` tokens into it
+            head = node.num_tokens - grown
+            if after is not None:
+                op = self._hand_over(op, head, self.ops[after])
+                self.backup_pending[node.id] = after
+                if op.length == 0:
+                    return [], op
+                node = node.parent  # type: ignore[assignment]
+            else:
+                node = tree.split(node, head)
+        return tree.split_chain(node, op.length), replace(op, node=node)
+
+    def _unmark(self, op: CopyOp, span: int) -> None:
+        """Drop the in-flight marks of `op` from the nodes of the last `span` tokens ending at its node."""
+        pending, op_id = self.backup_pending, op.op_id
+        node = op.node
+        while span > 0 and node.parent is not None:
+            if pending.get(node.id) == op_id:
+                del pending[node.id]
+            span -= node.num_tokens
+            node = node.parent  # type: ignore[assignment]
+
+    def _hand_over(self, op: CopyOp, head: int, after: CopyOp) -> CopyOp:
+        """The last `head` tokens of landed backup `op` go to `after`, the backup of what follows
+        them in the same node (a widened record in its place, the pages pinned under it until its
+        ack); returns `op` without them."""
+        res = self.residency
+        cut = len(op.device) - head
+        device, host = op.device[cut:], op.host[cut:]
+        res.device.pin(device, after.op_id, trusted=True)
+        res.host.pin(host, after.op_id, trusted=True)  # type: ignore[union-attr]
+        self._handed.setdefault(after.op_id, []).append((device, host))
+        self.ops[after.op_id] = replace(after, device=np.concatenate((device, after.device)),
+                                        host=np.concatenate((host, after.host)), length=after.length + head)
+        return replace(op, device=op.device[:cut], host=op.host[:cut], length=op.length - head)
+
     def _finish_backup(self, op: CopyOp, chain: list[Node], error: str | None) -> None:
         res = self.residency
+        op_id = op.op_id
         for node in chain:
             self.backup_pending.pop(node.id, None)
         if res.sliding is not None:
-            res.sliding.end_backup(op.op_id, chain if error is None else None)
+            res.sliding.end_backup(op_id, chain if error is None else None)
         if error is not None:
-            res.host.free(op.host, op.host_owner, op=op.op_id, reason="copy_failed")  # type: ignore[union-attr]
+            res.host.free(op.host, op.host_owner, op=op_id, reason="copy_failed")  # type: ignore[union-attr]
             return
-        res.attach_backup(chain, op.host, op.host_owner)
+        if chain:
+            res.attach_backup(chain, op.host, op.host_owner)
 
     def _finish_load(self, op: CopyOp, chain: list[Node], error: str | None, out: AckOutcome) -> None:
         for node in chain:
@@ -314,9 +457,10 @@ class CopyTracker:
             users |= op.users
 
     def _load_op_of(self, readiness: LoadReadiness, missing_ok: bool = False) -> CopyOp | None:
-        for op in self.ops.values():
-            if op.readiness is readiness:
-                return op
+        # a load's readiness is made for its op id (`ReadinessFactory`): one lookup, not a scan
+        op = self.ops.get(readiness.op_id) if readiness.op_id is not None else None
+        if op is not None and op.readiness is readiness:
+            return op
         if missing_ok:
             return None
         raise InternalError(f"no load in flight has readiness of op {readiness.op_id}")
@@ -328,7 +472,7 @@ class _Batch:
     pinned once (`device`, `host`: every backup's, in order)."""
 
     op_id: int
-    ops: list[CopyOp]
+    op_ids: list[int]
     device: np.ndarray
     host: np.ndarray
 

@@ -452,7 +452,7 @@ class RadixTree:
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens, extra_key: Hashable, device_slots, *, priority: int = 0,
-               start: Node | None = None, extend_leaf: bool = False) -> InsertResult:
+               start: Node | None = None, extend_leaf: int = 0) -> InsertResult:
         """Insert ``tokens`` (whole pages) with the caller's device slots, one per token
         (int64 or int32; the tree keeps its own int64 copies, and the result's
         ``prefix_slots`` reads the caller's array: read it before changing that).
@@ -469,9 +469,10 @@ class RadixTree:
         there: its ancestors are only touched (last access, priority), not compared again.
         The result is the same as without ``start``.
 
-        ``extend_leaf`` (with ``start``; the caller holds exactly one lock on ``start``): when
-        the new pages would hang below ``start`` and ``start`` is a childless node on device,
-        without a host copy and with no lock but the caller's, they are appended to ``start``
+        ``extend_leaf`` (with ``start``): the locks on ``start`` that are the caller's (its own,
+        plus those of copies in flight that follow the node's growth: `CopyTracker`); 0: never
+        grow. When the new pages would hang below ``start`` and ``start`` is a childless node on
+        device, without a host copy and with exactly those locks, they are appended to ``start``
         itself instead of a new child (reported in ``adopted`` as ``(start, new slots)``).
         A request growing its own prefix turn after turn then stays one node: a match walks
         one node per shared prefix instead of one per turn.
@@ -552,7 +553,7 @@ class RadixTree:
             node = child
             pos = end
         if pos < rn:
-            if (extend_leaf and node is start and node.lock_ref == 1 and not node.children
+            if (extend_leaf and node is start and node.lock_ref == extend_leaf and not node.children
                     and node.host is None and node.parent is not None):
                 s = slots[(base + pos) >> 2 :]
                 node.key += key[pos:]

@@ -249,7 +249,7 @@ class Residency:
 
     # -- insertion and copies' slots ----------------------------------------------
     def insert(self, tokens: np.ndarray, extra_key: Hashable, slots: np.ndarray, owner: Owner,
-               start: Node | None = None, extend_leaf: bool = False, trusted: bool = False,
+               start: Node | None = None, extend_leaf: int = 0, trusted: bool = False,
                rid: Hashable = None, priority: int = 0) -> InsertResult:
         """Insert `tokens` with their device `slots` (owned by `owner`; `trusted`: its own alloc'd
         pages, cut at page boundaries by the tree): the slots of new nodes become theirs;
@@ -276,13 +276,13 @@ class Residency:
                 self.events.stored(node, GPU)
 
     def attach_backup(self, chain: list[Node], host: np.ndarray, host_owner: Owner) -> None:
-        """A landed backup's host pages (owned by `host_owner`, the deepest node) go to the chain."""
+        """A landed backup's host pages (owned by `host_owner`: the node it was issued for) go to
+        the chain."""
         offset = 0
-        deepest = chain[-1]
         for node in chain:
             part = host[offset: offset + node.num_tokens].copy()
             offset += node.num_tokens
-            if node is not deepest:
+            if node_owner(node) is not host_owner:  # (the same object for the node it was issued for)
                 self.host.assign(part, host_owner, node_owner(node), trusted=True, node=node.id)  # type: ignore[union-attr]
             self.tree.attach_host(node, part)
             if self.events is not None:

@@ -65,6 +65,8 @@ class StorageRequest(NamedTuple):
     # under one control plane over tensor-parallel ranks: rank r's keys are rank_keys[r] (rank 0's
     # are `keys`); (): `keys` serve every rank (one rank; a replicated shard, written by rank 0)
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
+    # a hybrid model's state snapshots written, looked up or read with the pages (the op's own)
+    states: tuple[StateBlob, ...] = ()
 
 
 def storage_key_ok(extra_key: Hashable) -> bool:
@@ -136,7 +138,7 @@ class StorageTier:
             sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
             sop.parents = [every[first + i - 1] if first + i else None for i in pick]
         self.ops[op_id] = sop
-        self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys))
+        self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys, blobs))
         self.stats["storage_writes_issued"] += 1
 
     def write_chain(self, node: Node, length: int) -> None:
@@ -174,7 +176,7 @@ class StorageTier:
         rank_keys = self.keys_per_rank(tokens[:match_len], extra_key, keys, range(start // ps, match_len // ps))
         self.prefetches[rid] = pf
         self.ops[op_id] = StorageOp(op_id, False, EMPTY, keys, prefetch=pf, rank_keys=rank_keys, states=blobs)
-        self._requests.append(StorageRequest(op_id, False, tuple(keys), (), rank_keys))
+        self._requests.append(StorageRequest(op_id, False, tuple(keys), (), rank_keys, blobs))
         self.stats["storage_lookups_issued"] += 1
         return len(keys) * ps
 
@@ -346,11 +348,6 @@ class StorageTier:
         self.rank_keys.clear()
         self.known_states.clear()
         return out
-
-    def blobs(self, op_id: int) -> tuple[StateBlob, ...]:
-        """The state snapshots storage op `op_id` (in flight) carries beside its KV pages."""
-        sop = self.ops.get(op_id)
-        return sop.states if sop is not None else ()
 
     def take_requests(self) -> list[StorageRequest]:
         """The storage calls issued since the last call, for the transfer actor."""
@@ -558,7 +555,7 @@ class StorageTier:
         rank_keys = self.keys_per_rank(pf.tokens, pf.extra_key, keys, range(first, first + len(keys)))
         self.ops[op_id] = StorageOp(op_id, False, host, keys, prefetch=pf, rank_keys=rank_keys, states=states)
         self.stats["storage_reads_issued"] += 1
-        return StorageRequest(op_id, False, tuple(keys), self._host_pages(host), rank_keys)
+        return StorageRequest(op_id, False, tuple(keys), self._host_pages(host), rank_keys, states)
 
     def _hold_anchor(self, pf: Prefetch, m: MatchResult) -> None:
         """Keep the prefetch's anchor (the matched prefix `m`, ending exactly at `pf.start`) in the

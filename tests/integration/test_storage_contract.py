@@ -154,11 +154,11 @@ async def test_ops_in_flight_at_close_are_settled_as_abandoned(tmp_path):
             assert await asyncio.to_thread(fb.wait_held, 1, 5.0)
         transfer = rt._transfer
         c = dict(transfer.counters)
-        assert c["storage_ops_abandoned"] >= 1 and not transfer.storage_inflight
+        assert c["storage_ops_abandoned"] >= 1 and not transfer.storage.inflight
         assert c["storage_ops_submitted"] == c["storage_ops_done"] + c["storage_ops_failed"] + c["storage_ops_abandoned"]
         fb.release()  # the held calls return now, after the close
         await asyncio.sleep(0.3)
-        assert transfer.counters == c and not transfer.storage_abandoned
+        assert transfer.counters == c and not transfer.storage.abandoned
     finally:
         fb.release()
         fb.close()

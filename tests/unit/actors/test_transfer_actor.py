@@ -494,7 +494,7 @@ async def test_ack_to_a_stopped_requester_does_not_fail_the_runtime():
         await until(lambda: b.op_id in h.engine.pending())
         h.req.mailbox.close()
         h.engine.release(b.op_id)
-        await until(lambda: not h.transfer.inflight)
+        await until(lambda: not h.transfer.copies.inflight)
         assert h.sup.failure is None
         await h.sup.stop()
 
@@ -664,10 +664,10 @@ async def test_a_result_outside_the_backend_contract_is_a_miss_for_the_whole_op(
     pages (no per-page flags) with an error, and it is counted and logged. Before the fix counts were
     passed on (acks of pages=-1, 6, 4, 1 for a bool) and so were wrong-length flags; None and
     non-bools failed with a TypeError/IndexError ack that named no contract and counted nothing."""
-    from runtime.actors import transfer_actor
+    from runtime.actors import storage_calls
 
     events = _Events()
-    monkeypatch.setattr(transfer_actor, "log", events)
+    monkeypatch.setattr(storage_calls, "log", events)
     async with storage_actor(LyingBackend(**lies), layout=layout) as (sup, transfer, acks):
         transfer.mailbox.put_internal(storage_op(1, kind, acks))
         [ack] = await next_msgs(acks)
@@ -708,13 +708,13 @@ async def test_a_held_backend_call_is_overdue_at_its_deadline_and_acked_when_it_
     (logged, counted), the op stays in flight (no early ack), a drain for close completes without
     it, and the real StorageAck follows when the call returns. Before the fix it failed at once: there
     was no StorageOverdue (ImportError) and no deadline (TransferActor took no storage_timeout_s)."""
-    from runtime.actors import transfer_actor
+    from runtime.actors import storage_calls
     from runtime.messages import StorageOverdue
     from runtime.storage.backend import FaultPlan, FaultyBackend
     from runtime.storage.file_backend import FileBackend
 
     events = _Events()
-    monkeypatch.setattr(transfer_actor, "log", events)
+    monkeypatch.setattr(storage_calls, "log", events)
     inner = FileBackend(tmp_path, PAGE_BYTES)
     fb = FaultyBackend(inner, FaultPlan(hold_at={1}, methods={method}))
     keys = [f"key1-{i}".encode() for i in range(3)]
@@ -768,7 +768,7 @@ async def test_an_op_done_before_its_deadline_gets_no_overdue_and_the_drain_wait
             assert isinstance(ack, StorageAck) and ack.pages == 3
             await asyncio.wait_for(drain, 2.0)
             st = await sup.ask(transfer.mailbox, TransferStats(Reply()))
-            assert st["storage_ops_overdue"] == 0 and not transfer._storage_timers
+            assert st["storage_ops_overdue"] == 0 and not transfer.storage.timers
     finally:
         fb.release()
         inner.close()

@@ -173,7 +173,7 @@ def test_storage_tier_lookup_that_finds_nothing_ends_the_prefetch():
     res = Residency.from_config(cfg)
     storage = StorageTier(cfg, res, itertools.count(1), KVIdentity.from_config(cfg))
     assert storage.prepare("p", toks(33, 0), None) == 32
-    (op_id, write, keys, pages, rank_keys), = storage.take_requests()
+    (op_id, write, keys, pages, rank_keys, _states), = storage.take_requests()
     assert not write and len(keys) == 8 and pages == () and rank_keys == ()  # one rank: one key list
     assert "p" in storage.prefetches
     pf = storage.apply_ack(op_id, 0, None, (), set())
