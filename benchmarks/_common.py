@@ -31,13 +31,20 @@ BAMBA_9B: dict[str, Any] = {"model_id": "ibm-ai-platform/Bamba-9B", "num_layers"
 
 
 def git_commit() -> str:
+    """The project's own commit (``-dirty`` with local changes), or "unknown" when the project
+    directory is not itself a git checkout (a copy inside another repository would otherwise
+    name that repository's commit)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        top = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != ROOT.resolve():
+            return "unknown"
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "uncommitted"
+        return "unknown"
 
 
 def median(values: list[float]) -> float:

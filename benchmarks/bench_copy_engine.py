@@ -28,7 +28,6 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +46,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import git_commit  # noqa: E402,F401 (bench_transfer imports it from here)
 from runtime.completion import CompletionBridge  # noqa: E402
 from runtime.memory.pools import DevicePool, HostPool, KVShape  # noqa: E402
 from runtime.messages import Direction, PoolTransfer, TransferPlan  # noqa: E402
@@ -237,17 +237,6 @@ async def measure(args, shape: KVShape, device: torch.device, factory: Candidate
 
 
 # ---------------------------------------------------------------------------------------
-
-
-def git_commit() -> str:
-    try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-        if r.returncode == 0 and r.stdout.strip():
-            dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=Path(__file__).parent)
-            return r.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except OSError:
-        pass
-    return "uncommitted"
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

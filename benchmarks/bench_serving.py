@@ -1,4 +1,10 @@
-"""Multi-turn serving through `ServingLoop` on the tiny random Llama: what each cache tier saves.
+"""Multi-turn serving through `ServingLoop` on a random Llama: what each cache tier saves.
+
+Models (``--model``): ``tiny`` (4 layers, hidden 128: a prefill costs almost nothing, so whatever
+the cache adds to a turn's critical path shows) and, on CUDA, ``8b``: Llama-3-8B's architecture
+in bf16 with random weights made in place on the device (`llama3_8b_random`; nothing is
+downloaded), whose prefill costs what a real model's does. On CPU ``--model 8b`` is refused
+(16 GB of weights, minutes per forward).
 
 Trace: ``--convs`` (64) conversations x ``--turns`` (6) turns. Every conversation starts with
 the same ``--system`` (512) token system prompt; each turn appends a user message of about
@@ -27,10 +33,12 @@ tokens / wall s), tokens served per tier, and the ideal (infinite cache) recompu
 per turn, everything beyond the page-aligned part of the previous turn's prompt + reply
 (the last reply token's KV is never written) and never the last prompt token; the system
 prompt once. Ratios: recompute / ideal, TTFT median / no_reuse's. Targets: d+h+s <= 1.05x
-ideal, d+h <= 1.2x ideal, d+h median TTFT <= 0.5x no_reuse. The last stdout line is JSON.
+ideal, d+h <= 1.2x ideal, d+h median TTFT <= 0.5x no_reuse (the 8B-size model on a GPU) and
+<= 1.0x (reuse never slower than recomputing, any model). The last stdout line is JSON.
 
     python benchmarks/bench_serving.py            # full trace (several minutes on CPU)
     python benchmarks/bench_serving.py --quick    # 16 conversations x 3 turns, 4 active
+    python benchmarks/bench_serving.py --quick --device cuda --model 8b
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import emit_json, median, percentile  # noqa: E402
 from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.integrations.hf_llama import PagedKVModel, kv_geometry, tiny_llama  # noqa: E402
+from runtime.integrations.hf_llama import PagedKVModel, kv_geometry, llama3_8b_random, tiny_llama  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
 from runtime.trace import configure_logging  # noqa: E402
@@ -88,6 +96,7 @@ async def run_config(name: str, model: Any, args: argparse.Namespace, device_slo
     layers, kv_heads, head_dim = kv_geometry(model.config)
     vocab = model.config.vocab_size
     kw: dict[str, Any] = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=PAGE,
+                              kv_dtype=str(model.dtype).removeprefix("torch."),
                               device_slots=device_slots, host_tokens=host_tokens if name.startswith("device_host") else 0,
                               write_policy="write_through", device=args.device)
     if name == "device_host_storage":
@@ -143,7 +152,7 @@ async def run_config(name: str, model: Any, args: argparse.Namespace, device_slo
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    model = tiny_llama(seed=0).to(args.device)
+    model = llama3_8b_random(args.device) if args.model == "8b" else tiny_llama(seed=0).to(args.device)
     working_set = args.system + args.convs * args.turns * (args.user + args.reply)
     device_slots = max(PAGE, working_set // 8 // PAGE * PAGE)
     host_tokens = 4 * device_slots
@@ -173,9 +182,14 @@ def main() -> None:
     ap.add_argument("--prefill-budget", type=int, default=4096, help="ServingLoop max_prefill_tokens")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--model", default="tiny", choices=["tiny", "8b"],
+                    help="tiny: the 4-layer random Llama; 8b: Llama-3-8B's architecture, random bf16 weights (CUDA only)")
     ap.add_argument("--device", default="cpu",
                     help="the model's and the device pool's torch device (cuda: the CUDA copy engine moves the KV)")
     args = ap.parse_args()
+    if args.model == "8b" and not args.device.startswith("cuda"):
+        ap.exit(2, "bench_serving: --model 8b needs --device cuda (16 GB of bf16 weights; a forward takes minutes "
+                   "on a CPU); the tiny model (the default) runs on CPU\n")
     if args.quick:
         args.convs, args.turns, args.active, args.system, args.user, args.reply = 16, 3, 4, 256, 64, 32
     if args.threads:
@@ -199,8 +213,9 @@ def main() -> None:
         targets["dh_recompute_le_1.2x_ideal"] = by["device_host"]["vs_ideal"] <= 1.2
         if by["device_host"]["ttft_vs_no_reuse"] is not None:
             targets["dh_ttft_median_le_0.5x_no_reuse"] = by["device_host"]["ttft_vs_no_reuse"] <= 0.5
+            targets["dh_ttft_median_le_1.0x_no_reuse"] = by["device_host"]["ttft_vs_no_reuse"] <= 1.0
     print("targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in targets.items()))
-    emit_json({"bench": "serving", "quick": args.quick, "device": args.device,
+    emit_json({"bench": "serving", "quick": args.quick, "device": args.device, "model": args.model,
                "machine": platform.processor() or platform.machine(),
                "convs": args.convs, "turns": args.turns, "active": args.active, **res, "targets": targets})
 

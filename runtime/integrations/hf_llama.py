@@ -70,6 +70,8 @@ __all__ = [
     "calibrate_kv_scales",
     "tiny_llama",
     "TINY_CONFIG",
+    "LLAMA3_8B_CONFIG",
+    "llama3_8b_random",
     "random_model",
     "build_tiny",
     "load_smollm2",
@@ -472,6 +474,58 @@ def random_model(model_cls: Any, config: Any, seed: int, dtype: torch.dtype) -> 
         torch.manual_seed(seed)
         model = model_cls(config)
     model = model.to(dtype)
+    model.eval()
+    return model
+
+
+LLAMA3_8B_CONFIG: Mapping[str, Any] = MappingProxyType(dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+))
+"""Llama-3-8B's architecture (meta-llama/Meta-Llama-3-8B's config): a model of its size and
+cost, not its weights."""
+
+
+def llama3_8b_random(device: torch.device | str, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                     **config_overrides: Any) -> LlamaForCausalLM:
+    """A random-weight ``LlamaForCausalLM`` of Llama-3-8B's architecture, its weights made in place
+    on ``device`` (built on the meta device, then allocated there and filled: no copy of 16 GB
+    through host memory, nothing downloaded). Deterministic in ``seed`` on one device type; the
+    global RNG is left untouched. In :data:`ATTN_NAME` mode, eval mode."""
+    config = LlamaConfig(**(LLAMA3_8B_CONFIG | config_overrides))
+    config._attn_implementation = ATTN_NAME
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, config.initializer_range, generator=gen)
+        for module in model.modules():  # buffers computed at init (rotary frequencies): made anew there
+            if "inv_freq" in dict(module.named_buffers(recurse=False)):
+                fresh = type(module)(config).to(device)
+                for key, buf in fresh.named_buffers(recurse=False):
+                    module.register_buffer(key, buf, persistent=False)
     model.eval()
     return model
 

@@ -2,7 +2,10 @@
 
 Workers: one single-thread executor per direction: copies of one direction run in
 submission order, and a load never waits behind a large backup (the CPU analogue of
-separate load and write-back CUDA streams). A backup of at most ``INLINE_BACKUP_BYTES`` is
+separate load and write-back CUDA streams). Loads come first: a backup copies in steps of
+about ``BACKUP_STEP_BYTES`` and, before each step, waits while any load is in flight, so that a
+load (what a request waits for) has the cores and the copy threads to itself and never shares
+them with a backup (which nobody waits for) queued before it. A backup of at most ``INLINE_BACKUP_BYTES`` is
 copied inline in ``submit`` instead (no hand-off; acks still go out in issue order). ``copy_threads`` (default 2) splits each
 copy step by pages over the worker plus shared helper threads (`shard_pages`); a step
 smaller than ``SHARD_MIN_BYTES`` per thread stays on the worker.
@@ -55,6 +58,9 @@ SHARD_MIN_BYTES = 256 << 10
 # copy costs less than handing it to the worker thread, which on a loaded machine costs the
 # caller's thread a context switch and a GIL round trip (docs/BENCHMARKS.md, write-through).
 INLINE_BACKUP_BYTES = SHARD_MIN_BYTES
+# A backup yields to loads between steps of about this many bytes: a load waits for at most one
+# step (~1 ms at a few GB/s) of a backup that was already copying.
+BACKUP_STEP_BYTES = 4 << 20
 
 
 def check_pool_pairs(pools: Mapping[str, tuple[DevicePool, HostPool]]) -> None:
@@ -110,6 +116,8 @@ class CpuCopyEngine:
         self._lock = threading.Lock()
         self._inflight: dict[int, cf.Future] = {}
         self._closed = False
+        self._loads = 0  # loads submitted and not finished: backups wait while there are any
+        self._no_loads = threading.Condition(self._lock)
 
     # ---- public -------------------------------------------------------------------------
 
@@ -132,6 +140,8 @@ class CpuCopyEngine:
             if plan.op_id in self._inflight:
                 raise ValidationError(f"op {plan.op_id} is already in flight")
             if not inline:
+                if per_layer:
+                    self._loads += 1
                 fut = self._executors[plan.direction].submit(self._run, resolved, num_layers, groups, group_futs)
                 self._inflight[plan.op_id] = fut
         if inline:
@@ -177,6 +187,19 @@ class CpuCopyEngine:
         with self._lock:
             self._inflight.pop(op_id, None)
 
+    def _load_finished(self) -> None:
+        with self._lock:
+            self._loads -= 1
+            if not self._loads:
+                self._no_loads.notify_all()
+
+    def _wait_for_loads(self) -> None:
+        """Before a backup step: let every load in flight finish first (loads are never starved
+        by this; a backup is, for as long as loads keep coming, as a backup should be)."""
+        with self._lock:
+            while self._loads:
+                self._no_loads.wait()
+
     def _jobs(self, resolved: ResolvedPlan, layers_per_call: int) -> list:
         """Per pool: (src rows, dst rows, page shards), for copy steps of ``layers_per_call`` layers."""
         jobs = []
@@ -207,11 +230,23 @@ class CpuCopyEngine:
     def _run(self, resolved: ResolvedPlan, num_layers: int, groups: list[tuple[int, int]],
              group_futs: list[cf.Future]) -> None:
         live = {f for f in group_futs if f.set_running_or_notify_cancel()}
-        if not group_futs:  # BACKUP: every layer at once, one completion
+        if not group_futs:  # BACKUP: steps of a few layers, loads first; one completion
             if self._fault is not None:
                 self._fault(resolved.op_id, 0)
-            self._copy(self._jobs(resolved, num_layers), slice(None))
+            per_layer_bytes = max(1, self._plan_bytes(resolved) // max(1, num_layers))
+            step = max(1, min(num_layers, BACKUP_STEP_BYTES // per_layer_bytes))
+            jobs = self._jobs(resolved, step)
+            for lo in range(0, num_layers, step):
+                self._wait_for_loads()
+                self._copy(jobs, slice(lo, lo + step))
             return
+        try:
+            self._run_load(resolved, groups, group_futs, live)
+        finally:
+            self._load_finished()
+
+    def _run_load(self, resolved: ResolvedPlan, groups: list[tuple[int, int]], group_futs: list[cf.Future],
+                  live: set[cf.Future]) -> None:
         g = 0
         try:
             jobs_by_size: dict[int, list] = {}

@@ -7,6 +7,7 @@ writing a padded row, shows up as NaN or as a changed slot.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -272,3 +273,28 @@ def test_smollm2_smoke(tmp_path_factory):
     assert "paris" in answer.lower()
     ref = greedy_generate_reference(model, prompt, len(tokens))
     assert tokens[: len(ref)] == ref
+
+
+def test_llama3_8b_random_builds_in_place_and_runs_paged():
+    """The serving benchmark's Llama-3-8B-size model, scaled down (its builder, its config's other
+    fields): made on the meta device and filled in place, deterministic in the seed, rotary
+    frequencies computed (not left as uninitialized memory), and the paged forward matches
+    transformers' own on it (float32 here; bf16 on the GPU)."""
+    from runtime.integrations.hf_llama import LLAMA3_8B_CONFIG, llama3_8b_random
+
+    small = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512)
+    m = llama3_8b_random("cpu", seed=3, dtype=torch.float32, **small)
+    again = llama3_8b_random("cpu", seed=3, dtype=torch.float32, **small)
+    assert m.config.rms_norm_eps == LLAMA3_8B_CONFIG["rms_norm_eps"] and m.config.num_key_value_heads == 2
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), again.parameters()))
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    rotary = m.model.rotary_emb
+    expect = type(rotary)(m.config)
+    assert torch.equal(rotary.inv_freq, expect.inv_freq) and torch.equal(rotary.original_inv_freq, expect.inv_freq)
+    ref = copy.deepcopy(m)
+    ref.set_attn_implementation("sdpa")
+    pool = make_pool("stand_in", m)
+    ids, slots = rand_ids(40, 1), rand_slots(40, 1)
+    out = PagedKVModel(m, pool)([PagedSeq(slots, 0, ids)], return_all_logits=True)
+    assert (out.all_logits[0] - ref_logits(ref, ids)).abs().max().item() < TOL

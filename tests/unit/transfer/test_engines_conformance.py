@@ -519,3 +519,35 @@ def test_cpu_small_backup_is_copied_inline_and_a_large_one_by_its_worker():
         assert torch.equal(page(host, 2), page(dev, 2))
     finally:
         engine.close()
+
+
+def test_cpu_load_submitted_behind_queued_backups_completes_first():
+    """Loads first: backups queued (and one started) before a load wait while it is in flight, so
+    that the load, slowed here to 30 ms, finishes before any of them, even the one that was
+    already running (it yields before its first step)."""
+    gate = threading.Event()
+
+    def fault(op_id, layer):
+        if op_id == 1:
+            gate.wait(5)  # the first backup is running (on its worker) when the load comes
+        if op_id == 4 and layer == 0:
+            time.sleep(0.03)
+
+    dev, host = make_pools("cpu", 4, "layer_first")
+    engine = CpuCopyEngine({"kv": (dev, host)}, fault=fault, inline_backup_bytes=0)
+    order: list[int] = []
+    try:
+        wait(engine.submit(plan(9, Direction.LOAD, slots([7], 4), slots([7], 4))))  # (the kernel compiled)
+        handles = [engine.submit(plan(i, Direction.BACKUP, slots([i], 4), slots([i], 4))) for i in (1, 2, 3)]
+        load = engine.submit(plan(4, Direction.LOAD, slots([5], 4), slots([6], 4)))
+        for h in (*handles, load):
+            h.done.future.add_done_callback(lambda _f, op=h.op_id: order.append(op))
+        gate.set()
+        for h in (load, *handles):
+            h.done.synchronize()
+        assert order == [4, 1, 2, 3]
+        assert torch.equal(dev.read_slots(slots([6], 4)), host.read_slots(slots([5], 4)))
+        assert torch.equal(host.read_slots(slots([3], 4)), dev.read_slots(slots([3], 4)))
+    finally:
+        gate.set()
+        engine.close()
