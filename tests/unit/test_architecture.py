@@ -189,8 +189,8 @@ WRITES: dict[tuple[str, str], str] = {
         "kv_len", "readiness", "slots", "start", "state_from", "state_slot", "t_first", "ttft_s",
         "prefill_s",
         "admissions")},
-    ("runtime/integrations/vllm_events.py", "learning"): "the connector's own page record",
-    ("runtime/integrations/vllm_events.py", "media"): "the connector's own page record",
+    ("runtime/integrations/vllm/events.py", "learning"): "the connector's own page record",
+    ("runtime/integrations/vllm/events.py", "media"): "the connector's own page record",
     ("runtime/memory/ledger.py", "writeable"): _NUMPY,
     ("runtime/runtime.py", "state"): "the façade sets its supervisor's state on a failed start (to become a "
                                      "Supervisor method)",
@@ -222,8 +222,8 @@ WRITES: dict[tuple[str, str], str] = {
     **{("runtime/tree/storage_tier.py", a): _RECORD for a in (
         "anchor_host", "anchor_host_len", "anchor_lock", "by_prepare", "cancelled", "detached", "host", "link",
         "op_id", "tokens", "parents")},
-    ("runtime/tree/tiers_only.py", "finished"): _RECORD,
-    ("runtime/tree/tiers_only.py", "on_split"): _SPLIT,
+    ("runtime/integrations/vllm/core.py", "finished"): _RECORD,
+    ("runtime/integrations/vllm/core.py", "on_split"): _SPLIT,
 }
 WRITES_RATCHET = 105  # len(WRITES) may only go down
 
