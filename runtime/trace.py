@@ -5,8 +5,9 @@ Every ledger operation is one event (never one per slot) with stable fields:
 ``tier``, ``pages`` (run-length page ranges ``[[first, end), ...]``), ``owner``,
 ``to`` (hand-over target), ``op`` (transfer op id), plus free-form context (``rid``, ``node``).
 
-Production default: events go to structlog at debug level (dropped cheaply unless the
-embedder enables debug) and, when a ``trace_path`` is configured, every event is also
+Library logging (`get_logger`): structlog bound to stdlib `logging` loggers under ``hicache``, so
+the application's `logging` set-up governs it as any library's. Production default: slot events
+are debug events (built only when the ``hicache.slots`` logger is enabled for debug) and, when a ``trace_path`` is configured, every event is also
 appended to a JSONL file that `python -m runtime.audit FILE` can replay (`runtime/audit.py`).
 """
 
@@ -23,26 +24,64 @@ from typing import Any, TextIO
 import numpy as np
 import structlog
 
-def configure_logging(*, json_output: bool = False, level: int = logging.INFO, stream: TextIO | None = None) -> None:
-    """Configure structlog for the process: for applications (the demo, benchmarks, tests), never
-    called by the library itself (it only gets loggers, so the embedder's structlog setup stays)."""
-    renderer = structlog.processors.JSONRenderer() if json_output else structlog.dev.ConsoleRenderer(colors=False)
-    structlog.configure(
-        processors=[
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
-        cache_logger_on_first_use=True,
-    )
+LOGGER_ROOT = "hicache"  # every library logger is a stdlib `logging` logger under it
+
+
+def _render(_logger: Any, _method: str, event: dict[str, Any]) -> tuple[tuple[str], dict[str, Any]]:
+    """The last processor: the stdlib record's message is the event's name and fields
+    (``name k=v ...``); the event itself rides along as the record's ``hicache`` attribute, for
+    a handler that renders it otherwise (`configure_logging`'s JSON)."""
+    name = event.get("event", "")
+    fields = " ".join(f"{k}={v!r}" for k, v in event.items() if k != "event")
+    return ((f"{name} {fields}" if fields else str(name)),), {"extra": {"hicache": event}}
 
 
 def get_logger(name: str) -> Any:
-    """A logger of the library: whatever the embedder configured structlog to do (nothing here
-    configures it)."""
-    return structlog.get_logger(name)
+    """A library logger: structlog bound to the stdlib logger `name` (``hicache.*``), with its own
+    processors, so nothing here configures structlog or depends on how the embedder did. As any
+    library's: the application's `logging` set-up decides what is shown (Python's default shows
+    WARNING and above on stderr; `logging.basicConfig(level=logging.DEBUG)` shows every event),
+    and an event below the logger's level is dropped before anything is rendered."""
+    if name != LOGGER_ROOT and not name.startswith(LOGGER_ROOT + "."):
+        raise ValueError(f"library loggers live under {LOGGER_ROOT!r}, got {name!r}")
+    return structlog.stdlib.BoundLogger(logging.getLogger(name),
+                                        [structlog.stdlib.filter_by_level, _render], context={})
+
+
+class _EventFormatter(logging.Formatter):
+    """`configure_logging`'s renderer: a record of a library event as one line (console or JSON)."""
+
+    def __init__(self, json_output: bool) -> None:
+        super().__init__()
+        self.json_output = json_output
+
+    def format(self, record: logging.LogRecord) -> str:
+        event = dict(getattr(record, "hicache", None) or {"event": record.getMessage()})
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        if self.json_output:
+            return json.dumps({"timestamp": ts, "level": record.levelname.lower(), "logger": record.name, **event},
+                              default=str)
+        name = event.pop("event", "")
+        fields = " ".join(f"{k}={v}" for k, v in event.items())
+        return f"{ts} [{record.levelname.lower():<8}] {name:<30} {fields}".rstrip()
+
+
+_HANDLER_MARK = "_hicache_configured"
+
+
+def configure_logging(*, json_output: bool = False, level: int = logging.INFO, stream: TextIO | None = None) -> None:
+    """An application's logging set-up for the library's events (the demo, benchmarks, tests):
+    one handler on the ``hicache`` logger at `level`, to `stream` (stderr by default), one line
+    per event (console or JSON). Never called by the library itself; called again, it replaces
+    the handler it added before."""
+    root = logging.getLogger(LOGGER_ROOT)
+    for h in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
+        root.removeHandler(h)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(_EventFormatter(json_output))
+    setattr(handler, _HANDLER_MARK, True)
+    root.addHandler(handler)
+    root.setLevel(level)
 
 
 def page_runs(slots: np.ndarray, page_size: int) -> list[list[int]]:
@@ -125,10 +164,8 @@ class SlotTracer:
         self.page_size = page_size
         self._sinks: list[Sink] = list(sinks or [])
         self._log = get_logger("hicache.slots")
-        # slot events are opt-in: an embedder that never configured structlog (whose default prints
-        # every level) did not ask for them
-        self._debug = structlog.is_configured() and (
-            self._log.is_enabled_for(logging.DEBUG) if hasattr(self._log, "is_enabled_for") else True)
+        # slot events are opt-in: one level check here, so an inactive tracer builds no event
+        self._debug = self._log.isEnabledFor(logging.DEBUG)
         self.active = bool(self._sinks) or self._debug
 
     def add_sink(self, sink: Sink) -> None:

@@ -34,7 +34,6 @@ from runtime.messages import Direction
 if TYPE_CHECKING:
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node
-    from runtime.tree.tiers_only import TiersOnlyCore
 
 
 def _check_request_table(core: "CacheCore") -> None:
@@ -219,63 +218,3 @@ def _check_holders(core: "CacheCore", nodes: list["Node"], roots: set) -> None:
 
 
 # -- tiers-only mode ----------------------------------------------------------------------------
-
-
-def check_tiers_only(core: "TiersOnlyCore", *, quiescent: bool = False) -> None:
-    """Invariants 1-5 (and 7 when `quiescent`) of the tiers-only core: every tree node holds a
-    host copy (no device copy: the engine's blocks are not the tree's) owned by the node, a
-    backup's pages are its own until its ack, a reported hit's hold owns the pages it took, pins
-    equal the copies in flight and locks the copies and holds."""
-    ps = core.page_size
-    tree = core.residency.tree
-    roots = set(tree.roots())
-    nodes = [n for n in _all_nodes(core) if n not in roots]
-    table: dict[int, Owner] = {}
-    pins: Counter[int] = Counter()
-
-    def claim(slots: np.ndarray, owner: Owner, what: str) -> None:
-        _claim(table, "host", ps, slots, owner, what)
-
-    for node in nodes:
-        if node.device is not None:
-            _fail(f"node {node.id} holds device slots in tiers-only mode")
-        if node.host is None or len(node.host) != len(node.key) // 4:
-            _fail(f"node {node.id} holds no host copy of its tokens")
-        claim(node.host, Owner.node(node.id), f"node {node.id}")
-    for op in core.copies.values():
-        if op.direction is Direction.BACKUP:
-            claim(op.host, op.owner, f"backup {op.op_id} destination")
-        for page in _pages(op.host, ps):
-            pins[page] += 1
-        rec = core.requests.get(op.rid)
-        if rec is None or op.op_id not in rec.copies:
-            _fail(f"copy {op.op_id} is not filed under its request {op.rid!r}")
-    for rid, hold in core.holds.items():
-        if hold.rid != rid:
-            _fail(f"hold of {hold.rid!r} filed under {rid!r}")
-        if len(hold.host):
-            claim(hold.host, hold.owner, f"hold of {rid!r}")
-        rec = core.requests.get(rid)
-        if rec is not None and rec.finished:
-            _fail(f"finished request {rid!r} still holds a hit")
-    for rec in core.requests.values():
-        if not rec.copies and rec.finished:
-            _fail(f"finished request {rec.rid!r} is kept with no copy in flight")
-        if rec.copies - set(core.copies):
-            _fail(f"request {rec.rid!r} names copies that are not in flight")
-    storage_ops = core.storage.ops if core.storage is not None else {}
-    if core.storage is not None:
-        _check_storage_ops(core.storage, claim, pins)
-        for op in core.copies.values():
-            if op.read and (op.read not in storage_ops or op.direction is not Direction.LOAD):
-                _fail(f"copy {op.op_id} waits on storage read {op.read}, which is not in flight")
-    assert core.residency.host is not None
-    _check_ledger("host", core.residency.host, table, pins)
-    _check_locks(nodes, [op.node for op in core.copies.values()] + [h.node for h in core.holds.values()], roots)
-    _check_host_protects(nodes, roots, [(sop.node, sop.length) for sop in storage_ops.values() if sop.write])
-    _check_host_leaves(tree, nodes)
-    if quiescent and (core.copies or core.requests or storage_ops or core.holds):
-        _fail(f"{len(core.copies)} copies, {len(storage_ops)} storage ops, {len(core.requests)} requests and "
-              f"{len(core.holds)} holds left at quiescence")
-
-

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from runtime.tree.cache import CacheCore
     from runtime.tree.radix import Node, RadixTree
     from runtime.tree.tiers.storage import StorageTier
-    from runtime.tree.tiers_only import TiersOnlyCore
+    from runtime.integrations.vllm.core import TiersOnlyCore
 
 
 def _fail(msg: str) -> None:

@@ -1,4 +1,4 @@
-"""The connector's options read through vLLM 0.33's real scheduler (`runtime.integrations.vllm_config`):
+"""The connector's options read through vLLM 0.33's real scheduler (`runtime.integrations.vllm.config`):
 a bad option fails the scheduler's start with a `ConfigError` naming its key, sizes in bytes,
 and a model loaded from two paths shares its stored pages."""
 

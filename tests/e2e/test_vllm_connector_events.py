@@ -1,4 +1,4 @@
-"""The connector's KV events under vLLM 0.33's real scheduler on CPU (`runtime.integrations.vllm_events`).
+"""The connector's KV events under vLLM 0.33's real scheduler on CPU (`runtime.integrations.vllm.events`).
 
 vLLM's scheduler publishes, each step, one `KVEventBatch` of its own GPU events and the
 connector's (`take_events`). The tests put a collector in the scheduler's `kv_event_publisher`
@@ -22,7 +22,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, maybe_convert_
 from vllm.v1.request import Request  # noqa: E402
 
 from runtime.events import CPU, GPU, STORAGE, BlockRemoved, BlockStored, PrefixIndex, decode  # noqa: E402
-from runtime.integrations.vllm_events import ConnectorEvents  # noqa: E402
+from runtime.integrations.vllm.events import ConnectorEvents  # noqa: E402
 from runtime.storage.hashing import page_hashes  # noqa: E402
 from tests.e2e.test_vllm_connector import SYSTEM, model_dir  # noqa: E402,F401 (the fixture)
 from tests.e2e.vllm_engine import BLOCK, FakeEngine, vllm_config  # noqa: E402

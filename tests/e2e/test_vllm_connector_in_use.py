@@ -82,6 +82,81 @@ def test_no_request_fails_under_vllms_default_policy_with_small_host_tiers(model
     e.assert_drained()
 
 
+# -- a storage hit is staged before it is reported -------------------------------------------------
+def _remove_pages_after_hits(e: FakeEngine, root) -> list[int]:
+    """Every page file under `root` removed right after each lookup of `e`'s that found a hit
+    (a number of tokens, or None: a storage hit being staged); returns the files removed each
+    time."""
+    ask = e.connector.get_num_new_matched_tokens
+    removed: list[int] = []
+
+    def ask_then_remove(request, num_computed_tokens):
+        n, load_async = ask(request, num_computed_tokens)
+        if n is None or n:
+            pages = [p for p in root.rglob("*.kv")]
+            for p in pages:
+                p.unlink(missing_ok=True)
+            removed.append(len(pages))
+        return n, load_async
+
+    e.connector.get_num_new_matched_tokens = ask_then_remove
+    return removed
+
+
+def test_pages_removed_right_after_each_lookup_that_found_them_are_a_shorter_hit_never_a_failed_request(
+        model_dir, plain_outputs, tmp_path):
+    """vLLM's default `kv_load_failure_policy: "fail"`, a host tier smaller than the GPU pool,
+    storage behind it, and every page file of the storage directory removed right after each
+    lookup that found a hit: a storage hit is read into host pages before it is reported
+    (staged), so the pages gone are a shorter hit, never a failed request; outputs equal plain
+    vLLM's. Checked failing with storage hits promised unstaged (the connector before: a read
+    in the load, `reserve(stage=False)`): 3 of the 96 requests failed."""
+    root = tmp_path / "kv"
+    e = engine(model_dir, host_blocks=32, storage_dir=str(root))
+    removed = _remove_pages_after_hits(e, root)
+    sessions(e)
+    stats = e.connector.core.stats
+    assert not e.errors, f"{len(e.errors)} of {SESSIONS * TURNS} requests failed: {sorted(e.errors)}"
+    assert e.outputs == plain_outputs
+    assert sum(removed) > 0 and stats["stagings"] > 0 and stats["stagings_short"] > 0  # (the pages did vanish)
+    assert stats["load_errors"] == stats["loads_short"] == stats["storage_reads_short"] == 0
+    e.assert_drained()
+
+
+@pytest.mark.parametrize("remove", [False, True], ids=["kept", "removed-after-each-hit"])
+def test_two_instances_sharing_a_small_capped_directory_fail_no_request(model_dir, plain_outputs, tmp_path, remove):
+    """Two instances on one storage directory under a `storage_cap_bytes` of 40 pages (each
+    evicts the other's pages), every session's turns alternating between them, under vLLM's
+    default `fail` policy (and, `removed-after-each-hit`, every page file removed right after each
+    lookup that found a hit): no request fails, outputs equal plain vLLM's."""
+    root = tmp_path / "kv"
+    cap = 40 * (engine(model_dir, host_blocks=32).worker.page_bytes + 64)  # (a page file: page and trailer)
+    pair = [FakeEngine(vllm_config(model_dir, connector="HiCacheConnector", failure_policy="fail",
+                                   extra={"host_blocks": 32, "storage_dir": str(root), "storage_cap_bytes": cap}),
+                       GPU_BLOCKS) for _ in range(2)]
+    if remove:
+        for e in pair:
+            _remove_pages_after_hits(e, root)
+    history = {s: list(SYSTEM) for s in range(SESSIONS)}
+    for t in range(TURNS):
+        for s in range(SESSIONS):
+            history[s] += [(200 + 37 * s + 11 * t + i) % 990 + 10 for i in range(USER)]
+            pair[(s + t) % 2].add(f"s{s}t{t}", history[s], REPLY)
+        for e in pair:
+            e.run()
+        for s in range(SESSIONS):
+            history[s] += pair[(s + t) % 2].outputs[f"s{s}t{t}"]
+    for e in pair:
+        assert not e.errors, f"{len(e.errors)} requests failed: {sorted(e.errors)}"
+    assert pair[0].outputs | pair[1].outputs == plain_outputs
+    if not remove:  # (the pages an instance wrote were served to the other, and evicted under the cap)
+        assert sum(e.connector.core.stats["tokens_staged"] for e in pair) > 0
+        assert sum(e.worker.stats()["storage"]["evicted_pages"] for e in pair) > 0
+    for e in pair:
+        assert e.connector.core.stats["load_errors"] == e.connector.core.stats["loads_short"] == 0
+        e.assert_drained()
+
+
 # -- storage that heals ---------------------------------------------------------------------------
 def test_a_storage_directory_removed_mid_run_is_made_again_and_serves_within_5_s(model_dir, plain_outputs,
                                                                                  tmp_path):
@@ -216,3 +291,23 @@ def test_vllms_stat_loggers_receive_the_tiers_hits_bytes_failures_and_storage_he
     # the same tokens by tier (vLLM counts a preempted request's hits apart: none on this trace)
     split = {"host": s["tokens_loaded"] - s["tokens_storage_loaded"], "disk": s["tokens_storage_loaded"]}
     assert e.preemptions or e.hits_by_source == {k: n for k, n in split.items() if n}
+
+
+def test_pages_refused_by_their_integrity_tag_are_a_miss_counted_in_vllms_metrics(model_dir, plain_outputs,
+                                                                                  tmp_path, monkeypatch):
+    """A writes its pages under one storage key, B (a fresh instance on the same directory) reads
+    them under another: every page B stages fails its MAC, is refused and counted in vLLM's
+    metrics (`storage_pages_refused`), and is a miss: no request fails, outputs equal plain
+    vLLM's."""
+    root = str(tmp_path / "kv")
+    monkeypatch.setenv("HICACHE_STORAGE_KEY", "writer-key-" + "a" * 16)
+    a = engine(model_dir, host_blocks=32, storage_dir=root)
+    sessions(a, range(1))
+    monkeypatch.setenv("HICACHE_STORAGE_KEY", "reader-key-" + "b" * 16)
+    b = engine(model_dir, host_blocks=32, storage_dir=root)
+    sessions(b, range(1))
+    refused = sum(data["counters"].get("storage_pages_refused", 0) for data in b.connector_stats)
+    assert refused > 0 and refused == b.worker.stats()["storage_pages_refused"]
+    assert b.connector.core.stats["tokens_staged"] == 0 and b.connector.core.stats["stagings"] > 0
+    assert not b.errors and b.outputs == {rid: out for rid, out in plain_outputs.items() if rid.endswith("t0")}
+    b.assert_drained()

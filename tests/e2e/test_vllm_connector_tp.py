@@ -68,7 +68,7 @@ def stored_then_loaded(model_dir: str, tmp_path, tp: int, *, ordered_writes: boo
     """A (tp ranks) serves three sessions, writing every backed-up page through (`ordered_writes`:
     rank by rank, `rank_order_writes`); B, a fresh instance on the same directory, serves them
     again. Returns A, B and, per rank of B, the blocks a storage load left not holding that rank's
-    own KV ("request:block")."""
+    own KV ("request:block"): loads of pages staged from storage, checked block by block.""" 
     shared = str(tmp_path / "kv")
     a = engine(model_dir, tp, storage_dir=shared)
     if ordered_writes:
@@ -82,7 +82,7 @@ def stored_then_loaded(model_dir: str, tmp_path, tp: int, *, ordered_writes: boo
 
         def checked_load(job, load=load, rank=rank):
             result = load(job)
-            if job.load.read is not None:
+            if job.load.from_storage:  # (storage pages staged into the host tier)
                 tokens = list(b.scheduler.requests[job.rid].all_token_ids)
                 blocks = b.scheduler.kv_cache_manager.get_block_ids(job.rid)[0]
                 last = blocks.index(int(job.load.plan.transfers[0].dst[-1]) // BLOCK)

@@ -56,8 +56,8 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from runtime.integrations.vllm import HiCacheConnector  # noqa: E402
-from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
-from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
+from runtime.integrations.vllm.scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm.worker import HiCacheConnectorWorker  # noqa: E402
 
 BLOCK, LAYERS, KV_HEADS, HEAD, VOCAB, EOS = 16, 2, 2, 8, 1000, 2
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -171,10 +171,29 @@ class FakeEngine:
                                            cache_salt=cache_salt))
 
     def run(self, max_steps: int = 10_000) -> None:
-        while self.scheduler.has_requests():
+        """Step until vLLM has no request left, then until the connector's storage ops landed:
+        those do not keep vLLM stepping (an idle engine takes no step), so here each wait for the
+        workers' jobs is followed by one step that delivers their acks (and sends what they
+        started)."""
+        while True:
+            while self.scheduler.has_requests():
+                self.step()
+                if self.steps > max_steps:
+                    raise AssertionError("the engine did not drain")
+            core = getattr(self.connector, "core", None)  # (this connector's: a peer's has none)
+            if core is None or not core.busy():
+                return
+            self.wait_for_workers()
             self.step()
             if self.steps > max_steps:
-                raise AssertionError("the engine did not drain")
+                raise AssertionError("the connector did not drain")
+
+    def wait_for_workers(self, timeout_s: float = 60.0) -> None:
+        """Until every worker's jobs in flight ended (their threads' reads and writes)."""
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            for fut, _, _ in list(w.connector_worker._jobs):
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def step(self) -> None:
         so = self._schedule()
@@ -289,7 +308,7 @@ class FakeEngine:
         pool = sched.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == self.num_blocks - 1
         if self.connector is not None:
-            from runtime.invariants import check_tiers_only
+            from runtime.integrations.vllm.invariants import check_tiers_only
 
             check_tiers_only(self.connector.core, quiescent=True)
             conn = self.connector

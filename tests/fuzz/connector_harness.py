@@ -6,7 +6,9 @@ lookup and its load; storage on or off, shared by the instances of the episode),
 copies that fail or run slowly on the worker's thread, storage calls that fail or read short),
 and a workload: multi-turn sessions over a few shared system prompts whose turns start at random
 steps, under a few tenants (vLLM cache salts, which the fake forward's fingerprints start from),
-random aborts of running requests, and, with storage, the instance shut down halfway and a
+random aborts of running requests (and of requests whose load, or the staging of whose storage
+hit, runs: loads and staging reads run in the step or, in half the episodes each, on the load
+lane's thread, landing steps later), and, with storage, the instance shut down halfway and a
 fresh one started on the same directory. A third of the episodes run under vLLM's default load
 failure policy ("fail": a failed load ends its request with an error), the rest "recompute".
 
@@ -48,11 +50,11 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-import runtime.integrations.vllm as vllm_integration  # noqa: E402
+import runtime.integrations.vllm.connector as vllm_integration  # noqa: E402
 from runtime.integrations.vllm import HiCacheConnector, LoadJob  # noqa: E402
-from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler  # noqa: E402
-from runtime.integrations.vllm_worker import HiCacheConnectorWorker  # noqa: E402
-from runtime.invariants import check_tiers_only  # noqa: E402
+from runtime.integrations.vllm.scheduler import HiCacheConnectorScheduler  # noqa: E402
+from runtime.integrations.vllm.worker import HiCacheConnectorWorker  # noqa: E402
+from runtime.integrations.vllm.invariants import check_tiers_only  # noqa: E402
 from runtime.messages import PoolTransfer, TransferPlan  # noqa: E402
 from runtime.storage.backend import FaultPlan, FaultyBackend  # noqa: E402
 from runtime.storage.hashing import page_hashes  # noqa: E402
@@ -194,53 +196,31 @@ class LoadOnePageLate(HiCacheConnector):
     Scheduler = _LoadOnePageLateScheduler
 
 
-class _BackedUpMidLoadScheduler(HiCacheConnectorScheduler):
-    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
-        self._awaiting.discard(request.request_id)
-        self.core.loading = lambda rid: False  # type: ignore[method-assign]
-        return super().request_finished(request, block_ids)
+class _StagedOnePageOffWorker(HiCacheConnectorWorker):
+    def _stage(self, request):  # type: ignore[no-untyped-def]
+        if len(request.pages) > 1:
+            request = request._replace(pages=request.pages[1:] + request.pages[:1])
+        return super()._stage(request)
 
 
-class BackedUpMidLoad(HiCacheConnector):
-    """A request aborted while its load runs is backed up as if it had finished (both guards
-    off: the scheduler side's `_awaiting`, the core's `loading`): vLLM frees its blocks at one
-    report, then is told about a request it no longer has."""
+class StagedOnePageOff(HiCacheConnector):
+    """A staging read writes each storage page into the host page of the next one: the staged
+    pages join the host tier holding the wrong KV."""
 
-    Scheduler = _BackedUpMidLoadScheduler
-
-
-class _LimitInSourceOrderWorker(HiCacheConnectorWorker):
-    def register_kv_caches(self, kv_caches):  # type: ignore[no-untyped-def]
-        super().register_kv_caches(kv_caches)
-        copier = self.copier
-
-        def run(plan, limit=None):  # type: ignore[no-untyped-def]
-            blocks, pages = copier.pages(plan)
-            if limit is not None:
-                blocks, pages = blocks[:limit], pages[:limit]
-            for layer in range(len(copier.layers)):
-                copier.copy_layer(plan, layer, blocks, pages)
-
-        copier.run = run
-
-
-class LimitInSourceOrder(HiCacheConnector):
-    """A load cut short copies its first pages in host-page order, not the plan's (the copier's
-    bug the fuzzer found: a short storage read then left a hit block unfilled)."""
-
-    Worker = _LimitInSourceOrderWorker
+    Worker = _StagedOnePageOffWorker
 
 
 class _UnheldScheduler(HiCacheConnectorScheduler):
     def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         core = self.core
-        core.reserve = lambda rid, *a, **k: core.lookup(*a, **k)  # type: ignore[method-assign]
+        core.reserve = lambda rid, *a, stage=False, storage=True, **k: core.lookup(*a, **k)  # type: ignore[method-assign]
 
 
 class UnheldHits(HiCacheConnector):
-    """A hit is reported without holding what its load needs (the connector before holds): host
-    pages evicted or taken between the report and the load leave blocks promised unfilled."""
+    """A hit is reported without holding what its load needs, and a storage hit without staging
+    it (the connector before holds): host pages evicted or taken, or storage pages gone, between
+    the report and the load leave blocks promised unfilled."""
 
     Scheduler = _UnheldScheduler
 
@@ -256,13 +236,12 @@ class SaltBlind(HiCacheConnector):
     Scheduler = _SaltBlindScheduler
 
 
-# plants a storage read shows (a short read cuts a load): their searches skip episodes without storage
-STORAGE_PLANTS = frozenset({"limit_in_source_order"})
+# plants only a storage read shows: their searches skip episodes without storage
+STORAGE_PLANTS = frozenset({"staged_one_page_off"})
 
 PLANTS: dict[str, type[HiCacheConnector]] = {
     "salt_blind": SaltBlind,
-    "limit_in_source_order": LimitInSourceOrder,
-    "backed_up_mid_load": BackedUpMidLoad,
+    "staged_one_page_off": StagedOnePageOff,
     "eager_free": EagerFreeConnector,
     "load_errors_dropped": LoadErrorsDropped,
     "load_one_page_late": LoadOnePageLate,
@@ -353,8 +332,9 @@ def run_episode(seed: int, model_dir: str, plant: str | None = None) -> Episode:
                 started += 1
             elif live and rng.random() < 0.01:
                 abort = rng.choice(sorted(live))
-            elif rng.random() < 0.3:  # a request aborted while its load runs
-                loading = [r for r in live if e.scheduler.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KVS]
+            elif rng.random() < 0.3:  # a request aborted while its load, or the staging of its hit, runs
+                loading = [r for r in live if e.scheduler.requests[r].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+                           or e.connector.core.staging(r)]
                 abort = rng.choice(sorted(loading)) if loading else None
             if abort is not None and abort not in e.finished:
                 e.scheduler.finish_requests(abort, RequestStatus.FINISHED_ABORTED)
@@ -412,6 +392,14 @@ def _engine(model_dir: str, blocks: int, max_batched: int, host_blocks: int, sto
     finally:
         vllm_integration._open_storage = open_storage
     _faulty_copier(e.worker._copier(), random.Random(f"{seed}:copies"), faults)
+    if storage_dir is not None:  # staging reads in the step, or on the load lane's thread (a remote store's way)
+        e.worker._stage_inline = random.Random(f"{seed}:stage-lane").random() < 0.5
+    # loads in the step, or on the load lane's thread, landing steps later (as a GPU's side stream's:
+    # each takes a few ms there, so that a request can be aborted or preempted while it runs)
+    e.worker._load_inline = random.Random(f"{seed}:load-lane").random() < 0.5
+    if not e.worker._load_inline:
+        load = e.worker._load
+        e.worker._load = lambda job: (time.sleep(0.003), load(job))[1]  # type: ignore[method-assign]
     return e
 
 
@@ -508,7 +496,7 @@ def run(seed: int, episodes: int, model_dir: str, plant: str | None = None) -> d
         for k in ("steps", "finished", "aborted", "failed", "preemptions", "instances"):
             totals[k] = totals.get(k, 0) + getattr(ep, k)
         for k in ("tokens_loaded", "tokens_storage_loaded", "tokens_backed_up", "load_errors", "backup_errors",
-                  "hits_cut", "storage_reads_short"):
+                  "hits_cut", "storage_reads_short", "stagings", "stagings_short", "tokens_staged"):
             totals[k] = totals.get(k, 0) + ep.stats.get(k, 0)
     out.update(totals, seconds=round(time.perf_counter() - t0, 1))
     return out

@@ -46,11 +46,11 @@ import random
 import numpy as np
 import pytest
 
-from runtime.invariants import check_tiers_only
+from runtime.integrations.vllm.invariants import check_tiers_only
 from runtime.messages import Direction
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.tree.tiers.storage import StorageRequest
-from runtime.tree.tiers_only import TierLoad, TiersOnlyCore
+from runtime.integrations.vllm.core import TierLoad, TiersOnlyCore
 
 
 def loaded(ld: TierLoad):

@@ -192,7 +192,7 @@ LEDGER_MUTATORS = frozenset({"alloc", "alloc_held", "free", "assign", "hold", "u
 LEDGERS = frozenset({"device", "host", "ledger", "host_ledger"})
 LEDGER_OWNERS = frozenset({"runtime/tree/residency.py"})
 LEDGER_CALLS: dict[str, str] = {
-    "runtime/tree/tiers_only.py": "the vLLM-mode core over a host-only Residency (moving to integrations/vllm/)",
+    "runtime/integrations/vllm/core.py": "the vLLM-mode core over a host-only Residency (its own host ledger use)",
 }
 
 
@@ -222,7 +222,7 @@ _ENGINE_OP = "the engine's own in-flight op record"
 _HF = "patches the Hugging Face model it wraps (its hooks and attention implementation)"
 _SERVING = "the demo scheduler's own request and metrics records"
 _SPLIT = ("the vLLM-mode core sets its residency's tree split hook, which Residency now gives the tree at its "
-          "making: the one write into the tree from outside its owner left, leaving with tiers_only.py")
+          "making: the one write into the tree from outside its owner left (integrations/vllm/core.py)")
 WRITES: dict[tuple[str, str], str] = {
     ("runtime/actors/offload_actor.py", "finished"): "the offload actor's per-request progress record",
     ("runtime/actors/offload_actor.py", "inflight"): "the offload actor's per-request progress record",
@@ -259,8 +259,8 @@ WRITES: dict[tuple[str, str], str] = {
         "admissions")},
     ("runtime/timeline.py", "args"): "the converter's own trace event records",
     ("runtime/timeline.py", "events"): "the converter's own run records",
-    ("runtime/integrations/vllm_events.py", "learning"): "the connector's own page record",
-    ("runtime/integrations/vllm_events.py", "media"): "the connector's own page record",
+    ("runtime/integrations/vllm/events.py", "learning"): "the connector's own page record",
+    ("runtime/integrations/vllm/events.py", "media"): "the connector's own page record",
     ("runtime/runtime.py", "state"): "the façade sets its supervisor's state on a failed start (to become a "
                                      "Supervisor method)",
     ("runtime/storage/mooncake_backend.py", "replica_num"): "Mooncake's replicate config object, built here",
@@ -281,9 +281,9 @@ WRITES: dict[tuple[str, str], str] = {
     ("runtime/tree/request_table.py", "row"): "the table files a record at its row (records.py: its one writer "
                                               "of row and table)",
     ("runtime/tree/request_table.py", "table"): "the table files a record at its row",
-    ("runtime/tree/tiers_only.py", "finished"): _RECORD,
-    ("runtime/tree/tiers_only.py", "copies"): _RECORD,
-    ("runtime/tree/tiers_only.py", "on_split"): _SPLIT,
+    ("runtime/integrations/vllm/core.py", "finished"): _RECORD,
+    ("runtime/integrations/vllm/core.py", "copies"): _RECORD,
+    ("runtime/integrations/vllm/core.py", "on_split"): _SPLIT,
 }
 WRITES_RATCHET = 99  # len(WRITES) may only go down
 

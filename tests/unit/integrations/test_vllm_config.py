@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.errors import ConfigError
-from runtime.integrations.vllm_config import ConnectorConfig, model_digest, open_storage
+from runtime.integrations.vllm.config import ConnectorConfig, model_digest, open_storage
 
 LAYERS, PAGE = 2, 4096  # a vLLM block of one layer: 4 KiB
 BLOCK_BYTES = LAYERS * PAGE

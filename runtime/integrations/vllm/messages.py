@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from runtime.messages import TransferPlan
 from runtime.tree.tiers.storage import StorageRequest
-from runtime.tree.tiers_only import TierLoad
+from runtime.integrations.vllm.core import TierLoad
 
 __all__ = ["LoadJob", "TieredMeta", "CopyAcks", "StorageOutcome", "JobResult"]
 
@@ -31,11 +31,12 @@ class LoadJob:
 @dataclass(frozen=True)
 class TieredMeta(KVConnectorMetadata):
     """One step's work for the workers: loads (asynchronous, reported through `get_finished`),
-    backups of finished requests, storage writes."""
+    backups of finished requests, storage writes, staging reads (acked through `CopyAcks`)."""
 
     loads: tuple[LoadJob, ...] = ()
     backups: tuple[tuple[str, TransferPlan], ...] = ()  # (request id, plan)
     storage_writes: tuple[StorageRequest, ...] = ()
+    stages: tuple[StorageRequest, ...] = ()  # staging reads: storage pages into host pages, before a hit is reported
 
 
 StorageOutcome = tuple[int, str | None, tuple[bool, ...]]  # pages read, error, pages written

@@ -1,9 +1,12 @@
 """The connector's scheduler side (`runtime.integrations.vllm`): a `TiersOnlyCore` decides.
 
-vLLM's synchronous scheduler calls it directly. `get_num_new_matched_tokens` answers, without
-side effects, how many tokens past vLLM's own prefix-cache hit the host tier, then storage,
-hold; every hit is an asynchronous load (the request waits in ``WAITING_FOR_REMOTE_KVS`` until
-the worker reports it: docs/VLLM.md says why no load is synchronous).
+vLLM's synchronous scheduler calls it directly. `get_num_new_matched_tokens` answers how many
+tokens past vLLM's own prefix-cache hit the host tier holds, and holds them for the request; a
+storage hit is first staged (read into host pages held for the request: the answer is None,
+"not known yet", until the read landed, then the staged pages are a host hit); every hit is an
+asynchronous load (the request waits in ``WAITING_FOR_REMOTE_KVS`` until the worker reports it:
+docs/VLLM.md says why no load is synchronous). A request's page keys come from a cache by vLLM's
+own block hashes for the blocks earlier requests had (a chat's next turn hashes its new pages only).
 `update_state_after_alloc` turns it into a load into the blocks vLLM allocated;
 `request_finished` backs up the request's computed blocks the tier lacks and returns
 ``delay_free_blocks=True`` while that backup reads them, so vLLM never frees a block a copy
@@ -11,28 +14,32 @@ still reads (seed 000, enforced by vLLM's own free); a landed backup is written 
 storage; `build_connector_meta` carries the step's work (`TieredMeta`) to the workers;
 `update_connector_output` applies the workers' acks (`CopyAcks`, through vLLM's worker-metadata
 channel); with vLLM's KV events on, `take_events` hands vLLM's scheduler the host tier's and
-storage's events under vLLM's block hashes (`runtime.integrations.vllm_events`).
+storage's events under vLLM's block hashes (`runtime.integrations.vllm.events`).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError
-from runtime.integrations.vllm_events import ConnectorEvents
-from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
-from runtime.integrations.vllm_metrics import HiCacheConnectorStats, report
+from runtime.integrations.vllm.events import ConnectorEvents
+from runtime.integrations.vllm.messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm.metrics import HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
 from runtime.storage.health import HealthTracked
 from runtime.storage.hashing import KVIdentity
-from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.integrations.vllm.core import TiersOnlyCore
 from runtime.validation import tokens as checked_tokens
 
 if TYPE_CHECKING:
@@ -62,6 +69,18 @@ def _namespace(request: Request) -> Hashable:
     lora = request.lora_request.lora_name if request.lora_request is not None else None
     salt = request.cache_salt
     return None if lora is None and salt is None else ("vllm", lora, salt)
+
+
+_KEY_CACHE_CAP = 1 << 18  # vLLM block hashes -> page keys kept (~50 MB at most)
+
+
+def _checked(ids: list[int]) -> np.ndarray:
+    """Token ids (a plain list: vLLM's `ConstantList` slices to one; numpy reads a list in C, a
+    `ConstantList` element by element) as a checked int32 array."""
+    try:
+        return checked_tokens(np.array(ids, dtype=np.int32))
+    except (OverflowError, TypeError, ValueError):
+        return checked_tokens(ids)  # (its typed error says what is wrong)
 
 
 class HiCacheConnectorScheduler:
@@ -100,6 +119,13 @@ class HiCacheConnectorScheduler:
         # again after recomputing the shortfall; the same promise would fail the same way)
         self._reached: dict[str, int] = {}
         self._backups: list[tuple[str, TransferPlan]] = []
+        # requests whose storage hit was staged (`TiersOnlyCore.reserve(stage=True)`, once per
+        # request): when vLLM stops waiting for the read (the prefetch timeout's deadline)
+        self._staged: dict[str, float] = {}
+        # the page keys of blocks requests had, by vLLM's block hash (`_keys_of`)
+        self._key_cache: dict[Any, bytes] = {}
+        self._hash_block_size = kv_cache_config.hash_block_size or self.block_size
+        self._stage_timeout = RuntimeConfig().prefetch_timeout
         # requests holding a reported hit (`TiersOnlyCore.reserve`) that vLLM has not allocated for yet
         self._held: dict[str, Request] = {}
         # this step's loads by tier, for vLLM's prefix-cache hits by source (asked right after the load)
@@ -118,20 +144,37 @@ class HiCacheConnectorScheduler:
     # -- vLLM's scheduler calls -------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
+        deadline = self._staged.get(rid)
+        if deadline is not None and self.core.staging(rid) and time.monotonic() < deadline:
+            return None, False  # (its staging read runs: asked again next step, at no cost)
         asked = self._asked.get(rid)
         namespace = self._namespace(request)
         if asked is not None and len(asked.tokens) == request.num_tokens:  # asked again while it waits
             tokens, keys = asked.tokens, asked.keys
         else:
             tokens = self._tokens_of(request)
-            keys = self._keys[rid] = self.core.page_keys(tokens, namespace, self._keys.get(rid))
+            keys = self._keys_of(request, tokens, namespace)
         reached = self._reached.get(rid)
         if reached is not None and reached <= num_computed_tokens:  # (promised nothing past it again)
             self.core.release(rid)
             total = 0
         else:
-            # a hit told to vLLM is one the tiers can load: held for the request until its load
-            total = self.core.reserve(rid, tokens, namespace, num_computed_tokens, keys).total
+            # a hit told to vLLM is one the tiers can load: held for the request until its load.
+            # A storage hit is staged first (read into host pages: vLLM is told "not known yet",
+            # None, and asks again each step), once per request: what landed is then a host hit,
+            # and a page gone from storage meanwhile a shorter hit, never a failed load. Past
+            # the prefetch timeout, what landed is reported (the read goes on, detached).
+            stage = self.storage is not None and deadline is None
+            hit = self.core.reserve(rid, tokens, namespace, num_computed_tokens, keys, stage=stage,
+                                    storage=stage)
+            if hit.staging:
+                self._staged[rid] = time.monotonic() + self._stage_timeout(len(tokens))
+                self._asked.pop(rid, None)
+                if self.events is not None:  # (its pages join the tier at its ack)
+                    self.events.learn(self.core.stages[rid].read, request,
+                                      keys[:(num_computed_tokens + hit.total) // self.block_size])
+                return None, False
+            total = hit.total
             if reached is not None and total > reached - num_computed_tokens:
                 total = reached - num_computed_tokens  # (the load uses a prefix of the hold)
         self._asked[rid] = _Asked(num_computed_tokens, tokens, keys)
@@ -160,8 +203,7 @@ class HiCacheConnectorScheduler:
             self._reached[rid] = local + ld.tokens
         # reported through get_finished whatever happens (vLLM waits for it)
         self._loads.append(LoadJob(rid, ld, tuple(block_ids[first:end])))
-        host = ld.read_at * self.block_size if ld.read is not None else ld.tokens
-        self._sources[rid] = {CacheHitSource.HOST: host, CacheHitSource.DISK: ld.tokens - host,
+        self._sources[rid] = {CacheHitSource.HOST: ld.tokens - ld.from_storage, CacheHitSource.DISK: ld.from_storage,
                               CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens - ld.tokens}
         if self.events is not None and ld.read is not None:  # (its pages join the tier at its ack)
             self.events.learn(ld.read[0], request, asked.keys[:(local + num_external_tokens) // self.block_size])
@@ -176,7 +218,7 @@ class HiCacheConnectorScheduler:
         self._held = {rid: r for rid, r in self._held.items() if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS}
         self._sources.clear()
         meta = TieredMeta(tuple(self._loads), tuple(self._backups),
-                          tuple(self.core.take_storage_writes()))
+                          tuple(self.core.take_storage_writes()), tuple(self.core.take_stage_reads()))
         self._loads, self._backups = [], []
         return meta
 
@@ -201,10 +243,6 @@ class HiCacheConnectorScheduler:
         vLLM's block hashes; vLLM's scheduler publishes them with its own GPU events each step."""
         return self.events.take() if self.events is not None else ()
 
-    def has_pending_push_work(self) -> bool:
-        """Copies or storage writes in flight keep vLLM stepping until their acks."""
-        return self.core is not None and self.core.busy()
-
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Back up the request's computed blocks the tier lacks; vLLM keeps them until the
         backup ran (`get_finished` reports the request). A request finished while its load runs
@@ -212,7 +250,8 @@ class HiCacheConnectorScheduler:
         rid = request.request_id
         self._asked.pop(rid, None)
         self._reached.pop(rid, None)
-        self._held.pop(rid, None)  # (its hold, if any, goes with `finish`)
+        self._held.pop(rid, None)  # (its hold and staging, if any, go with `finish`)
+        self._staged.pop(rid, None)
         if rid in self._awaiting:  # (its blocks do not hold their KV yet; the load's report frees them)
             self._forget_tokens(rid)
             self.core.finish(rid)
@@ -239,7 +278,7 @@ class HiCacheConnectorScheduler:
         return {source: n for source, n in split.items() if n}
 
     def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
-        """What changed since the last report (`runtime.integrations.vllm_metrics`)."""
+        """What changed since the last report (`runtime.integrations.vllm.metrics`)."""
         health = self.storage.state.level if self.storage is not None else None
         # (asked every step; the tiers' counters only grow, so an unchanged sum is nothing new)
         total = sum(self.core.stats.values())
@@ -274,6 +313,43 @@ class HiCacheConnectorScheduler:
             self.storage.close()
 
     # -- helpers -----------------------------------------------------------------------
+    def _keys_of(self, request: Request, tokens: np.ndarray, namespace: Hashable) -> list[bytes]:
+        """The request's page keys (storage), kept while it lives. A turn of a chat is a new
+        request whose tokens start with the last turn's: the keys of the pages it shares with an
+        earlier request come from `_key_cache`, by vLLM's own hashes of those blocks (which
+        commit to the whole prefix and the request's extra keys: LoRA, cache salt, media), so
+        only its new pages are hashed. The keys themselves stay the portable chain hashes of
+        `runtime.storage.hashing` (vLLM's hashes may be seeded per process)."""
+        rid = request.request_id
+        known = self._keys.get(rid)
+        if self.storage is None:
+            return []
+        n = (len(tokens) - 1) // self.block_size
+        have = known if known is not None else []
+        if len(have) < n:
+            hashes = request.block_hashes
+            if self._hash_block_size != self.block_size:
+                hashes = resolve_block_hashes(hashes, self._hash_block_size, self.block_size)
+            cache = self._key_cache
+            have = list(have)
+            stop = min(n, len(hashes))
+            i = len(have)
+            while i < stop:
+                key = cache.get(hashes[i])
+                if key is None:
+                    break
+                have.append(key)
+                i += 1
+            if i < n:
+                have = self.core.page_keys(tokens, namespace, have)
+                for j in range(i, min(len(have), stop)):
+                    cache[hashes[j]] = have[j]
+                if len(cache) > _KEY_CACHE_CAP:  # (the oldest quarter goes: a dict keeps insertion order)
+                    for old in list(itertools.islice(cache, len(cache) // 4)):
+                        del cache[old]
+        self._keys[rid] = have
+        return have
+
     def _forget_tokens(self, rid: str) -> None:
         self._token_ids.pop(rid, None)
         self._keys.pop(rid, None)
@@ -287,11 +363,11 @@ class HiCacheConnectorScheduler:
         known = self._token_ids.get(rid)
         n = 0 if known is None else len(known)
         if n == 0 or n > len(ids) or ids[n - 1] != known[-1]:  # (a cheap check of that contract)
-            tokens = checked_tokens(np.asarray(ids))
+            tokens = _checked(ids[:])
             self._keys.pop(rid, None)  # (hashed from tokens it no longer has)
         elif n == len(ids):
             tokens = known
         else:
-            tokens = np.concatenate((known, checked_tokens(np.asarray(ids[n:]))))
+            tokens = np.concatenate((known, _checked(ids[n:])))
         self._token_ids[rid] = tokens
         return tokens

@@ -12,9 +12,10 @@ back through `apply_ack`. Synchronous and loop-free: the engine's scheduler driv
 
 With storage (`enable_storage`), full mode's `StorageTier` sits behind the host tier: a landed
 backup is written through to storage by page hash, `lookup` also asks storage (through the
-backend's `exists_prefix`) for the pages after the host hit, and `load` reads those into fresh
-host pages (a storage read) that the same load then copies to the engine's blocks; the read's
-pages join the tree at its ack, after the load's.
+backend's `exists_prefix`) for the pages after the host hit. `reserve(stage=True)` reads those
+into host pages first (a staging read, `TierStage`), reporting nothing of them until they joined
+the tree; `load` can also read them into fresh host pages that the same load then copies to the
+engine's blocks (the read's pages join the tree at its ack, after the load's).
 
 Ownership, as in full mode:
 - a host page has one owner: a tree node, or the backup that fills it until its ack;
@@ -23,6 +24,9 @@ Ownership, as in full mode:
 - a reported hit (`reserve`) holds what its load needs until the load, `release` or `finish`:
   the host path it reads locked, and host pages for its storage part, owned by the hold (a part
   no host room can be had for is cut from the hit, and counted);
+- a staging read owns its host pages until its ack (then the tree's, or freed) and locks the
+  prefix they hang under; landed, it locks their path for its request until the request's next
+  `reserve` or `finish`;
 - the engine's blocks are the engine's: it must not free a block a backup still reads or a
   load still writes (a request aborted mid-load). `finish(rid)` says whether one is in flight
   (vLLM's ``delay_free_blocks``).
@@ -76,6 +80,7 @@ class TierHit:
 
     host: int = 0
     storage: int = 0
+    staging: bool = False  # the storage part is being read into host pages (`reserve(stage=True)`): not a hit yet
 
     @property
     def total(self) -> int:
@@ -94,6 +99,7 @@ class TierLoad:
     read: StorageRequest | None = None
     read_at: int = 0
     read_skip: int = 0
+    from_storage: int = 0  # of its tokens, those storage brought (read now, or staged for the request)
 
 
 NO_HIT, NO_LOAD = TierHit(), TierLoad()
@@ -111,6 +117,32 @@ class TierHold:
     node: Node | None  # locked (None: nothing to lock, or a namespace root)
     host: np.ndarray = field(default_factory=lambda: _NO_SLOTS)
     owner: Owner | None = None
+    staged: tuple[int, int] = (0, 0)  # the tokens [from, to) its request's staging brought to the host tier
+
+
+@dataclass(slots=True)
+class TierStage:
+    """A storage hit of `rid`'s being staged: read into host pages before anything is reported to
+    the engine. While the read runs (`read`: its op id) it locks the prefix the read's pages will
+    hang under; once they joined the tree (`read` 0) it locks the path they landed on, for `rid`,
+    until its next `reserve` (which locks what it reports) or `finish`. A read the request stopped
+    waiting for (`detached`) still locks its prefix until its ack."""
+
+    rid: Hashable
+    read: int
+    node: Node | None
+    tokens: np.ndarray  # the request's tokens the read covers the end of
+    extra_key: Hashable
+    start: int  # the read's first token
+    detached: bool = False
+    landed: int = 0  # the end of the tokens it brought to the host tier (once landed)
+
+    def detach(self) -> None:
+        self.detached = True
+
+    def land(self, node: Node | None, landed: int) -> None:
+        """Its read's ack was applied: `node` (the path its pages landed on) is locked for it now."""
+        self.read, self.node, self.landed = 0, node, landed
 
 
 @dataclass(slots=True)
@@ -139,6 +171,9 @@ class TiersOnlyCore:
         self.copies: dict[int, TierCopy] = {}
         self._reads_copied: set[int] = set()  # storage reads whose loads are in flight (they pin the reads' pages)
         self.holds: dict[Hashable, TierHold] = {}  # reported hits not loaded yet, by request
+        self.stages: dict[Hashable, TierStage] = {}  # storage hits being staged, or staged, by request
+        self.stage_reads: dict[int, TierStage] = {}  # the staging reads in flight, by storage op
+        self._stage_requests: list[StorageRequest] = []  # staging reads issued, not taken yet
         self._op_ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._offsets = np.arange(page_size, dtype=np.int64)
@@ -150,7 +185,10 @@ class TiersOnlyCore:
              # hits cut at their report to the host room their load could have (never promised); loads
              # that covered less than the hit reported (the tiers lost its pages since: none while
              # hits are held); storage reads that came back short (their loads' later blocks unfilled)
-             "hits_cut", "tokens_hit_cut", "loads_short", "storage_reads_short"), 0)
+             "hits_cut", "tokens_hit_cut", "loads_short", "storage_reads_short",
+             # storage hits staged into host pages before their report; those that came back
+             # short (pages gone from storage since the lookup: a shorter hit); tokens staged
+             "stagings", "stagings_short", "tokens_staged"), 0)
 
     def enable_storage(self, identity: KVIdentity, exists_prefix: Callable[[list[bytes]], int],
                        tp_ranks: int = 1, *, evicts_tails_first: bool = False) -> None:
@@ -194,16 +232,36 @@ class TiersOnlyCore:
         return self._counted(_hit(computed, host_end, stored_end))
 
     def reserve(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
-                keys: list[bytes] | None = None) -> TierHit:
+                keys: list[bytes] | None = None, *, stage: bool = False, storage: bool = True) -> TierHit:
         """`lookup`, holding what the hit needs for `rid` until its `load` (or `release`,
         `finish`): the host path locked, and host pages taken for the storage part, evicting
         host copies for them if need be. A storage part no host room can be had for is cut from
-        the hit (`hits_cut`, `tokens_hit_cut`). Replaces `rid`'s hold, if any."""
+        the hit (`hits_cut`, `tokens_hit_cut`). Replaces `rid`'s hold, if any, and ends its
+        staging (`TierStage`; a read still in flight goes on, detached).
+
+        `stage`: a storage part is not held but read now into those host pages (a staging read,
+        `take_stage_reads`), nothing held: the hit returned says `staging`, and once the read
+        landed the pages are the host tier's, kept for `rid` until its next `reserve` (which then
+        finds them as a host hit: a page gone from storage meanwhile is a shorter hit, never a
+        failed load). `storage=False`: storage is not asked (the host tier's hit only)."""
         tokens = _tokens(tokens)
         self._check_aligned(computed, "computed", len(tokens))
         self._check_open(rid)
+        if stage and self.storage is None:
+            raise StateError("staging needs a storage tier")
         self.release(rid)
-        m, host_end, stored_end = self._probe(tokens, extra_key, computed, keys)
+        ended = self.stages.get(rid)
+        staged = (ended.start, ended.landed) if ended is not None and not ended.read else (0, 0)
+        lock = self._end_stage(rid)  # (its landed path stays locked until the new hold locked its own)
+        try:
+            return self._reserve(rid, tokens, extra_key, computed, keys, stage, storage, staged)
+        finally:
+            if lock is not None:
+                self.residency.tree.unlock(lock)
+
+    def _reserve(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, computed: int,
+                 keys: list[bytes] | None, stage: bool, storage: bool, staged: tuple[int, int]) -> TierHit:
+        m, host_end, stored_end = self._probe(tokens, extra_key, computed, keys if storage else None, storage)
         if m is None or stored_end <= computed:
             return self._counted(NO_HIT)
         res = self.residency
@@ -224,13 +282,74 @@ class TiersOnlyCore:
                 self.stats["hits_cut"] += 1
                 self.stats["tokens_hit_cut"] += stored_end - max(end, computed)
                 stored_end = end
-        hold = TierHold(rid, host_end, node, got, owner)
+        hold = TierHold(rid, host_end, node, got, owner, staged)
         hit = _hit(computed, host_end, stored_end)
         if hit.total == 0:
             self._drop_hold(hold, 0)
             return self._counted(NO_HIT)
+        if stage and len(got):
+            return self._stage(hold, tokens[:stored_end], extra_key, keys, hit)
         self.holds[rid] = hold
         return self._counted(hit)
+
+    def _stage(self, hold: TierHold, tokens: np.ndarray, extra_key: Hashable, keys: list[bytes] | None,
+               hit: TierHit) -> TierHit:
+        """Turn `hold`'s storage part into a staging read now (its pages the read's, its prefix
+        lock the stage's until the read's ack)."""
+        assert self.storage is not None and hold.owner is not None
+        ps = self.page_size
+        first = hold.start // ps
+        every = keys if keys is not None else self._page_keys(tokens, extra_key)
+        wanted = every[first:first + len(hold.host) // ps]
+        link = every[first - 1] if first else None
+        issued = self.storage.read(hold.rid, tokens, extra_key, hold.start, wanted, link, (hold.host, hold.owner))
+        assert issued is not None  # (its host pages are given: no room to find)
+        pf, request = issued
+        stage = TierStage(hold.rid, request.op_id, hold.node, pf.tokens, extra_key, hold.start)
+        self.stages[hold.rid] = self.stage_reads[request.op_id] = stage
+        self._stage_requests.append(request)
+        self.stats["stagings"] += 1
+        return TierHit(hit.host, hit.storage, staging=True)
+
+    def staging(self, rid: Hashable) -> bool:
+        """A staging read of `rid`'s is in flight (its hit is not known yet)."""
+        stage = self.stages.get(rid)
+        return stage is not None and stage.read != 0
+
+    def take_stage_reads(self) -> list[StorageRequest]:
+        """The staging reads issued since the last call (the workers run them)."""
+        out, self._stage_requests = self._stage_requests, []
+        return out
+
+    def _end_stage(self, rid: Hashable) -> Node | None:
+        """`rid` stops waiting for its staging: a read in flight goes on detached (its prefix
+        lock is its own until its ack); returns the landed path's lock, for the caller to drop."""
+        stage = self.stages.pop(rid, None)
+        if stage is None:
+            return None
+        if stage.read:
+            stage.detach()
+            return None
+        return stage.node
+
+    def _stage_landed(self, stage: TierStage, pages: int) -> None:
+        """A staging read's ack was applied (its leading `pages` joined the tree): its prefix lock
+        is dropped; a stage still waited for locks the path its pages landed on instead."""
+        res = self.residency
+        if not stage.detached and pages:
+            m = res.tree.match(stage.tokens[:stage.start + pages * self.page_size], stage.extra_key,
+                               split=False, touch=False)
+            landed = _lockable(m.last_node)
+            if landed is not None:
+                res.tree.lock(landed)  # (first: the prefix lock it replaces covers its path's top)
+        else:
+            landed = None
+        if stage.node is not None:
+            res.tree.unlock(stage.node)
+        stage.land(landed, stage.start + pages * self.page_size)
+        if stage.detached:
+            return
+        self.stats["tokens_staged"] += pages * self.page_size
 
     def release(self, rid: Hashable) -> None:
         """Drop `rid`'s hold, if any (the engine did not load the hit it was told of)."""
@@ -292,16 +411,20 @@ class TiersOnlyCore:
                 used = len(wanted) if reserved is not None else 0
                 parts.append(pf.host)
                 top = end
-                self.stats["tokens_storage_loaded"] += end - first
         if top <= computed:
             if node is not None:
                 res.tree.unlock(node)
             return NO_LOAD, used
         host = np.concatenate(parts)[computed:top]
         op = self._issue(rid, Direction.LOAD, host, node, read=read[0] if read else 0)
+        # what storage brought: read now, or staged for this request (the part of it loaded)
+        lo, hi = (first, end) if read else (hold.staged if hold is not None else (0, 0))
+        from_storage = max(0, min(hi, top) - max(lo, computed))
         self.stats["tokens_loaded"] += top - computed
+        self.stats["tokens_storage_loaded"] += from_storage
         plan = make_plan(op.op_id, Direction.LOAD, host, device[:top - computed])
-        return TierLoad(plan, top - computed, read, (first - computed) // ps, (first - host_end) // ps), used
+        return TierLoad(plan, top - computed, read, (first - computed) // ps, (first - host_end) // ps,
+                        from_storage), used
 
     def backup(self, rid: Hashable, tokens: Any, extra_key: Hashable, computed: int,
                block_ids: Sequence[int]) -> TransferPlan | None:
@@ -341,6 +464,9 @@ class TiersOnlyCore:
         """The engine is done with `rid`: returns whether a copy still reads or writes its blocks
         (a backup, or a load when it was aborted mid-load): the engine keeps them until its ack."""
         self.release(rid)
+        staged = self._end_stage(rid)
+        if staged is not None:
+            self.residency.tree.unlock(staged)
         rec = self.requests.get(rid)
         if rec is None:
             return False
@@ -405,7 +531,12 @@ class TiersOnlyCore:
             if op_id in self._reads_copied:  # (its load pins its pages)
                 raise StateError(f"storage read {op_id} acked before the load that copies from it")
         self.storage.apply_ack(op_id, pages, error, ok, ())
-        if not sop.write and pages < len(sop.keys):  # (its load left the blocks after them unfilled)
+        stage = self.stage_reads.pop(op_id, None)
+        if stage is not None:  # (a short one is a shorter hit: nothing was promised)
+            self._stage_landed(stage, 0 if error is not None else pages)
+            if pages < len(sop.keys):
+                self.stats["stagings_short"] += 1
+        elif not sop.write and pages < len(sop.keys):  # (its load left the blocks after them unfilled)
             self.stats["storage_reads_short"] += 1
 
     def take_storage_writes(self) -> list[StorageRequest]:
@@ -421,7 +552,9 @@ class TiersOnlyCore:
         assert host is not None
         return {"host_free_pages": host.num_free_pages(), "host_cached_tokens": self.residency.tree.total_host_tokens,
                 "copies_in_flight": len(self.copies), "requests_tracked": len(self.requests),
-                "hits_held": len(self.holds), "host_pages_held": sum(len(h.host) for h in self.holds.values()) // self.page_size,
+                "hits_held": len(self.holds),
+                "host_pages_held": sum(len(h.host) for h in self.holds.values()) // self.page_size,
+                "stagings": len(self.stages), "staging_reads_in_flight": len(self.stage_reads),
                 "storage_ops_in_flight": len(self.storage.ops) if self.storage is not None else 0}
 
     # -- helpers -------------------------------------------------------------------
@@ -442,9 +575,10 @@ class TiersOnlyCore:
         return op
 
     def _probe(self, tokens: np.ndarray, extra_key: Hashable, computed: int,
-               keys: list[bytes] | None) -> tuple[Any, int, int]:
-        """(the host match, where the host tier's hit ends, where storage's ends) past `computed`;
-        (None, 0, 0) when nothing past it can be a hit. Changes nothing."""
+               keys: list[bytes] | None, storage: bool = True) -> tuple[Any, int, int]:
+        """(the host match, where the host tier's hit ends, where storage's ends) past `computed`
+        (storage asked only with `storage`); (None, 0, 0) when nothing past it can be a hit.
+        Changes nothing."""
         self.stats["lookups"] += 1
         ps = self.page_size
         n = aligned(len(tokens) - 1, ps)
@@ -453,7 +587,7 @@ class TiersOnlyCore:
         look = self.residency.tree.match(tokens[:n], extra_key, split=False, touch=False)
         host_end = look.host_len
         stored_end = host_end
-        if self._exists is not None and max(host_end, computed) < n:
+        if storage and self._exists is not None and max(host_end, computed) < n:
             wanted = (keys if keys is not None else self._page_keys(tokens, extra_key))[host_end // ps: n // ps]
             if wanted:
                 try:

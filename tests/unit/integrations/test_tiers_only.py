@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from runtime.errors import ArgumentError, InvariantViolation, LengthError, StateError, UnknownRequestError
-from runtime.invariants import check_tiers_only
+from runtime.integrations.vllm.invariants import check_tiers_only
 from runtime.messages import Direction
-from runtime.tree.tiers_only import TierLoad, TiersOnlyCore
+from runtime.integrations.vllm.core import TierLoad, TiersOnlyCore
 
 
 def loaded(ld: TierLoad):

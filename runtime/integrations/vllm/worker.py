@@ -24,8 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.logger import init_logger
 
 from runtime.errors import ConfigError
-from runtime.integrations.vllm_messages import CopyAcks, JobResult, LoadJob, StorageOutcome, TieredMeta
-from runtime.integrations.vllm_metrics import Deltas, HiCacheConnectorStats, report
+from runtime.integrations.vllm.messages import CopyAcks, JobResult, LoadJob, StorageOutcome, TieredMeta
+from runtime.integrations.vllm.metrics import Deltas, HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
 from runtime.storage.backend import read_prefix, write_pages
 from runtime.storage.health import HealthTracked
@@ -56,6 +56,15 @@ class HiCacheConnectorWorker:
         parallel = vllm_config.parallel_config
         self.tp_rank = parallel.rank % parallel.tensor_parallel_size  # (its storage keys are its rank's)
         self.storage = storage
+        # a staging read from a local backend (files: the page cache or a local disk) runs in the
+        # step that gets it, as a host load's copy does: its ack is in the same step's report, so
+        # vLLM asks about the request once more, not once per step a thread takes to get the GIL
+        # (in one process with vLLM's scheduler, hundreds of idle steps in bench_vllm_connector.py)
+        self._stage_inline = storage is not None and getattr(storage.inner, "exists_is_local", False) is True
+        # a load from host pages runs in the step that gets it (whole-block CPU copies); off, it
+        # runs on the load lane's thread and lands steps later, as a CUDA copy on a side stream
+        # would (the connector fuzzer runs both)
+        self._load_inline = True
         # page tags written and checked here (docs/STORAGE.md, "Page integrity"; keyed by HICACHE_STORAGE_KEY)
         self.seal = PageSeal(os.environ.get("HICACHE_STORAGE_KEY"))
         self.copier: PagedKVCopier | None = None
@@ -84,12 +93,17 @@ class HiCacheConnectorWorker:
 
     def start_load_kv(self, meta: TieredMeta) -> None:
         for job in meta.loads:
-            if job.load.read is None:
+            if job.load.read is None and self._load_inline:
                 # host pages only: copied here and now (vLLM still sees an asynchronous load, done
                 # at this step's report); a worker thread would wait on the GIL for each copy
                 self._record("load", job.rid, self._load(job))
             else:  # a storage read first: on the load lane's thread
                 self._submit("load", job.rid, self._load, job)
+        for request in meta.stages:
+            if self._stage_inline:  # a local file read of a few pages: here, acked in this step's report
+                self._record("stage", "", self._stage(request))
+            else:  # (a remote store's latency): on the load lane's thread
+                self._submit("stage", "", self._stage, request)
 
     def wait_for_save(self, meta: TieredMeta) -> None:
         for rid, plan in meta.backups:
@@ -120,7 +134,7 @@ class HiCacheConnectorWorker:
         return acks
 
     def get_kv_connector_stats(self) -> HiCacheConnectorStats | None:
-        """What this worker moved since the last report (`runtime.integrations.vllm_metrics`)."""
+        """What this worker moved since the last report (`runtime.integrations.vllm.metrics`)."""
         health = self.storage.state.level if self.storage is not None else None
         stats = report(self.counts.take(), "storage_health_worker", health, self._reported_health)
         if stats is not None:
@@ -142,7 +156,7 @@ class HiCacheConnectorWorker:
 
     # -- helpers -----------------------------------------------------------------------
     def _submit(self, kind: str, rid: str, fn: Any, arg: Any) -> None:
-        lane = "load" if kind == "load" else "save"
+        lane = "save" if kind in ("backup", "write") else "load"
         executor = self._executors.get(lane)
         if executor is None:
             executor = self._executors[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hicache-{lane}")
@@ -181,15 +195,8 @@ class HiCacheConnectorWorker:
         load = job.load
         usable = None
         if load.read is not None:
-            op_id, keys, pages = load.read.op_id, self._own_keys(load.read), load.read.pages
-            try:
-                got, err = read_prefix(self.storage, keys, [copier.page_buffer(p) for p in pages], self.seal), None
-                self.counts.add(storage_read_bytes=got * self.page_bytes)
-            except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
-                got, err = 0, repr(exc)
-                self.counts.add(storage_read_failures=1)  # (the health tracker logs the backend's state)
-                logger.debug("HiCache storage read %d for %s failed: %s", op_id, job.rid, err)
-            storage[op_id] = (got, err, ())
+            got, err = self._read(load.read)
+            storage[load.read.op_id] = (got, err, ())
             usable = load.read_at + max(0, got - load.read_skip)
         if load.plan is not None:
             blocks = (load.plan.transfers[0].dst[:: self.block_size] // self.block_size).tolist()
@@ -205,6 +212,27 @@ class HiCacheConnectorWorker:
                 outcomes[load.plan.op_id] = repr(exc)
                 errors.update(blocks)
         return outcomes, storage, errors
+
+    def _read(self, request: StorageRequest) -> tuple[int, str | None]:
+        """A storage read into its host pages: (leading pages read whole and verified, error).
+        Never raises: a failure is an outcome."""
+        copier = self._copier()
+        refused = self.seal.rejected  # (the load lane is the seal's only checker)
+        try:
+            got = read_prefix(self.storage, self._own_keys(request),
+                              [copier.page_buffer(p) for p in request.pages], self.seal)
+            self.counts.add(storage_read_bytes=got * self.page_bytes,
+                            storage_pages_refused=self.seal.rejected - refused)
+            return got, None
+        except Exception as exc:  # noqa: BLE001 - reported, never a crashed worker
+            self.counts.add(storage_read_failures=1)  # (the health tracker logs the backend's state)
+            logger.debug("HiCache storage read %d failed: %r", request.op_id, exc)
+            return 0, repr(exc)
+
+    def _stage(self, request: StorageRequest) -> JobResult:
+        """A staging read: storage pages into host pages, acked like any storage op."""
+        got, err = self._read(request)
+        return {}, {request.op_id: (got, err, ())}, set()
 
     def _backup(self, plan: TransferPlan) -> JobResult:
         try:

@@ -2,7 +2,8 @@
 
 Each side reports, per step, what changed since its last report: the scheduler side the tokens
 its tiers served and backed up, the hits it cut and the loads that failed; each worker the bytes
-it copied and moved to and from storage, and the storage writes that failed; both their storage
+it copied and moved to and from storage, the storage writes that failed and the pages read
+from storage it refused (their integrity tags failed); both their storage
 backend's health (a gauge per side). vLLM merges the workers' stats (`aggregate`), adds the
 scheduler side's, and hands the merged data to its stat loggers: the periodic "KV Transfer
 metrics" log line (`reduce`) and its Prometheus logger (`HiCachePromMetrics.observe`).
@@ -45,6 +46,9 @@ METRICS: dict[str, Metric] = {
                                                                           "tier, and from it to storage."),
     "storage_written_bytes": Metric("vllm:hicache_stored_bytes", {"tier": "storage"}, ""),
     "storage_read_failures": Metric("vllm:hicache_storage_read_failures", {}, "Storage reads that failed."),
+    "storage_pages_refused": Metric("vllm:hicache_storage_pages_refused", {},
+                                    "Pages read from storage whose integrity tag failed (a wrong MAC or "
+                                    "checksum): refused, their blocks recomputed."),
     "storage_write_failures": Metric("vllm:hicache_storage_write_failures", {}, "Pages storage failed to write."),
     "storage_health_scheduler": Metric("vllm:hicache_storage_health", {"side": "scheduler"},
                                        "Storage backend health: 0 healthy, 1 degraded, 2 down (worst worker)."),

@@ -5,24 +5,24 @@ optionally, a storage tier behind it. Load it with::
 
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
                            "kv_connector_module_path": "runtime.integrations.vllm",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_role": "kv_both",
                            "kv_connector_extra_config": {"host_bytes": "64GiB",
                                                          "storage_dir": "/mnt/kv"}}'
 
-(``kv_load_failure_policy: recompute``: a load that fails makes vLLM recompute the blocks from
-the first failed one on; with vLLM's default ``fail`` the request ends with an error.)
-`runtime.integrations.vllm_config` reads and checks the options; docs/VLLM.md has every option
+(vLLM's default ``kv_load_failure_policy``, ``fail``, stays: a reported hit is held, and a
+storage hit is read into the host tier before it is reported.)
+`runtime.integrations.vllm.config` reads and checks the options; docs/VLLM.md has every option
 and how they map to vLLM's and LMCache's.
 
 Split as vLLM splits a connector (its OffloadingConnector): this class is a thin facade that
 vLLM loads and calls, and hands each call to its role's side:
 
-- scheduler side (`runtime.integrations.vllm_scheduler.HiCacheConnectorScheduler`): a
+- scheduler side (`runtime.integrations.vllm.scheduler.HiCacheConnectorScheduler`): a
   `TiersOnlyCore` decides what is a hit, loads it into the blocks vLLM allocated, backs up
   finished requests' blocks and writes them through to storage;
-- worker side (`runtime.integrations.vllm_worker.HiCacheConnectorWorker`): the host pool, the
+- worker side (`runtime.integrations.vllm.worker.HiCacheConnectorWorker`): the host pool, the
   copies and the storage calls, reported back through `get_finished` and `CopyAcks`;
-- what they send each other: `runtime.integrations.vllm_messages`.
+- what they send each other: `runtime.integrations.vllm.messages`.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from runtime.errors import ConfigError
-from runtime.integrations.vllm_config import ConnectorConfig, open_storage
-from runtime.integrations.vllm_messages import CopyAcks, LoadJob, TieredMeta
-from runtime.integrations.vllm_metrics import HiCacheConnectorStats, HiCachePromMetrics
-from runtime.integrations.vllm_scheduler import HiCacheConnectorScheduler
-from runtime.integrations.vllm_worker import HiCacheConnectorWorker
+from runtime.integrations.vllm.config import ConnectorConfig, open_storage
+from runtime.integrations.vllm.messages import CopyAcks, LoadJob, TieredMeta
+from runtime.integrations.vllm.metrics import HiCacheConnectorStats, HiCachePromMetrics
+from runtime.integrations.vllm.scheduler import HiCacheConnectorScheduler
+from runtime.integrations.vllm.worker import HiCacheConnectorWorker
 from runtime.storage.health import Health, HealthTracked
 
 if TYPE_CHECKING:
@@ -135,9 +135,6 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         return self.scheduler.get_external_cache_hit_sources(request, num_external_tokens)
 
-    def has_pending_push_work(self) -> bool:
-        return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
-
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
@@ -169,7 +166,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     # -- both ----------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This side's stats since its last report (vLLM merges the workers' and the scheduler's
-        and hands them to its stat loggers: `runtime.integrations.vllm_metrics`)."""
+        and hands them to its stat loggers: `runtime.integrations.vllm.metrics`)."""
         side = self.connector_scheduler or self.connector_worker
         return side.get_kv_connector_stats() if side is not None else None
 

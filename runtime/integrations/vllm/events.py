@@ -35,7 +35,7 @@ from runtime.errors import ArgumentError
 from runtime.events.recorder import KVEventRecorder, Record
 from runtime.events.wire import CPU, STORAGE
 from runtime.storage.hashing import HASH_BYTES, KVIdentity, page_hashes
-from runtime.tree.tiers_only import TiersOnlyCore
+from runtime.integrations.vllm.core import TiersOnlyCore
 
 logger = init_logger("vllm.hicache.events")  # (under vLLM's logger: VLLM_LOGGING_LEVEL governs it)
 
