@@ -24,6 +24,7 @@ they are `unissued` (their pages not pinned yet).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -60,8 +61,8 @@ class CopyTracker:
                  readiness_factory: ReadinessFactory) -> None:
         self.residency = residency
         self._op_ids = op_ids  # shared with decode offload and storage: one id space for pins
-        self._num_layers = num_layers
-        self._new_readiness = readiness_factory  # a load's readiness (the actor's: per-layer futures)
+        # a load's readiness, by op id (the actor's: per-layer futures)
+        self._new_readiness = functools.partial(readiness_factory, num_layers)
         self.ops: dict[int, CopyOp] = {}
         self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
         self.loading: dict[int, LoadReadiness] = {}  # node id -> readiness of its in-flight load
@@ -209,7 +210,7 @@ class CopyTracker:
         res = self.residency
         device = device.copy()  # the op's snapshot owns its arrays
         op_id = next(self._op_ids)
-        readiness = self._new_readiness(self._num_layers, op_id)
+        readiness = self._new_readiness(op_id)
         res.attach_load(host_nodes, device, owner)
         for node in host_nodes:
             self.loading[node.id] = readiness
