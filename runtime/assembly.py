@@ -34,6 +34,7 @@ from runtime.trace import JsonlSink, SlotTracer
 from runtime.transfer.engine import CopyEngine
 from runtime.transfer.sharded import ShardedCopyEngine, pool_geometry
 from runtime.transfer.state_io import StateBlobIO
+from runtime.tree.groups.sliding import SlidingWindow
 from runtime.tree.cache import CacheCore
 
 EngineFactory = Callable[[Mapping[str, tuple[DevicePool, HostPool]]], CopyEngine]
@@ -204,9 +205,9 @@ def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None,
     else:
         engine = make_rank_engines(config, pools.device_pools, pools.host_pools, engine_factory)
     actors = make_actors(config, pools, engine, storage, tracer)
-    sliding = actors.core.residency.sliding
     # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
-    swa_map = torch.from_numpy(sliding.swa.map) if sliding is not None else None
+    swa_map = next((torch.from_numpy(g.swa.map) for g in actors.core.residency.groups
+                    if isinstance(g, SlidingWindow)), None)
     return Parts(pools, actors, swa_map, tracer, engine, storage if own else None)
 
 

@@ -16,7 +16,9 @@ import torch
 
 from runtime.config_sources import check_types, config_from_dict, config_from_env, config_from_file
 from runtime.errors import ConfigError
-from runtime.memory.state_pool import StateComponent, StateShape
+from runtime.memory.groups import FULL, RECURRENT, SLIDING, Feature, GroupSpec
+from runtime.memory.state_pool import STATE_POOL_PREFIX, StateComponent, StateShape
+from runtime.memory.swa import SWA_POOL
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
@@ -56,6 +58,11 @@ def parse_state_components(spec: str) -> tuple[StateComponent, ...]:
     except ConfigError as exc:
         raise ConfigError(f"state_components: {exc}") from None
     return tuple(out)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,15 +158,21 @@ class RuntimeConfig:
     metrics_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
         spec = self.sliding_layers
         if isinstance(spec, (tuple, list)) and all(type(x) is int for x in spec):
             object.__setattr__(self, "sliding_layers", ",".join(map(str, spec)))  # one form: the string
         check_types(self)  # every field its type (ints, finite floats, real bools), then the ranges
+        self._check_sizes()
+        self._check_state(_need)
+        self._check_sliding(_need)
+        self._check_device()
+        self._check_tiers()
+        self._check_names()
+        self._check_groups(_need)
 
+    def _check_sizes(self) -> None:
+        """Counts, the page size and the KV layout."""
+        need = _need
         for name in ("num_layers", "num_kv_heads", "head_dim", "device_slots", "mailbox_capacity", "copy_workers",
                      "max_inflight_loads", "max_queued_backups", "write_through_threshold"):
             value = getattr(self, name)
@@ -179,8 +192,10 @@ class RuntimeConfig:
         if self.kv_layout == "mla":
             need(self.num_kv_heads == 1, f"kv_layout 'mla' keeps one latent per token: num_kv_heads must be 1 "
                                          f"(head_dim = kv_lora_rank + qk_rope_head_dim), got {self.num_kv_heads}")
-        self._check_state(need)
-        self._check_sliding(need)
+
+    def _check_device(self) -> None:
+        """The torch device, policies and the copy engine."""
+        need = _need
         try:
             dev = torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
@@ -195,6 +210,10 @@ class RuntimeConfig:
         need(self.copy_engine in COPY_ENGINES, f"copy_engine must be one of {COPY_ENGINES}, got {self.copy_engine!r}")
         if self.copy_engine == "cuda":
             need(dev.type == "cuda", "copy_engine 'cuda' needs device 'cuda'")
+
+    def _check_tiers(self) -> None:
+        """The host and storage tiers, prefetch and its timeouts."""
+        need, ps = _need, self.page_size
         need(isinstance(self.host_ratio, (int, float)) and self.host_ratio >= 0,
              f"host_ratio must be >= 0, got {self.host_ratio!r}")
         if self.host_tokens is not None:
@@ -228,6 +247,10 @@ class RuntimeConfig:
         if self.storage_key is not None:  # (the value is never put in a message)
             need(isinstance(self.storage_key, str) and len(self.storage_key.encode()) >= MIN_KEY_BYTES,
                  f"storage_key must be a string of at least {MIN_KEY_BYTES} bytes (a MAC key; its value is not shown)")
+
+    def _check_names(self) -> None:
+        """Names, KV events and metrics."""
+        need = _need
         need(bool(self.model_id) and bool(self.weight_version), "model_id and weight_version must be non-empty")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
@@ -261,8 +284,6 @@ class RuntimeConfig:
         need(self.tp_size == self.tp_ranks and self.tp_rank == 0,
              f"tp_ranks {self.tp_ranks}: one control plane drives every rank of the instance, so tp_size must "
              f"equal it and tp_rank be 0 (got tp_size {self.tp_size}, tp_rank {self.tp_rank})")
-        need(self.state_layers == 0, "tp_ranks > 1: recurrent state (state_layers > 0) has no per-rank pools yet")
-        need(not self.sliding_layers, "tp_ranks > 1: sliding layers (sliding_layers) have no per-rank pools yet")
 
     def _check_state(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
         for name in ("state_layers", "state_slots"):
@@ -278,11 +299,9 @@ class RuntimeConfig:
             return
         self.state_shape  # parses state_components (ConfigError naming the field)
         need(self.state_slots > 0, "state_layers > 0 needs state_slots > 0 (running requests and snapshots)")
-        # the state rule covers the device, host and storage tiers; decode offload of states: not yet
         need(self.storage_backend == "none" or self.host_state_slot_count > 0,
              "host_state_slots: a storage tier with recurrent state needs host state slots (snapshots reach "
              "storage through their host copies)")
-        need(not self.decode_offload, "recurrent state (state_layers > 0) has no decode offload yet")
 
     def _check_sliding(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
         layers = self.sliding_layer_set  # parses sliding_layers (ConfigError naming the field)
@@ -298,12 +317,34 @@ class RuntimeConfig:
         need(len(layers) < self.num_layers,
              "sliding_layers: every layer slides; at least one full-attention layer is needed (not yet otherwise)")
         need(self.kv_layout == "mha", "sliding_layers needs kv_layout 'mha'")
-        need(self.state_layers == 0, "sliding_layers with recurrent state (state_layers > 0): not yet")
-        # the rule covers the device and host tiers; storage pages and decode offload: not yet
-        need(self.storage_backend == "none", "sliding_layers has no storage tier yet")
-        need(not self.decode_offload, "sliding_layers has no decode offload yet")
+
+    def _check_groups(self, need) -> None:  # noqa: ANN001 - the local `need` of __post_init__
+        """Each pool group must support every feature asked for, beside the other groups (their
+        declarations: `runtime.memory.groups`)."""
+        wanted = {f for f, on in ((Feature.STORAGE, self.storage_backend != "none"),
+                                  (Feature.DECODE_OFFLOAD, bool(self.decode_offload)),
+                                  (Feature.TENSOR_PARALLEL, self.tp_ranks > 1)) if on}
+        specs = self.group_specs
+        for spec in specs:
+            for why in spec.refusals(wanted, tuple(o for o in specs if o is not spec)):
+                need(False, why)
 
     # -- derived -------------------------------------------------------------------
+    @property
+    def group_specs(self) -> tuple[GroupSpec, ...]:
+        """The model's pool groups: full attention, then sliding layers and recurrent state if asked for."""
+        specs = [GroupSpec.of(FULL, "kv_layout", "token", (), self.bytes_per_token)]
+        if self.sliding_layer_set:
+            per_layer = self.bytes_per_token // self.num_layers
+            specs.append(GroupSpec.of(SLIDING, "sliding_layers", "token", (SWA_POOL,),
+                                      per_layer * len(self.sliding_layer_set)))
+        shape = self.state_shape
+        if shape is not None:
+            specs.append(GroupSpec.of(RECURRENT, "recurrent state (state_layers > 0)", "snapshot",
+                                      tuple(STATE_POOL_PREFIX + c.name for c in shape.components),
+                                      shape.bytes_per_slot))
+        return tuple(specs)
+
     @property
     def sliding_layer_set(self) -> tuple[int, ...]:
         """The sliding-window layers, ascending (empty: none)."""

@@ -99,6 +99,13 @@ class OwnershipError(InternalError):
     ledger, which no caller talks to: its arguments are the runtime's own."""
 
 
+class SlotMisuseError(InternalError):
+    """A slot ledger called with arguments no part of the runtime should pass: slots that are not
+    whole pages of the pool, a page twice in one call, an unpin of an unpinned page, an unhold of
+    an owner not held. The ledger's arguments are the runtime's own (no caller talks to it), so
+    this is a bug of the runtime, as `OwnershipError`."""
+
+
 class PinnedSlotError(InternalError):
     """A slot with copies in flight (pinned) cannot be freed or reused (a ledger's error, as
     `OwnershipError`)."""

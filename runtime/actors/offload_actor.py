@@ -93,25 +93,25 @@ class OffloadActor(Actor[OffloadMessage]):
         key = (msg.rid, msg.generation)
         if msg.final_len is not None:  # finished, not aborted: offload the last whole pages too
             await self._offload(key, msg.final_len, msg.base, self.page_size)
-        state = self.requests.get(key)
-        if state is None:
+        progress = self.requests.get(key)
+        if progress is None:
             self._release(key)  # nothing of it was ever offloaded: release at once
             return
-        state.finished = True
-        self._maybe_release(key, state)
+        progress.finished = True
+        self._maybe_release(key, progress)
 
     def on_ack(self, msg: OffloadAck) -> None:
         key = (msg.rid, msg.generation)
-        state = self.requests.get(key)
-        if state is None or msg.op_id not in state.inflight:
+        progress = self.requests.get(key)
+        if progress is None or msg.op_id not in progress.inflight:
             raise InternalError(f"offload ack {msg.op_id} for {msg.rid!r}#{msg.generation}, which has no such copy")
-        state.inflight.discard(msg.op_id)
+        progress.inflight.discard(msg.op_id)
         self.counters["offloads_landed" if msg.ok else "offloads_failed"] += 1
         if not msg.ok:
             # no retry: the host run of this request now has a hole; what follows it is not
             # inserted at release (only a contiguous run from its prefix is)
             log.warning("offload_failed", rid=str(msg.rid), generation=msg.generation, op=msg.op_id)
-        self._maybe_release(key, state)
+        self._maybe_release(key, progress)
         self._maybe_drained()
 
     def on_drain(self, msg: DrainOffload) -> Any:
@@ -134,8 +134,8 @@ class OffloadActor(Actor[OffloadMessage]):
         """Offload [offloaded, aligned(committed)) when it is at least `min_chunk` tokens."""
         if self.closing:
             return
-        state = self.requests.get(key)
-        start = state.offloaded if state is not None else base
+        progress = self.requests.get(key)
+        start = progress.offloaded if progress is not None else base
         end = committed - committed % self.page_size
         if end - start < min_chunk or end <= start:
             return
@@ -149,14 +149,14 @@ class OffloadActor(Actor[OffloadMessage]):
         if started is None:  # host pool full, request gone or trimmed: nothing changed anywhere
             self.counters["offloads_not_started"] += 1
             return
-        if state is None:  # state only once a host allocation has succeeded
-            state = self.requests[key] = OffloadState(offloaded=start)
-        state.offloaded = started.end
-        state.inflight.add(started.op_id)
+        if progress is None:  # a record only once a host allocation has succeeded
+            progress = self.requests[key] = OffloadState(offloaded=start)
+        progress.offloaded = started.end
+        progress.inflight.add(started.op_id)
         self.counters["offloads_started"] += 1
 
-    def _maybe_release(self, key: Key, state: OffloadState) -> None:
-        if state.finished and not state.inflight:
+    def _maybe_release(self, key: Key, progress: OffloadState) -> None:
+        if progress.finished and not progress.inflight:
             del self.requests[key]
             self._release(key)
 

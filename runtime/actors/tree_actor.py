@@ -281,8 +281,7 @@ class TreeActor(Actor[TreeMessage]):
     def on_storage_cleared(self, msg: StorageCleared) -> None:
         self._removing = False
         self.controls.popleft()
-        if self.core.storage is not None:
-            self.core.storage.paused = False
+        self.core.pause_storage(False)
         if msg.error is not None:
             msg.caller.set_exception(msg.error)
         else:
@@ -294,12 +293,12 @@ class TreeActor(Actor[TreeMessage]):
         controls = self.controls
         while controls and not self._removing:
             msg = controls[0]
-            storage = self.core.storage
+            core = self.core
             reply = msg.reply
             assert reply is not None
             if msg.action is ControlAction.ATTACH:
                 controls.popleft()
-                if storage is not None:
+                if core.storage_attached():
                     reply.set_exception(StateError("a storage tier is attached already: detach it first"))
                     continue
                 self.core.enable_storage(self._take_known(msg.backend))
@@ -307,7 +306,7 @@ class TreeActor(Actor[TreeMessage]):
                 # before any storage op the tier issues from now on (the transfer mailbox is FIFO)
                 self._to_transfer(SetStorageBackend(msg.backend, reply), reply)
                 continue
-            if storage is None:
+            if not core.storage_attached():
                 controls.popleft()
                 reply.set_exception(StateError("no storage tier is attached"))
                 continue
@@ -315,8 +314,7 @@ class TreeActor(Actor[TreeMessage]):
                 controls.popleft()
                 reply.set_exception(StateError("the storage backend cannot remove pages (it has no remove(keys))"))
                 continue
-            storage.paused = True
-            if storage.ops:
+            if core.pause_storage(True):
                 return  # on_storage_ack comes back here as the ops drain
             if msg.action is ControlAction.DETACH:
                 controls.popleft()

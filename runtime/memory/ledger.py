@@ -19,8 +19,11 @@ Storage:
 - ``_pins[page]``: number of in-flight copies that pin the page.
 - ``_stack[:_top]``: the free pages (LIFO).
 
-Errors: every misuse raises a typed `ValidationError` before any state change (all-or-nothing)
-and emits no trace event. Each successful mutating call emits exactly one trace event.
+Errors: every misuse raises a typed error before any state change (all-or-nothing) and emits no
+trace event: `CapacityError` (too few free pages, which callers refuse with) or an `InternalError`
+(`OwnershipError`, `PinnedSlotError`, `SlotMisuseError`: the ledger's arguments are the runtime's
+own, so a misuse is a bug of the runtime, never a caller's input). Each successful mutating call
+emits exactly one trace event.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ import numpy as np
 from runtime.errors import (
     CapacityError,
     InvariantViolation,
-    LengthError,
     OwnershipError,
     PinnedSlotError,
-    StateError,
+    SlotMisuseError,
 )
 from runtime.memory.owners import Owner, Tier
 from runtime.trace import SlotTracer
@@ -102,11 +104,11 @@ class SlotLedger:
 
     def __init__(self, num_slots: int, page_size: int, tier: Tier, tracer: SlotTracer | None = None) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
-            raise LengthError(f"page_size must be a positive int, got {page_size!r}")
+            raise SlotMisuseError(f"page_size must be a positive int, got {page_size!r}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
-            raise LengthError(f"num_slots must be a non-negative int, got {num_slots!r}")
+            raise SlotMisuseError(f"num_slots must be a non-negative int, got {num_slots!r}")
         if num_slots % page_size:
-            raise LengthError(f"num_slots {num_slots} is not a multiple of page_size {page_size}")
+            raise SlotMisuseError(f"num_slots {num_slots} is not a multiple of page_size {page_size}")
         self.num_slots = int(num_slots)
         self.page_size = int(page_size)
         self.num_pages = self.num_slots // self.page_size
@@ -197,7 +199,7 @@ class SlotLedger:
         """Take ``num_pages`` free pages for ``owner``; returns their slots (int64)."""
         if type(num_pages) is not int and (
                 isinstance(num_pages, bool) or not isinstance(num_pages, (int, np.integer))) or num_pages < 0:
-            raise LengthError(f"num_pages must be a non-negative int, got {num_pages!r}")
+            raise SlotMisuseError(f"num_pages must be a non-negative int, got {num_pages!r}")
         if type(owner) is not Owner and not isinstance(owner, Owner):
             raise OwnershipError(f"alloc needs an Owner, got {owner!r}")
         n = int(num_pages)
@@ -268,7 +270,7 @@ class SlotLedger:
         """Give back one hold of ``owner`` (its code is dropped once it owns no page either)."""
         code = self._code_of.get(owner) if isinstance(owner, Owner) else None
         if code is None or not self._holds[code]:
-            raise StateError(f"{self._tier_name}: unhold of {owner!r}, which is not held")
+            raise SlotMisuseError(f"{self._tier_name}: unhold of {owner!r}, which is not held")
         self._holds[code] -= 1
         if not self._holds[code] and not self._count[code]:
             self._drop(code)
@@ -343,7 +345,7 @@ class SlotLedger:
             pins = self._pins[pages]
             if np.count_nonzero(pins) != len(pins):
                 bad = int(pages[np.flatnonzero(pins == 0)[0]])
-                raise StateError(f"{self._tier_name}: unpin (op {op_id}) of unpinned page {bad}")
+                raise SlotMisuseError(f"{self._tier_name}: unpin (op {op_id}) of unpinned page {bad}")
             self._pins[pages] = pins - 1
             self._pinned -= len(pages)
         t = self._tracer
@@ -454,9 +456,9 @@ class SlotLedger:
 
     def _slot_page(self, slot: int) -> int:
         if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
-            raise LengthError(f"slot must be an int, got {slot!r}")
+            raise SlotMisuseError(f"slot must be an int, got {slot!r}")
         if not 0 <= slot < self.num_slots:
-            raise LengthError(f"slot {slot} outside [0, {self.num_slots})")
+            raise SlotMisuseError(f"slot {slot} outside [0, {self.num_slots})")
         return int(slot) // self.page_size
 
     def _expand(self, pages: np.ndarray) -> np.ndarray:
@@ -485,13 +487,13 @@ class SlotLedger:
             if slots.size == 0:
                 slots = _EMPTY
         if slots.ndim != 1:
-            raise LengthError(f"slots must be a 1-D array, got shape {slots.shape}")
+            raise SlotMisuseError(f"slots must be a 1-D array, got shape {slots.shape}")
         k = len(slots)
         if k == 0:
             return _EMPTY
         if slots.dtype is not _I64:
             if slots.dtype.kind not in "iu":
-                raise LengthError(f"slots must be integers, got dtype {slots.dtype}")
+                raise SlotMisuseError(f"slots must be integers, got dtype {slots.dtype}")
             # uint64 values >= 2**63 wrap to negatives and fail the comparison below.
             slots = slots.astype(np.int64)
         ps = self.page_size
@@ -501,7 +503,7 @@ class SlotLedger:
                 ok = pages.tobytes() == slots.tobytes()
             else:
                 if k % ps:
-                    raise LengthError(f"{k} slots is not a whole number of pages (page_size {ps})")
+                    raise SlotMisuseError(f"{k} slots is not a whole number of pages (page_size {ps})")
                 pages = self._page_of_slot[slots[::ps]]
                 ok = self._page_slots[pages].tobytes() == slots.tobytes()
         except IndexError:
@@ -509,19 +511,19 @@ class SlotLedger:
         if not ok:
             if ps == 1 or (slots.min() >= 0 and slots.max() < self.num_slots):
                 if ps > 1:
-                    raise LengthError(
+                    raise SlotMisuseError(
                         f"slots are not whole pages (page_size {ps}, each page consecutive and aligned)")
-            raise LengthError(f"slot index outside [0, {self.num_slots})")
+            raise SlotMisuseError(f"slot index outside [0, {self.num_slots})")
         if unique and len(pages) > 1:
             # O(k) duplicate check without a sort: scatter positions, read back; a repeated page
             # reads back a later position.
             if len(pages) > self.num_pages:  # more pages than the pool has: some repeat
-                raise LengthError("the same page appears more than once in one call")
+                raise SlotMisuseError("the same page appears more than once in one call")
             pos = self._arange[: len(pages)]
             scratch = self._scratch
             scratch[pages] = pos
             if scratch[pages].tobytes() != pos.tobytes():
-                raise LengthError("the same page appears more than once in one call")
+                raise SlotMisuseError("the same page appears more than once in one call")
         return pages
 
 

@@ -8,7 +8,7 @@ and writes a sliding layer at ``swa_pool[map[full_slots]]``.
 A sliding page has exactly one holder: the full page it is mapped from, whoever owns that full
 page. Ownership moves (a request's pages adopted by the tree, a split, a session) therefore change
 nothing here; only the full page's allocation (`PairedLedger.alloc`) takes a sliding page and
-its free gives it back. The tree's drop rule (`runtime/tree/sliding.py`) gives back the sliding
+its free gives it back. The tree's drop rule (`runtime/tree/groups/sliding.py`) gives back the sliding
 pages of full pages no match can need any more (`give_back`): the full page stays, its map
 entries become -1.
 """

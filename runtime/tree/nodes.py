@@ -107,6 +107,17 @@ class Node:
     def num_tokens(self) -> int:
         return len(self.key) >> 2
 
+    def keep_page_hashes(self, blob: bytes | None) -> None:
+        """The hashes of its own pages (`PageHasher`: computed once while it lives, read by KV
+        events and storage writes alike)."""
+        self.page_hashes = blob
+
+    def ledger_owner(self) -> Owner:
+        """Its ledger owner, made at the first ask (`node_owner`)."""
+        if self.owner is None:
+            self.owner = Owner.node(self.id)
+        return self.owner
+
     @property
     def tokens(self) -> np.ndarray:
         """This node's own token ids (read-only int32 view)."""
@@ -127,9 +138,7 @@ def node_owner(node: Node) -> Owner:
     """The ledger owner of a node's slots, made once per node (an `Owner` costs ~1 µs to build,
     and the eviction and split paths name it for every node they touch)."""
     owner = node.owner
-    if owner is None:
-        owner = node.owner = Owner.node(node.id)
-    return owner
+    return owner if owner is not None else node.ledger_owner()
 
 
 class MatchResult:
@@ -236,3 +245,35 @@ class InsertResult:
         caller's slots after them, the device slots of the whole inserted path."""
         parts = self._prefix_parts
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def tally_match(nodes: list[Node], root: Node, matched: int, partial: int, extra_key: Hashable) -> MatchResult:
+    """The match of the path `nodes` (`partial`: tokens matched in a last node not split): its
+    device part (prefix-closed), then the host-only part after it."""
+    count = len(nodes)
+    i = 0
+    dev = []
+    while i < count:
+        d = nodes[i].device
+        if d is None:
+            break
+        dev.append(d)
+        i += 1
+    if partial and i == count:
+        dev[-1] = dev[-1][:partial]
+    device_len = 0
+    for d in dev:
+        device_len += len(d)
+    last_dev = nodes[i - 1] if dev else root
+    j = i
+    host_len = 0
+    while j < count:
+        nd = nodes[j]
+        if nd.host is None or nd.device is not None:
+            break
+        host_len += len(nd.key) >> 2
+        j += 1
+    if partial and j == count and j > i:
+        host_len -= (len(nodes[-1].key) >> 2) - partial
+    last = nodes[j - 1] if j else root
+    return MatchResult(nodes, device_len, host_len, dev, last_dev, last, matched, partial, i, extra_key)

@@ -51,7 +51,7 @@ class PageHasher:
             if b:
                 prev = b[-_HB:]
             new = hash_chain(prev, cur.key[len(b) // _HB * pb:], pb)
-            cur.page_hashes = b + new if b else new
+            cur.keep_page_hashes(b + new if b else new)
             prev = cur.page_hashes[-_HB:]
         return node.page_hashes  # type: ignore[return-value]
 
@@ -79,7 +79,8 @@ class PageHasher:
         blob = lower.page_hashes
         if blob is not None:
             cut = upper.num_tokens // self.page_size * _HB
-            upper.page_hashes, lower.page_hashes = blob[:cut], blob[cut:]
+            upper.keep_page_hashes(blob[:cut])
+            lower.keep_page_hashes(blob[cut:])
 
     # -- helpers -------------------------------------------------------------------------
     def _seed(self, extra_key: Hashable) -> bytes:

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Iterator
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
-from .nodes import InsertResult, MatchResult, Node, TreeError, decode, encode  # noqa: F401 - re-exported
+from .nodes import InsertResult, MatchResult, Node, TreeError, decode, encode, tally_match  # noqa: F401 - re-exported
 from .policies import EvictionPolicy, LRUPolicy, policy_by_name
 
 _I4 = np.dtype("<i4")
@@ -62,8 +62,8 @@ def _detached_root(extra_key: Hashable) -> Node:
 class RadixTree:
     """Paged radix tree over token prefixes, one root per ``extra_key``.
 
-    ``on_split(old_lower, new_upper)`` (attribute, default None) is called after every
-    split, once the tree is consistent again, so the caller can move ledger ownership of
+    ``on_split(old_lower, new_upper)`` (given at construction, default None) is called after
+    every split, once the tree is consistent again, so the owner can move ledger ownership of
     the upper part's slots.
     """
 
@@ -72,11 +72,11 @@ class RadixTree:
         page_size: int = 1,
         policy: EvictionPolicy | str | None = None,
         host_policy: EvictionPolicy | str | None = None,
+        on_split: Callable[[Node, Node], None] | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise TreeError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
-        self._pb = page_size * 4  # page size in key bytes
         self.policy: EvictionPolicy = self._policy(policy)
         self.host_policy: EvictionPolicy = self._policy(host_policy) if host_policy is not None else self.policy
         self._next_id = 0
@@ -90,7 +90,7 @@ class RadixTree:
         self.total_device_tokens = 0
         self.total_host_tokens = 0
         self.locked_device_tokens = 0  # device tokens of nodes with lock_ref > 0
-        self.on_split: Callable[[Node, Node], None] | None = None
+        self.on_split: Callable[[Node, Node], None] | None = on_split
 
     @staticmethod
     def _policy(p) -> EvictionPolicy:
@@ -137,7 +137,7 @@ class RadixTree:
         """True for a node that is in this tree now (a root counts)."""
         if node.parent is None:
             return self._roots.get(node.extra_key) is node
-        return node.parent.children.get(node.key[: self._pb]) is node
+        return node.parent.children.get(node.key[: (self.page_size << 2)]) is node
 
     def path_tokens(self, node: Node) -> np.ndarray:
         """Token ids from the namespace root down to ``node`` (a new array)."""
@@ -228,7 +228,7 @@ class RadixTree:
         The first page is known to be equal. Binary search over page counts, each probe
         one C-level ``startswith``.
         """
-        pb = self._pb
+        pb = self.page_size << 2  # page size in key bytes
         lo = 1
         hi = min(len(ck), n - pos) // pb
         while lo < hi:
@@ -240,11 +240,11 @@ class RadixTree:
         return lo * pb
 
     def _check_node(self, node: Node) -> None:
-        if node.parent is None or node.parent.children.get(node.key[: self._pb]) is not node:
+        if node.parent is None or node.parent.children.get(node.key[: (self.page_size << 2)]) is not node:
             raise TreeError(f"node {node.id} is a root or not in this tree")
 
     def _split(self, node: Node, at: int) -> Node:
-        pb = self._pb
+        pb = self.page_size << 2  # page size in key bytes
         b = at << 2
         parent = node.parent
         key = node.key
@@ -296,7 +296,7 @@ class RadixTree:
         nd = Node(self._next_id, parent, key, parent.extra_key)
         self._next_id += 1
         self._n_nodes += 1
-        parent.children[key[: self._pb]] = nd
+        parent.children[key[: (self.page_size << 2)]] = nd
         return nd
 
     def _new_child(self, parent: Node, key: bytes, device: np.ndarray) -> Node:
@@ -320,7 +320,7 @@ class RadixTree:
         if parent.parent is not None or self._roots.get(parent.extra_key) is not parent:
             self._check_node(parent)
         key = encode(tokens)
-        pb = self._pb
+        pb = self.page_size << 2  # page size in key bytes
         if not key or len(key) % pb:
             raise TreeError(f"host child of {len(key) >> 2} tokens is not a positive number of whole pages")
         if key[:pb] in parent.children:
@@ -356,7 +356,7 @@ class RadixTree:
         touch; the lengths still count every matched page.
         """
         key = encode(tokens)
-        pb = self._pb
+        pb = self.page_size << 2  # page size in key bytes
         n = len(key)
         n -= n % pb
         root = self._roots.get(extra_key)
@@ -386,44 +386,13 @@ class RadixTree:
             nodes.append(child)
             pos += m
             break
-
-        L = len(nodes)
-        i = 0
-        dev = []
-        while i < L:
-            d = nodes[i].device
-            if d is None:
-                break
-            dev.append(d)
-            i += 1
-        if partial and i == L:
-            dev[-1] = dev[-1][:partial]
-        if dev:
-            device_len = 0
-            for d in dev:
-                device_len += len(d)
-            last_dev = nodes[i - 1]
-        else:
-            device_len = 0
-            last_dev = root
-        j = i
-        host_len = 0
-        while j < L:
-            nd = nodes[j]
-            if nd.host is None or nd.device is not None:
-                break
-            host_len += len(nd.key) >> 2
-            j += 1
-        if partial and j == L and j > i:
-            host_len -= (len(nodes[-1].key) >> 2) - partial
-        last = nodes[j - 1] if j else root
-        if split and touch and L:
+        if split and touch and nodes:
             self._clock += 1
             c = self._clock
             for nd in nodes:
                 nd.last_access = c
                 nd.hit_count += 1
-        return MatchResult(nodes, device_len, host_len, dev, last_dev, last, pos >> 2, partial, i, extra_key)
+        return tally_match(nodes, root, pos >> 2, partial, extra_key)
 
     def settle(self, look: MatchResult, *, touch: bool = True) -> MatchResult:
         """Turn a read-only look (``match(split=False)``) into ``match(split=True, touch=touch)``.
@@ -471,65 +440,54 @@ class RadixTree:
 
         ``extend_leaf`` (with ``start``): the locks on ``start`` that are the caller's (its own,
         plus those of copies in flight that follow the node's growth: `CopyTracker`); 0: never
-        grow. When the new pages would hang below ``start`` and ``start`` is a childless node on
-        device, without a host copy and with exactly those locks, they are appended to ``start``
-        itself instead of a new child (reported in ``adopted`` as ``(start, new slots)``).
-        A request growing its own prefix turn after turn then stays one node: a match walks
-        one node per shared prefix instead of one per turn.
+        grow; when ``start`` may grow in place, see ``_insert_rest``.
         """
-        if type(tokens) is np.ndarray and tokens.dtype is _I4 and tokens.ndim == 1:
-            arr, key, n = tokens, None, len(tokens) << 2  # encoded below, from where the walk starts
+        if (type(tokens) is np.ndarray and tokens.dtype is _I4 and type(device_slots) is np.ndarray
+                and (device_slots.dtype is _I8 or device_slots.dtype is _I4) and tokens.ndim == 1 == device_slots.ndim
+                and len(tokens) == len(device_slots) and len(tokens) % self.page_size == 0):
+            arr, key, n, slots = tokens, None, len(tokens) << 2, device_slots  # (encoded from where the walk starts)
         else:
-            arr, key = None, encode(tokens)
-            n = len(key)
-        pb = self._pb
-        if n % pb:
-            raise TreeError(f"insert of {n >> 2} tokens is not a whole number of pages (page_size {self.page_size})")
-        slots = device_slots
-        # int32 slots (a view of a request's row in the request table) are taken as they are:
-        # every slice the tree keeps is converted to its own int64 array below
-        if type(slots) is not np.ndarray or (slots.dtype is not _I8 and slots.dtype is not _I4) or slots.ndim != 1:
-            slots = np.asarray(slots)
-            if slots.ndim != 1 or (slots.size and slots.dtype.kind not in "iu"):
-                raise TreeError(f"device_slots must be a 1-D integer array, got {slots.dtype} {slots.shape}")
-            slots = slots.astype(np.int64)
-        if len(slots) != n >> 2:
-            raise TreeError(f"{len(slots)} slots for {n >> 2} tokens")
+            arr, key, n, slots = self._insert_input(tokens, device_slots)
         root = self._roots.get(extra_key)
         if root is None:
             root = self.root(extra_key)
+        self._clock += 1
+        clock = self._clock
         node = root
         base = 0  # bytes of the key already known to be on the path (from ``start``)
         if start is not None and start is not root:
-            if start.device is None:
-                raise TreeError(f"insert start node {start.id} is not on device")
-            cur = start
-            while cur.parent is not None:
-                base += len(cur.key)
-                cur = cur.parent
-            if cur is not root or base > n:
-                raise TreeError(f"insert start node {start.id} is not a live prefix of the key in this namespace")
+            base = self._insert_start(start, root, n, priority, clock)
             node = start
-        self._clock += 1
-        clock = self._clock
-        if base:
-            cur = start
-            while cur.parent is not None:
-                cur.last_access = clock
-                if priority > cur.priority:
-                    cur.priority = priority
-                cur = cur.parent
         # the rest of the key, from where the walk starts (positions below are relative to it):
         # a request extending its own prefix encodes only its new tokens
         if arr is not None:
             key = arr[base >> 2 :].tobytes()
         elif base:
-            key = key[base:]
-        rn = n - base
+            key = key[base:]  # type: ignore[index]
+        node, pos, prefix, dup_tree, adopted = self._insert_walk(node, key, n - base, base, slots, clock, priority)  # type: ignore[arg-type]
+        if pos < n - base:
+            node = self._insert_rest(node, start, extend_leaf, key[pos:], slots[(base + pos) >> 2 :],  # type: ignore[index]
+                                     clock, priority, adopted)
+        if dup_tree:
+            c = slots[base >> 2 : prefix >> 2].astype(_I8, copy=False)
+            t = dup_tree[0] if len(dup_tree) == 1 else np.concatenate(dup_tree)
+            # usually the caller passes the tree's own slots back (they came from a match)
+            dup = _EMPTY_I8 if c.tobytes() == t.tobytes() else c[c != t]
+        else:
+            t = dup = _EMPTY_I8
+        parts = (slots[: base >> 2], t) if base else (t,)
+        return InsertResult(dup, adopted, node, prefix >> 2, parts)
+
+    def _insert_walk(self, node: Node, key: bytes, rn: int, base: int, slots: np.ndarray, clock: int,
+                     priority: int) -> tuple[Node, int, int, list[np.ndarray], list[tuple[Node, np.ndarray]]]:
+        """Walk `key` (`rn` bytes, `base` bytes into the whole key) down from `node`, splitting where
+        it diverges inside a node: (the node it ends at, bytes walked, bytes of the whole key already
+        on device, their device slots per node, the nodes that adopted the caller's slots)."""
+        pb = self.page_size << 2  # page size in key bytes
         pos = 0
         dup_tree: list[np.ndarray] = []
         adopted: list[tuple[Node, np.ndarray]] = []
-        prefix = base  # bytes of the whole key that were already on device
+        prefix = base
         while pos < rn:
             child = node.children.get(key[pos : pos + pb])
             if child is None:
@@ -552,32 +510,74 @@ class RadixTree:
                 child.priority = priority
             node = child
             pos = end
-        if pos < rn:
-            if (extend_leaf and node is start and node.lock_ref == extend_leaf and not node.children
-                    and node.host is None and node.parent is not None):
-                s = slots[(base + pos) >> 2 :]
-                node.key += key[pos:]
-                node.device = np.concatenate((node.device, s))
-                s = node.device[len(node.device) - len(s) :]  # the node's own slots, not the caller's
-                k = len(s)
-                self.total_device_tokens += k
-                self.locked_device_tokens += k
-                adopted.append((node, s))
-            else:
-                s = slots[(base + pos) >> 2 :].astype(_I8)
-                node = self._new_child(node, key[pos:], s)
-                node.last_access = clock
-                node.priority = priority
-                adopted.append((node, s))
-        if dup_tree:
-            c = slots[base >> 2 : prefix >> 2].astype(_I8, copy=False)
-            t = dup_tree[0] if len(dup_tree) == 1 else np.concatenate(dup_tree)
-            # usually the caller passes the tree's own slots back (they came from a match)
-            dup = _EMPTY_I8 if c.tobytes() == t.tobytes() else c[c != t]
+        return node, pos, prefix, dup_tree, adopted
+
+    def _insert_input(self, tokens: Any, device_slots: Any) -> tuple[np.ndarray | None, bytes | None, int, np.ndarray]:
+        """An insert's tokens and slots, checked: (the int32 token array, to be encoded from where
+        the walk starts, or None; else the encoded key; the key's bytes; the slots)."""
+        if type(tokens) is np.ndarray and tokens.dtype is _I4 and tokens.ndim == 1:
+            arr, key, n = tokens, None, len(tokens) << 2  # encoded by the caller, from where the walk starts
         else:
-            t = dup = _EMPTY_I8
-        parts = (slots[: base >> 2], t) if base else (t,)
-        return InsertResult(dup, adopted, node, prefix >> 2, parts)
+            arr, key = None, encode(tokens)
+            n = len(key)
+        if n % (self.page_size << 2):
+            raise TreeError(f"insert of {n >> 2} tokens is not a whole number of pages (page_size {self.page_size})")
+        slots = device_slots
+        # int32 slots (a view of a request's row in the request table) are taken as they are:
+        # every slice the tree keeps is converted to its own int64 array
+        if type(slots) is not np.ndarray or (slots.dtype is not _I8 and slots.dtype is not _I4) or slots.ndim != 1:
+            slots = np.asarray(slots)
+            if slots.ndim != 1 or (slots.size and slots.dtype.kind not in "iu"):
+                raise TreeError(f"device_slots must be a 1-D integer array, got {slots.dtype} {slots.shape}")
+            slots = slots.astype(np.int64)
+        if len(slots) != n >> 2:
+            raise TreeError(f"{len(slots)} slots for {n >> 2} tokens")
+        return arr, key, n, slots
+
+    def _insert_start(self, start: Node, root: Node, n: int, priority: int, clock: int) -> int:
+        """Bytes of the key up to `start` (a live node on device below `root`, within the `n`-byte
+        key); its path is touched (last access, priority)."""
+        if start.device is None:
+            raise TreeError(f"insert start node {start.id} is not on device")
+        base = 0
+        cur = start
+        while cur.parent is not None:
+            base += len(cur.key)
+            cur = cur.parent
+        if cur is not root or base > n:
+            raise TreeError(f"insert start node {start.id} is not a live prefix of the key in this namespace")
+        cur = start
+        while cur.parent is not None:
+            cur.last_access = clock
+            if priority > cur.priority:
+                cur.priority = priority
+            cur = cur.parent
+        return base
+
+    def _insert_rest(self, node: Node, start: Node | None, extend_leaf: int, key: bytes, slots: np.ndarray,
+                     clock: int, priority: int, adopted: list[tuple[Node, np.ndarray]]) -> Node:
+        """The insert's new pages (`key`, `slots`) below `node`: a new child, or, with `extend_leaf`
+        (the locks on `start` that are the caller's), when the new pages would hang below `start`
+        and `start` is a childless node on device, without a host copy and with exactly those
+        locks, appended to `start` itself (reported in `adopted` as `(start, new slots)`): a
+        request growing its own prefix turn after turn then stays one node, and a match walks one
+        node per shared prefix instead of one per turn. Returns the node the insert ends at."""
+        if (extend_leaf and node is start and node.lock_ref == extend_leaf and not node.children
+                and node.host is None and node.parent is not None):
+            node.key += key
+            node.device = np.concatenate((node.device, slots))
+            s = node.device[len(node.device) - len(slots) :]  # the node's own slots, not the caller's
+            k = len(s)
+            self.total_device_tokens += k
+            self.locked_device_tokens += k
+            adopted.append((node, s))
+            return node
+        s = slots.astype(_I8)
+        node = self._new_child(node, key, s)
+        node.last_access = clock
+        node.priority = priority
+        adopted.append((node, s))
+        return node
 
     # ------------------------------------------------------------------ locks
     def lock(self, node: Node) -> None:
@@ -778,7 +778,7 @@ class RadixTree:
         if node.host_protect:
             raise TreeError(f"delete_leaf of node {node.id}: host copy is protected")
         parent = node.parent
-        del parent.children[node.key[: self._pb]]
+        del parent.children[node.key[: (self.page_size << 2)]]
         d = node.device
         h = node.host
         if d is not None:

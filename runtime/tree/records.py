@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,7 +20,6 @@ from runtime.memory.owners import Owner
 from runtime.messages import Direction, PoolTransfer, StateBlob, TransferPlan
 from runtime.tree.radix import Node
 from runtime.tree.readiness import LoadReadiness
-from runtime.tree.recurrent import StateCopy
 
 if TYPE_CHECKING:
     from runtime.tree.request_table import RequestTable
@@ -117,6 +116,33 @@ class RequestRecord:
         """Unmap its slots from `num_slots` (a page boundary) on."""
         self.table.num_slots_at[self.row] = num_slots
 
+    def fail(self, why: str) -> None:
+        """Its cached prefix was lost (a load under it failed): it can only be released now."""
+        self.failed = why
+
+    def grow(self, tokens: np.ndarray) -> None:
+        """The token record only grows (the caller checked `tokens` extend it)."""
+        if len(tokens) > len(self.tokens):
+            self.tokens = tokens
+
+    def inserted(self, last_node: Node, cached_len: int, computed: int) -> None:
+        """An insert covered `cached_len` tokens, ending at `last_node` (now locked by it); KV of
+        `computed` tokens was computed (`committed_len` never goes back)."""
+        self.last_node, self.cached_len = last_node, cached_len
+        self.committed_len = max(self.committed_len, min(computed, self.seq_len))
+
+    def keep_duplicates(self, slots: np.ndarray) -> None:
+        """Its own slots that duplicate tree pages (new ones only): still its own until release."""
+        if len(self.dups):
+            slots = slots[~np.isin(slots, self.dups)]
+        self.dups = np.concatenate((self.dups, slots))
+
+    def rewound(self, new_len: int) -> None:
+        """Its tokens past `new_len` are forgotten (its slots past them: `truncate_slots`)."""
+        self.seq_len = new_len
+        self.committed_len = min(self.committed_len, new_len)
+        self.tokens = self.tokens[:new_len].copy()
+
 
 @dataclass(slots=True)
 class SessionRecord:
@@ -132,6 +158,14 @@ class SessionRecord:
     @property
     def kv_len(self) -> int:
         return len(self.tokens)
+
+    def run(self, rid: Hashable) -> None:
+        """Turn `rid` runs now (None: no turn runs)."""
+        self.turn = rid
+
+    def keep(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """A turn ended keeping exactly `tokens` of KV in `slots` (whole pages)."""
+        self.slots, self.tokens, self.turn = slots, tokens, None
 
 
 @dataclass(slots=True)
@@ -151,8 +185,6 @@ class CopyOp:
     # a load issued under another load that failed first: its nodes lost their device copies, and
     # its device slots stay with it (owner: its deepest node's id) until its ack frees them
     orphaned: bool = False
-    # recurrent state copied with it: (source, destination) state slots, pinned until the ack
-    state: StateCopy | None = None
 
 
 @dataclass(slots=True)
@@ -201,6 +233,10 @@ class Prefetch:
     anchor_host: Node | None = None  # deepest host-only node of it, host-protected over...
     anchor_host_len: int = 0  # ...this many tokens (its host-only part)
 
+    def wait(self, waiter: Any) -> None:
+        """An admit waits for this prefetch (the tree actor's opaque token)."""
+        self.waiters.append(waiter)
+
     def take_waiters(self) -> list[Any]:
         """The admits that waited for it (they go on now, or fail); none wait any more."""
         waiters, self.waiters = self.waiters, []
@@ -230,8 +266,8 @@ class StorageOp:
     node: Node | None = None  # a write: deepest node of the backed-up chain
     length: int = 0  # a write: tokens of that chain (its protect_host length)
     prefetch: Prefetch | None = None  # a read
-    # a write with KV events on: the written pages' tokens (whole pages, one per key, in key
-    # order) and the hash of the page before each key (None: it starts its sequence)
+    # a write: the written pages' tokens (whole pages, one per key, in key order) and the hash of
+    # the page before each key (None: it starts its sequence), what its STORAGE events say
     tokens: np.ndarray | None = None
     parents: list[bytes | None] | None = None
     # under one control plane over tensor-parallel ranks: every rank's keys (rank 0's are `keys`),
@@ -248,3 +284,17 @@ class PrefetchWait:
 
     prefetch: Prefetch
     timeout_s: float | None
+
+
+class StorageRequest(NamedTuple):
+    """A storage op for the transfer side: write, read or (a read with no pages) look up `keys`."""
+
+    op_id: int
+    write: bool
+    keys: tuple[bytes, ...]
+    pages: tuple[int, ...]  # host pages, one per key
+    # under one control plane over tensor-parallel ranks: rank r's keys are rank_keys[r] (rank 0's
+    # are `keys`); (): `keys` serve every rank (one rank; a replicated shard, written by rank 0)
+    rank_keys: tuple[tuple[bytes, ...], ...] = ()
+    # a hybrid model's state snapshots written, looked up or read with the pages (the op's own)
+    states: tuple[StateBlob, ...] = ()

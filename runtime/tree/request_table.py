@@ -19,7 +19,7 @@ waiting for its offloads (`detach`) reads a private copy of its row.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -88,14 +88,29 @@ class RequestTable:
         row = self._row_of[rec.rid]
         n = self.num_slots_at[row]
         own = RequestTable(self.page_size, rows=1, width=n)
-        own._free_rows.clear()
-        own.slot_map[0, :n] = self.slot_map[row, :n]
-        own.num_slots_at[0] = n
-        own.seq_len_at[0] = self.seq_len_at[row]
-        own.committed_at[0] = self.committed_at[row]
+        own.take_row(self.slot_map[row, :n], self.seq_len_at[row], self.committed_at[row])
         code = self._free(rec)
         rec.table, rec.row = own, 0
         return code
+
+    def take_row(self, slots: np.ndarray, seq_len: int, committed: int) -> None:
+        """A one-row table (`detach`'s private copy) takes its row: `slots`, with its lengths."""
+        n = len(slots)
+        self._free_rows.clear()
+        self.slot_map[0, :n] = slots
+        self.num_slots_at[0] = n
+        self.seq_len_at[0] = seq_len
+        self.committed_at[0] = committed
+
+    def hold_codes(self, rows: np.ndarray, hold: Callable[[RequestRecord], int]) -> np.ndarray:
+        """The ledger codes of `rows`' owners, holding (`hold(record)`) those not held yet (session
+        turns: held from their first decode step)."""
+        codes = self.codes[rows]
+        if not codes.all():
+            for row in rows[codes == 0].tolist():
+                self.codes[row] = hold(self.record_at[row])  # type: ignore[arg-type]
+            codes = self.codes[rows]
+        return codes
 
     def row_of(self, rid: Hashable) -> int | None:
         return self._row_of.get(rid)

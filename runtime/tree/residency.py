@@ -2,69 +2,127 @@
 
 It owns the radix tree, the device and host slot ledgers and the tracer, and is the only code
 that pairs a tree change with its ledger change: allocate, evict, drop, delete, insert, attach a
-copy's slots, adopt a host run, move ownership on a split. Every other part of the core changes
-the tree or a ledger only through these methods (locks, pins and host protections excepted:
-they change no ownership). Eviction that needs a backup first (write-back, or a node whose
-host-only children need it to keep a copy) is not issued here: `evict_device` returns those
-nodes, and the copy tracker starts their backups.
+copy's slots, adopt a host run, move ownership on a split, and give a part's own pages back or
+hand them over (`free_device`, `assign_device`...). Every other part of the core changes the tree
+or a ledger only through these methods (locks, pins and host protections excepted: they change
+no ownership; `tests/unit/test_architecture.py` checks the ledgers' side). Eviction that needs a
+backup first (write-back, or a node whose host-only children need it to keep a copy) is not
+issued here: `evict_device` returns those nodes, and the copy tracker starts their backups.
+
+It holds the model's pool groups (`groups`, built from the config's declarations) and calls each
+group's hooks where the group has a say (`hooked`: only the groups whose rule overrides a hook);
+a tier or feature that is off is a null object here too (no KV events: `NoEvents`; no host tier:
+a host ledger of no pages).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Hashable
-from typing import Any
+from collections.abc import Callable, Container, Hashable, Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.errors import CapacityError, InternalError
+from runtime.errors import CapacityError, InternalError, StateError
 from runtime.events.recorder import CPU, GPU, KVEventRecorder
+from runtime.memory.groups import FULL, RECURRENT, SLIDING, Feature, GroupSpec
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
-from runtime.memory.state_pool import STATE_POOL_PREFIX
 from runtime.memory.swa import PairedLedger, SwaSlots
 from runtime.storage.hashing import KVIdentity
+from runtime.storage.state_blobs import StateBlobFormat
 from runtime.trace import SlotTracer
 from runtime.tree.policies import policy_by_name
 from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, tests)
 from runtime.tree.page_hasher import PageHasher
 from runtime.tree.radix import InsertResult, MatchResult, Node, RadixTree
-from runtime.tree.records import EMPTY, aligned
-from runtime.tree.recurrent import RecurrentStates
-from runtime.tree.sliding import SlidingWindow
+from runtime.tree.groups.base import Hooked, PoolGroup
+from runtime.tree.groups.full import FullAttention
+from runtime.tree.groups.recurrent import NoSnapshots, RecurrentStates
+from runtime.tree.groups.sliding import SlidingWindow
+from runtime.tree.records import EMPTY, RequestRecord, aligned
+from runtime.tree.tiers.off import NoEvents
+
+G = TypeVar("G", bound=PoolGroup)
 
 
 class Residency:
     # -- state -------------------------------------------------------------------
     def __init__(self, page_size: int, device_slots: int, host_slots: int, *, eviction_policy: str = "lru",
                  write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0,
-                 host_state_slots: int = 0, state_pools: tuple[str, ...] = (), sliding_window: int = 0,
-                 swa_slots: int = 0) -> None:
+                 host_state_slots: int = 0, sliding_window: int = 0, swa_slots: int = 0,
+                 specs: tuple[GroupSpec, ...] = (), requests: Mapping[Hashable, RequestRecord] | None = None,
+                 state_format: StateBlobFormat | None = None) -> None:
         """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
-        device memory): a tree of host copies over the host ledger. `state_slots` > 0: a hybrid
-        model's recurrent states (`RecurrentStates`): node snapshots go with the node's device KV
-        and a match is cut back to the deepest snapshot. `sliding_window` > 0: sliding layers in a
-        pool of `swa_slots` (`SlidingWindow`): pages outside every node end's window drop their
-        sliding KV and a match is cut back to the deepest end whose window is present."""
+        device memory): a tree of host copies over the host ledger. `specs`: the model's pool
+        groups (`RuntimeConfig.group_specs`; none: full attention alone), each a rule object in
+        `groups`: with recurrent state (`state_slots` > 0, `RecurrentStates`) node snapshots go
+        with the node's device KV and a match is cut back to the deepest snapshot; with sliding
+        layers (`sliding_window` > 0, a pool of `swa_slots`, `SlidingWindow`) pages outside
+        every node end's window drop their sliding KV and a match is cut back to the deepest end
+        whose window is present. `requests`: the live request records (read by groups whose
+        rule depends on what running requests still read)."""
         self.page_size = page_size
         self.write_back = host_slots > 0 and write_back
         self.tracer = tracer
-        self.tree = RadixTree(page_size, policy_by_name(eviction_policy))
-        self.sliding: SlidingWindow | None = None
-        if sliding_window > 0:
+        self.tree = RadixTree(page_size, policy_by_name(eviction_policy), on_split=self.on_split)
+        self._split_listeners: list[Callable[[Node, Node], None]] = []
+        spec = {s.kind: s for s in specs}
+        # the host tier off is a host ledger of no pages: nothing is backed up or kept on host
+        self.host = SlotLedger(host_slots, page_size, Tier.HOST, tracer)
+        # the groups, as the config declares them (the token pool's own first)
+        full = spec.get(FULL) or GroupSpec.of(FULL, "kv_layout", "token", (), 0)
+        groups: list[PoolGroup] = []
+        if sliding_window > 0:  # the sliding pool is paired with the token pool: one device ledger over both
             swa = SwaSlots(device_slots, swa_slots, page_size)
-            self.device: SlotLedger = PairedLedger(device_slots, page_size, Tier.DEVICE, tracer, swa)
-            self.sliding = SlidingWindow(sliding_window, swa, self.device, self.tree)  # type: ignore[arg-type]
+            paired = PairedLedger(device_slots, page_size, Tier.DEVICE, tracer, swa)
+            self.device: SlotLedger = paired
+            groups.append(FullAttention(full, paired.full_free_pages, self.evictable_device_pages))
+            groups.append(SlidingWindow(spec[SLIDING], sliding_window, swa, paired, self.tree,
+                                        {} if requests is None else requests))
         else:
             self.device = SlotLedger(device_slots, page_size, Tier.DEVICE, tracer)
-        self.host: SlotLedger | None = SlotLedger(host_slots, page_size, Tier.HOST, tracer) if host_slots > 0 else None
+            groups.append(FullAttention(full, self.device.num_free_pages, self.evictable_device_pages))
+        # the storage tier's snapshot store: host snapshots, if the model keeps any (`state_format`:
+        # how they are stored)
+        self.snapshots: RecurrentStates | NoSnapshots = NoSnapshots()
+        if state_slots > 0:
+            states = RecurrentStates(spec[RECURRENT], state_slots, host_state_slots, self.tree.policy, page_size,
+                                     state_format)
+            groups.append(states)
+            if host_state_slots > 0:
+                self.snapshots = states
+        self.groups: tuple[PoolGroup, ...] = tuple(groups)
+        self.hooked = Hooked.of(self.groups)  # per hook, the groups that have a say
         self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
         # KV cache events (`enable_events`): every tier change below is reported to it
-        self.events: KVEventRecorder | None = None
+        self.events: KVEventRecorder | NoEvents = NoEvents()
         # the nodes' page hashes, shared by KV events and storage writes (`use_hasher`)
         self.hasher: PageHasher | None = None
-        self.states: RecurrentStates | None = (
-            RecurrentStates(state_slots, host_state_slots, state_pools, self.tree.policy) if state_slots > 0 else None)
+
+    def group(self, kind: type[G]) -> G:
+        """The model's group of rule `kind` (StateError: the model has none)."""
+        for g in self.groups:
+            if isinstance(g, kind):
+                return g
+        raise StateError(f"the model has no {kind.__name__} group")
+
+    def supports(self, feature: Feature) -> bool:
+        """Whether every group of the model supports `feature` (their declarations)."""
+        return all(feature in g.spec.supports for g in self.groups)
+
+    def listen_splits(self, hook: Callable[[Node, Node], None]) -> None:
+        """Call `hook(lower, upper)` after every split, once the groups and ledgers followed it."""
+        self._split_listeners.append(hook)
+
+    @property
+    def has_host(self) -> bool:
+        """Whether there is a host tier (its ledger has pages)."""
+        return self.host.num_pages > 0
+
+    def records_events(self) -> bool:
+        """Whether KV events are on (a recorder was given)."""
+        return not isinstance(self.events, NoEvents)
 
     def enable_events(self, recorder: KVEventRecorder) -> None:
         self.events = recorder
@@ -79,13 +137,15 @@ class Residency:
         return self.hasher
 
     @classmethod
-    def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None) -> "Residency":
-        shape = config.state_shape
-        pools = tuple(STATE_POOL_PREFIX + c.name for c in shape.components) if shape is not None else ()
+    def from_config(cls, config: RuntimeConfig, tracer: SlotTracer | None = None,
+                    requests: Mapping[Hashable, RequestRecord] | None = None) -> "Residency":
         return cls(config.page_size, config.device_slots, config.host_slots, eviction_policy=config.eviction_policy,
                    write_back=config.write_policy == "write_back", tracer=tracer, state_slots=config.state_slots,
-                   host_state_slots=config.host_state_slot_count, state_pools=pools,
-                   sliding_window=config.sliding_window if config.swa_slots else 0, swa_slots=config.swa_slots)
+                   host_state_slots=config.host_state_slot_count,
+                   sliding_window=config.sliding_window if config.swa_slots else 0, swa_slots=config.swa_slots,
+                   specs=config.group_specs, requests=requests,
+                   state_format=StateBlobFormat.of(shape, config.page_size * config.bytes_per_token)
+                   if (shape := config.state_shape) else None)
 
     # -- allocation --------------------------------------------------------------
     def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
@@ -98,7 +158,6 @@ class Residency:
 
     def alloc_host(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray | None:
         """Host pages, evicting host-only copies for them; None when they cannot be had."""
-        assert self.host is not None
         short = pages - self.host.num_free_pages()
         if short > 0:
             self.evict_host(short)
@@ -106,43 +165,43 @@ class Residency:
             return None
         return self.host.alloc(pages, owner, **ctx)
 
+    # -- slots outside the tree: every owner change of the token ledgers goes through here ----
+    def free_device(self, slots: np.ndarray, owner: Owner, **ctx: Any) -> None:
+        """Device pages `owner` (a request, session or node) gives back (not the tree's)."""
+        self.device.free(slots, owner, **ctx)
+
+    def free_host(self, slots: np.ndarray, owner: Owner, **ctx: Any) -> None:
+        self.host.free(slots, owner, **ctx)
+
+    def assign_device(self, slots: np.ndarray, owner: Owner, to: Owner, **ctx: Any) -> None:
+        """Device pages handed from `owner` to `to` (a finished turn's to its session)."""
+        self.device.assign(slots, owner, to, **ctx)
+
+    def assign_host(self, slots: np.ndarray, owner: Owner, to: Owner, **ctx: Any) -> None:
+        self.host.assign(slots, owner, to, **ctx)
+
+    def hold(self, owner: Owner) -> int:
+        """`owner`'s ledger code, held while a request is filed (`SlotLedger.hold`)."""
+        return self.device.hold(owner)
+
+    def unhold(self, owner: Owner) -> None:
+        self.device.unhold(owner)
+
+    def alloc_held(self, codes: np.ndarray, **ctx: Any) -> np.ndarray:
+        """One free device page for each held owner code (a decode step's)."""
+        return self.device.alloc_held(codes, **ctx)
+
     # -- eviction and deletion ---------------------------------------------------
     def evict_device(self, pages: int) -> list[Node]:
-        """Free `pages` device pages in eviction order (as `freeable_now` predicts): drop device
-        copies backed up on host, delete childless nodes with no host copy. Returns the nodes
-        passed over because their eviction needs a backup first (their device pages are freed at
-        its ack): the caller starts those backups."""
-        if self.sliding is not None:
-            return self._evict_sliding(pages)
-        freed = 0
-        backup_first: list[Node] = []
-        for node in self.tree.device_victims():
-            if freed >= pages:
-                break
-            n = node.num_tokens // self.page_size
-            if self._evict_node(node):
-                freed += n
-            else:
-                backup_first.append(node)
-        return backup_first
-
-    def _evict_node(self, node: Node) -> bool:
-        """Drop a victim's device copy (backed up) or delete it; False: it needs a backup first."""
-        if node.host is not None:
-            self.drop_device(node)
-        elif self.host is not None and (self.write_back or node.children):
-            return False
-        else:
-            self.delete(node)
-        return True
-
-    def _evict_sliding(self, pages: int) -> list[Node]:
-        """`evict_device` with a sliding pool: `pages` more free in both pools, sliding pages
-        dropped first (`SlidingWindow.drop`), then whole nodes in eviction order."""
-        assert self.sliding is not None
+        """Free `pages` device pages in eviction order (as `freeable_now` predicts): each group
+        gives back what it can first (`before_evict`), then device copies backed up on host are
+        dropped and childless nodes with no host copy deleted. Returns the nodes passed over
+        because their eviction needs a backup first (their device pages are freed at its ack):
+        the caller starts those backups."""
         device = self.device
         target = device.num_free_pages() + pages
-        self.sliding.drop(target - self.sliding.swa.num_free_pages())
+        for g in self.hooked.before_evict:
+            g.before_evict(target)
         backup_first: list[Node] = []
         for node in self.tree.device_victims():
             if device.num_free_pages() >= target:
@@ -150,6 +209,16 @@ class Residency:
             if not self._evict_node(node):
                 backup_first.append(node)
         return backup_first
+
+    def _evict_node(self, node: Node) -> bool:
+        """Drop a victim's device copy (backed up) or delete it; False: it needs a backup first."""
+        if node.host is not None:
+            self.drop_device(node)
+        elif self.write_back or node.children:  # (host-only children: none without a host tier)
+            return False
+        else:
+            self.delete(node)
+        return True
 
     def evict_host(self, pages: int) -> None:
         freed = 0
@@ -160,12 +229,11 @@ class Residency:
             self.delete(node)
 
     def drop_device(self, node: Node) -> None:
-        if self.states is not None:
-            self.states.drop(node)
+        for g in self.hooked.drop_device:
+            g.drop_device(node)
         slots = self.tree.detach_device(node)
         self.device.free(slots, node_owner(node), trusted=True, node=node.id, reason="evict")
-        if self.events is not None:
-            self.events.removed(node, GPU)
+        self.events.removed(node, GPU)
         self.emit("evict", Tier.DEVICE, slots, node=node.id)
         self.stats["device_evicted_tokens"] += len(slots)
 
@@ -173,21 +241,19 @@ class Residency:
         """Delete a childless unlocked node, then any ancestors left with no copy and no child."""
         while True:
             parent = node.parent
-            if self.events is not None:  # (while the node still has its path)
-                if node.device is not None:
-                    self.events.removed(node, GPU)
-                if node.host is not None:
-                    self.events.removed(node, CPU)
-            if self.states is not None:
-                self.states.drop(node)
-                self.states.drop_host(node)
-            if self.sliding is not None:
-                self.sliding.forget_host(node)
+            if node.device is not None:  # (events while the node still has its path)
+                self.events.removed(node, GPU)
+            if node.host is not None:
+                self.events.removed(node, CPU)
+            for g in self.hooked.drop_device:
+                g.drop_device(node)
+            for g in self.hooked.drop_host:
+                g.drop_host(node)
             device, host = self.tree.delete_leaf(node)
             if device is not None:
                 self.device.free(device, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["device_evicted_tokens"] += len(device)
-            if host is not None and self.host is not None:
+            if host is not None:
                 self.host.free(host, node_owner(node), trusted=True, node=node.id, reason="evict")
                 self.stats["host_evicted_tokens"] += len(host)
             if (parent is None or parent.parent is None or parent.children or parent.device is not None
@@ -217,9 +283,9 @@ class Residency:
     def flush(self) -> int:
         """Drop every unlocked cached prefix from device and host; returns tokens dropped. A flush
         that leaves both tiers empty is one `AllBlocksCleared` event instead of its removals."""
-        mark = self.events.mark() if self.events is not None else 0
+        mark = self.events.mark()
         dropped = self._flush()
-        if self.events is not None and self.tree.total_device_tokens == 0 and self.tree.total_host_tokens == 0:
+        if self.tree.total_device_tokens == 0 and self.tree.total_host_tokens == 0:
             self.events.cleared_since(mark)
         return dropped
 
@@ -260,8 +326,7 @@ class Residency:
         events = self.events
         for node, part in res.adopted:
             assign(part, owner, node_owner(node), trusted=trusted, rid=rid, node=node.id)
-            if events is not None:
-                events.stored(node, GPU, len(part))
+            events.stored(node, GPU, len(part))
         return res
 
     def attach_load(self, host_nodes: list[Node], device: np.ndarray, owner: Owner) -> None:
@@ -272,8 +337,7 @@ class Residency:
             offset += node.num_tokens
             self.device.assign(part, owner, node_owner(node), node=node.id)
             self.tree.attach_device(node, part)
-            if self.events is not None:
-                self.events.stored(node, GPU)
+            self.events.stored(node, GPU)
 
     def attach_backup(self, chain: list[Node], host: np.ndarray, host_owner: Owner) -> None:
         """A landed backup's host pages (owned by `host_owner`: the node it was issued for) go to
@@ -285,29 +349,26 @@ class Residency:
             if node_owner(node) is not host_owner:  # (the same object for the node it was issued for)
                 self.host.assign(part, host_owner, node_owner(node), trusted=True, node=node.id)  # type: ignore[union-attr]
             self.tree.attach_host(node, part)
-            if self.events is not None:
-                self.events.stored(node, CPU)
+            self.events.stored(node, CPU)
 
     def roll_back_load(self, chain: list[Node]) -> None:
         """A failed load's device copies never became valid: detach and free them."""
         for node in reversed(chain):
-            if self.states is not None:
-                self.states.drop(node)
+            for g in self.hooked.drop_device:
+                g.drop_device(node)
             slots = self.tree.detach_device(node, force=True)
             self.device.free(slots, node_owner(node), node=node.id, reason="load_failed")
-            if self.events is not None:
-                self.events.removed(node, GPU)
+            self.events.removed(node, GPU)
 
     def orphan_load(self, chain: list[Node]) -> None:
         """Detach a load's device copies from its chain: its deepest node's owner keeps them all
         until the load's ack frees them (the load was started under a load that failed)."""
         owner = node_owner(chain[-1])
-        if self.states is not None:
-            self.states.orphan_load(chain)
+        for g in self.hooked.orphan_load:
+            g.orphan_load(chain)
         for node in reversed(chain):
             slots = self.tree.detach_device(node, force=True)
-            if self.events is not None:
-                self.events.removed(node, GPU)
+            self.events.removed(node, GPU)
             if node is not chain[-1]:
                 self.device.assign(slots, node_owner(node), owner, node=chain[-1].id, reason="load_orphaned")
 
@@ -320,7 +381,6 @@ class Residency:
         exactly at `len(tokens)`; None if the prefix was gone). `host` is built from the host
         ledger's own `alloc` results, cut at page boundaries (every caller's is): the ledger
         calls take their trusted path."""
-        assert self.host is not None
         host_ledger = self.host
         end = len(tokens)
 
@@ -345,8 +405,7 @@ class Residency:
                 if node.host is None and node.id not in busy:
                     self.tree.attach_host(node, part)
                     host_ledger.assign(part, owner, node_owner(node), trusted=True, rid=rid, node=node.id)
-                    if self.events is not None:
-                        self.events.stored(node, CPU)
+                    self.events.stored(node, CPU)
                     kept += len(part)
                 else:
                     drop(part, "duplicate")
@@ -355,48 +414,54 @@ class Residency:
             rest = host[m.matched_len - start:]
             parent = self.tree.add_host_child(parent, tokens[m.matched_len:], rest)
             host_ledger.assign(rest, owner, node_owner(parent), trusted=True, rid=rid, node=parent.id)
-            if self.events is not None:
-                self.events.stored(parent, CPU)
+            self.events.stored(parent, CPU)
             kept += len(rest)
         return kept, parent
 
     def on_split(self, lower: Node, upper: Node) -> None:
-        """A split hands the upper part's slots (and page hashes) to the new node."""
+        """A split hands the upper part's slots (and page hashes, and each group's records) to the
+        new node, then tells the listeners (copies in flight)."""
         if self.hasher is not None:
             self.hasher.on_split(lower, upper)
-        if self.sliding is not None:
-            self.sliding.on_split(lower, upper)
+        for g in self.hooked.on_split:
+            g.on_split(lower, upper)
         if upper.device is not None:
             self.device.assign(upper.device, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
-        if upper.host is not None and self.host is not None:
+        if upper.host is not None:
             self.host.assign(upper.host, node_owner(lower), node_owner(upper), node=upper.id, reason="split")
+        for hook in self._split_listeners:
+            hook(lower, upper)
 
     # -- questions (change nothing) ---------------------------------------------------
     def admission(self, tokens: np.ndarray, extra_key: Hashable, *,
                   admitting: bool = False) -> tuple[MatchResult, int, int]:
         """The read-only look an admission starts from: (look, host tokens to load, device pages
         needed for them and the uncached rest). The last token is always computed (the model
-        needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (a sliding cut is
-        noted for `SlidingWindow.count_cut`)."""
+        needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (the cut is
+        noted by each group, counted when it is admitted)."""
         ps = self.page_size
         look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, admitting=admitting)
         return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
 
     def usable_match(self, tokens: np.ndarray, extra_key: Hashable, *,
                      admitting: bool = False) -> tuple[MatchResult, int]:
-        """The read-only match of `tokens` a hit may use, and its host tokens: with recurrent state,
-        cut back to the deepest snapshot (a hit restores KV and state of one prefix, or nothing);
-        with sliding layers, to the deepest end whose window's sliding KV is present."""
+        """The read-only match of `tokens` a hit may use, and its host tokens: cut back to where
+        every group's state is whole (`PoolGroup.usable_end`; with recurrent state, the deepest
+        snapshot; with sliding layers, the deepest end whose window's sliding KV is present). This
+        is the one place a hit is cut short. `admitting`: an admission's look (each group notes
+        the cut, counted once it is admitted)."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
-        host_len = look.host_len if self.host is not None else 0
-        rule = self.states if self.states is not None else self.sliding  # one at most (RuntimeConfig)
+        host_len = look.host_len
         matched = look.device_len + host_len
-        usable = rule.usable_end(look, host_len) if rule is not None and matched else matched
-        if admitting and self.sliding is not None:  # every admission's look sets it (0: not cut)
-            self.sliding.note_cut(matched - usable)
+        usable = matched
+        for g in self.hooked.usable_end if matched else ():
+            usable = min(usable, g.usable_end(look, host_len))
+        if admitting:  # every admission's look notes it (0: not cut)
+            for g in self.hooked.note_cut:
+                g.note_cut(matched - usable)
         if usable < matched:
             look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
-            host_len = look.host_len if self.host is not None else 0
+            host_len = look.host_len
         return look, host_len
 
     def evictable_device_pages(self) -> int:
@@ -409,18 +474,17 @@ class Residency:
 
     def room_for(self, pages: int, look: MatchResult | None = None) -> bool:
         """Whether `pages` device pages can be had now, free or by an eviction that frees them at
-        once. `can_admit`, `admit` and `extend` all decide by this one answer, so they agree. A
-        request's own matched prefix (`look`) is evictable until its admission locks it, so it is
-        no room for it."""
-        free = self.device.num_free_pages()
-        if pages <= free:
+        once, in every group's pool (`PoolGroup.room`). `can_admit`, `admit` and `extend` all
+        decide by this one answer, so they agree. A request's own matched prefix (`look`) is
+        evictable until its admission locks it, so it is no room for it."""
+        if pages <= self.device.num_free_pages():
             return True
-        if self.sliding is not None:
-            return self._room_sliding(pages, look)
-        if pages > free + self.evictable_device_pages():  # not even eventually
-            return False
         keep, tail = self._kept_by(look)
-        return free + self.freeable_now(pages - free, keep, tail) >= pages
+
+        def dry_run(need: int, weigh: Callable[[Node, int], int] | None = None) -> int:
+            return self.freeable_now(need, keep, tail, weigh)
+
+        return all(g.room(pages, look, dry_run) for g in self.hooked.room)
 
     @staticmethod
     def _kept_by(look: MatchResult | None) -> tuple[set[Node], tuple[Node, int] | None]:
@@ -436,18 +500,6 @@ class Residency:
                 keep.discard(node)
                 tail = node, len(node.device) - look.partial
         return keep, tail
-
-    def _room_sliding(self, pages: int, look: MatchResult | None) -> bool:
-        """`room_for` with a sliding pool: both pools must reach `pages` free, the sliding one by
-        drops first, then each by the same node evictions (`_evict_sliding`)."""
-        sliding = self.sliding
-        assert isinstance(self.device, PairedLedger) and sliding is not None
-        keep, tail = self._kept_by(look)
-        full_need = pages - self.device.full_free_pages()
-        if full_need > 0 and self.freeable_now(full_need, keep, tail) < full_need:
-            return False
-        swa_need = pages - sliding.swa.num_free_pages() - sliding.droppable_total(look)
-        return swa_need <= 0 or self.freeable_now(swa_need, keep, tail, sliding.kept_pages) >= swa_need
 
     def freeable_now(self, need: int, keep: set[Node], tail: tuple[Node, int] | None = None,
                      weigh: Callable[[Node, int], int] | None = None) -> int:
@@ -474,8 +526,7 @@ class Residency:
                     break
                 if node in keep:
                     continue
-            if node.host is None and self.host is not None and (
-                    self.write_back or len(node.children) > deleted.get(node, 0)):
+            if node.host is None and (self.write_back or len(node.children) > deleted.get(node, 0)):
                 continue
             if tail is not None and node is tail[0]:
                 got += tail[1] // ps if weigh is None else weigh(node, tail[1])

@@ -40,8 +40,7 @@ from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.integrations.hf_hybrid import PagedHybridModel, runtime_fields  # noqa: E402
 from runtime.integrations.serving import ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from runtime.tree.storage_tier import StorageTier  # noqa: E402
-from runtime.tree.recurrent import RecurrentStates  # noqa: E402
+from runtime.tree.groups.recurrent import RecurrentStates  # noqa: E402
 from tests.e2e.support import DEVICE, PAGE  # noqa: E402
 from runtime.messages import StateBlob  # noqa: E402
 from tests.e2e.test_differential_tiers import SYSTEM, evict_to_host, mismatches, serve_turns, settle  # noqa: E402
@@ -118,7 +117,7 @@ async def test_storage_state_of_a_shallower_boundary_is_caught(bamba, ref_bamba,
     def shallower(self, keys):  # the snapshot after page j - 1 asked for (and read) as the one after page j
         return tuple(StateBlob(-1, (), j, page=keys[j - 2]) for j in range(len(keys), 1, -1))
 
-    monkeypatch.setattr(StorageTier, "_state_lookups", shallower)
+    monkeypatch.setattr(RecurrentStates, "blobs_to_look_up", shallower)
     results, metrics, _ = await serve(bamba, tmp_path / "kv")
     bad = {line.split()[0] for line in mismatches(ref_bamba, results, tol=TOL)}
     from_storage = {rid for (rid, *_), (_, m) in zip(results, metrics, strict=True) if m.storage_tokens}

@@ -47,7 +47,7 @@ from runtime.integrations.hf_llama import PagedOutput, PagedSeq  # noqa: E402
 from runtime.integrations.hf_swa import PagedSWAModel, sliding_layers, swa_config, tiny_gemma3  # noqa: E402
 from runtime.integrations.serving import ServingError, ServingLoop  # noqa: E402
 from runtime.runtime import CacheRuntime  # noqa: E402
-from runtime.tree.sliding import SlidingWindow  # noqa: E402
+from runtime.tree.groups.sliding import SlidingWindow  # noqa: E402
 from tests.e2e.support import DEVICE, PAGE, ids, runtime_config  # noqa: E402
 from tests.e2e.test_differential_tiers import SYSTEM, evict_to_host, mismatches, serve_turns, settle  # noqa: E402
 
@@ -199,7 +199,7 @@ async def serve_sliding_pool(model, *, debug_invariants: bool = True, write_poli
                 for i in range(3):  # pages: fillers shorter than the sliding pool, one after another
                     await srv.generate(ids(SWA_TOKENS - 2 * PAGE, 90 + i), max_new_tokens=1, rid=f"filler{i}")
                     await settle(rt)
-                missing.append(await rt.inspect(lambda core: sum(core.residency.sliding.host_missing.values())))
+                missing.append(await rt.inspect(lambda core: sum(core.residency.group(SlidingWindow).host_missing.values())))
 
         missing: list[int] = []
         results, metrics = await serve_turns(rt, model, between_turns, paged=paged, turns=TURNS)

@@ -175,6 +175,6 @@ def test_a_connector_that_does_not_report_host_evictions_is_caught(model_dir, tm
 
 def test_events_are_off_unless_vllms_kv_events_are_on(model_dir, tmp_path):
     e = FakeEngine(vllm_config(model_dir, connector="HiCacheConnector", extra={"host_blocks": 20}), 12)
-    assert e.connector.events is None and e.connector.core.residency.events is None
+    assert e.connector.events is None and not e.connector.core.residency.records_events()
     salted_conversation(e, sessions=2, turns=1)
     assert list(e.connector.take_events()) == []

@@ -18,7 +18,7 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is installed by
 import torch  # noqa: E402
 
 from runtime.integrations.vllm import CopyAcks  # noqa: E402
-from runtime.tree.storage_tier import StorageTier  # noqa: E402
+from runtime.tree.tiers.storage import StorageTier  # noqa: E402
 from tests.e2e.vllm_engine import BLOCK, FakeEngine, expected_block, save_tiny_model, vllm_config  # noqa: E402
 
 SYSTEM = list(range(100, 148))  # a 48-token system prompt (3 blocks)

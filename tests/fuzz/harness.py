@@ -162,11 +162,11 @@ CANCELLED = _Cancelled()
 
 
 def _prefetches(core: Any) -> dict:
-    return core.storage.prefetches if core.storage is not None else {}
+    return core.storage.prefetches
 
 
 def _retired(core: Any) -> dict:
-    return core.offload.retired if core.offload is not None else {}
+    return core.offload.retired
 
 @dataclass(frozen=True)
 class FuzzConfig:
@@ -544,11 +544,11 @@ def _observe(core: Any, with_host: bool, backend: Any = None, state_pool: Any = 
         sess[sid] = (s.tokens.copy(), s.slots.copy(), s.turn)
         owned[("s", sid)] = (core.residency.device.owned_slots(s.owner),
                              core.residency.host.owned_slots(s.owner) if with_host and core.residency.host is not None else None)
-    states = core.residency.states
+    states = _group(core, "RecurrentStates")
     held = {rid: (states.running.get(rid), dict(states.pending.get(rid, {}))) for rid in core.requests} \
         if states is not None else {}
     # node snapshots are few (at most the state slots): checked after every call, not every TREE_EVERY
-    return Observation(err, reqs, sess, owned, (core.storage is not None, backend), held,
+    return Observation(err, reqs, sess, owned, (core.storage.attached, backend), held,
                        _tree_state_errors(core, state_pool, host_state_pool) if state_pool is not None else [])
 
 
@@ -585,7 +585,7 @@ def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any, swa: SwaView | 
     if swa is not None:
         checks["device sliding"] = (swa.pool, swa.layers, [], [])
         checks["host sliding"] = (swa.host_pool, swa.layers, [], [])
-    sliding = core.residency.sliding
+    sliding = _group(core, "SlidingWindow")
     smap = sliding.swa.map if swa is not None else None
     not_leading = []
     for node in core.residency.tree.nodes():
@@ -622,9 +622,14 @@ def _tree_kv_errors(core: Any, device_pool: Any, host_pool: Any, swa: SwaView | 
     return out
 
 
+def _group(core: Any, kind: str) -> Any:
+    """The core's pool group of rule class `kind` (None: the model has none)."""
+    return next((g for g in core.residency.groups if type(g).__name__ == kind), None)
+
+
 def _tree_state_errors(core: Any, pool: Any, host_pool: Any = None) -> list[str]:
     """Every node's state snapshot holds the state after that node's whole path (its last token)."""
-    states = core.residency.states
+    states = _group(core, "RecurrentStates")
     if states is None:
         return []
     tree = core.residency.tree
@@ -1401,11 +1406,11 @@ class Driver:
             if tree._removing:
                 return None
             st = core.storage
-            rec = (StoredPages(st.known, st.doubtful, states=st.known_states) if st is not None
+            rec = (StoredPages(st.known, st.doubtful, states=st.known_states) if st.attached
                    else _kept_record(tree.detached_known, backend))
             # (a hybrid model's state snapshots are chunk files too: known, in doubt or being written)
             writing = ({k for op in st.ops.values() if op.write for k in (*op.keys, *(k for b in op.states for k in b.keys))}
-                       if st is not None else set())
+                       if st.attached else set())
             known, doubtful = ((set(rec.known) | {k for keys in rec.states.values() for k in keys}, set(rec.doubtful))
                                if rec is not None else (set(), set()))
             return _page_files(directory), known, doubtful, writing
@@ -1901,7 +1906,7 @@ class Driver:
         if self.may_store is None or self.storage_dir is None:
             return
         detached, backend = self.rt._tree.detached_known, self.backend
-        known = await self.inspect(lambda core: set(core.storage.known) if core.storage is not None
+        known = await self.inspect(lambda core: set(core.storage.known) if core.storage.attached
                                    else set(_kept(detached, backend) or ()))
         keys, tokens, ns = self._eviction(known, pick, count)
         if not keys:
@@ -2552,7 +2557,7 @@ def _resident_pages(core: Any, detached: set[bytes] | None = None
             device.update(mine)
         if node.host is not None:
             host.update(mine)
-    known = core.storage.known if core.storage is not None else detached or set()
+    known = core.storage.known if core.storage.attached else detached or set()
     return frozenset(device), frozenset(host), frozenset(known)
 
 

@@ -40,7 +40,7 @@ Recurrent state (hybrid episodes only: these plants run just the episodes with s
   KV is not cut back to the deepest snapshot; the hit resumes from the deepest snapshot on its
   path (state of a shorter prefix with longer KV), or from none.
 - `state_leaf_grows`: a request's leaf holding a snapshot grows in place at its next insert
-  (`CacheCore._insert` without "states is None or start not in states.node_state"): the snapshot
+  (`RequestKV.insert` without `RecurrentStates.grows_in_place`'s no): the snapshot
   then sits at the leaf's new end. The invariant checker, run by the tree actor after every
   message (`debug_invariants`), sees it first ("node 1 ends at 12 but holds the state snapshot
   taken at 4") and the runtime fails; so
@@ -96,11 +96,11 @@ class Plant:
 
 
 def _remap_duplicates() -> Callable[[], None]:
-    from runtime.tree.cache import CacheCore
+    from runtime.tree.request_kv import RequestKV
 
-    insert = CacheCore._insert
+    insert = RequestKV.insert
 
-    def broken(self: CacheCore, rec, tokens) -> None:
+    def broken(self: RequestKV, rec, tokens) -> None:
         insert(self, rec, tokens)
         if len(rec.dups):
             # the old way: free the request's duplicates now and map the tree's pages instead
@@ -115,22 +115,22 @@ def _remap_duplicates() -> Callable[[], None]:
             rec.append_slots(remapped)
             rec.dups = rec.dups[:0]
 
-    CacheCore._insert = broken
-    return lambda: setattr(CacheCore, "_insert", insert)
+    RequestKV.insert = broken
+    return lambda: setattr(RequestKV, "insert", insert)
 
 
 def _shorten_record() -> Callable[[], None]:
-    from runtime.tree.cache import CacheCore
+    from runtime.tree.request_kv import RequestKV
 
-    insert = CacheCore._insert
+    insert = RequestKV.insert
 
-    def broken(self: CacheCore, rec, tokens) -> None:
+    def broken(self: RequestKV, rec, tokens) -> None:
         insert(self, rec, tokens)
         if len(tokens) < len(rec.tokens):
             rec.tokens = tokens
 
-    CacheCore._insert = broken
-    return lambda: setattr(CacheCore, "_insert", insert)
+    RequestKV.insert = broken
+    return lambda: setattr(RequestKV, "insert", insert)
 
 
 def _host_leaf_ignores_children() -> Callable[[], None]:
@@ -156,7 +156,7 @@ def _decode_swaps_slots() -> Callable[[], None]:
 
 
 def _failed_load_keeps_loads_below() -> Callable[[], None]:
-    from runtime.tree.copies import CopyTracker
+    from runtime.tree.tiers.copies import CopyTracker
 
     orphan = CopyTracker._orphan_loads_below
     CopyTracker._orphan_loads_below = lambda self, failed, top, users: None
@@ -187,7 +187,7 @@ def _split_keeps_page_hashes() -> Callable[[], None]:
 
 
 def _clear_leaves_pages() -> Callable[[], None]:
-    from runtime.tree.storage_tier import StorageTier
+    from runtime.tree.tiers.storage import StorageTier
 
     forget = StorageTier.forget_stored
 
@@ -210,7 +210,7 @@ def _detach_forgets_stored() -> Callable[[], None]:
 
 def _attach_resets_counters() -> Callable[[], None]:
     from runtime.tree.cache import CacheCore
-    from runtime.tree.storage_tier import COUNTERS
+    from runtime.tree.tiers.storage import COUNTERS
 
     enable = CacheCore.enable_storage
 
@@ -224,7 +224,7 @@ def _attach_resets_counters() -> Callable[[], None]:
 
 
 def _gone_forgets_doubtful() -> Callable[[], None]:
-    from runtime.tree.storage_tier import StorageTier
+    from runtime.tree.tiers.storage import StorageTier
 
     gone = StorageTier._gone
 
@@ -253,7 +253,7 @@ def _internal_error_as_validation() -> Callable[[], None]:
 
 
 def _state_match_not_cut() -> Callable[[], None]:
-    from runtime.tree.recurrent import RecurrentStates
+    from runtime.tree.groups.recurrent import RecurrentStates
 
     usable_end, hit_state = RecurrentStates.usable_end, RecurrentStates.hit_state
 
@@ -273,9 +273,9 @@ def _state_match_not_cut() -> Callable[[], None]:
 
 
 def _state_load_other_snapshot() -> Callable[[], None]:
-    from runtime.tree.recurrent import RecurrentStates
+    from runtime.tree.groups.recurrent import RecurrentStates
 
-    start_load = RecurrentStates.start_load
+    start_load = RecurrentStates._load_copy
 
     def broken(self: RecurrentStates, host_nodes, slot, op_id):
         # the load of a host-only chain brings back another node's host snapshot for its deepest node
@@ -290,19 +290,21 @@ def _state_load_other_snapshot() -> Callable[[], None]:
         finally:
             self.host_state[deepest], self.host_state[other] = mine, self.host_state[deepest]
 
-    RecurrentStates.start_load = broken
-    return lambda: setattr(RecurrentStates, "start_load", start_load)
+    RecurrentStates._load_copy = broken
+    return lambda: setattr(RecurrentStates, "_load_copy", start_load)
 
 
 def _state_leaf_grows() -> Callable[[], None]:
+    from runtime.tree.groups.recurrent import RecurrentStates
     from runtime.tree.residency import Residency
 
     insert = Residency.insert
 
     def broken(self: Residency, tokens, extra_key, slots, owner, start=None, extend_leaf=False, *args, **kw):
-        # `CacheCore._insert` asks for growth in place except where `start` holds a snapshot (no copy
+        # `RequestKV.insert` asks for growth in place except where `start` holds a snapshot (no copy
         # is ever busy without a host tier): ask for it there too
-        if start is not None and self.states is not None and start in self.states.node_state:
+        states = next((g for g in self.groups if isinstance(g, RecurrentStates)), None)
+        if start is not None and states is not None and start in states.node_state:
             extend_leaf = True
         return insert(self, tokens, extra_key, slots, owner, start, extend_leaf, *args, **kw)
 
@@ -311,7 +313,7 @@ def _state_leaf_grows() -> Callable[[], None]:
 
 
 def _swa_drop_inside_window() -> Callable[[], None]:
-    from runtime.tree.sliding import SlidingWindow
+    from runtime.tree.groups.sliding import SlidingWindow
 
     limit = SlidingWindow.limit
     SlidingWindow.limit = lambda self, n: max(0, (n - self.window + 1 + self.page_size) // self.page_size)
@@ -319,7 +321,7 @@ def _swa_drop_inside_window() -> Callable[[], None]:
 
 
 def _swa_no_cut() -> Callable[[], None]:
-    from runtime.tree.sliding import SlidingWindow
+    from runtime.tree.groups.sliding import SlidingWindow
 
     usable_end = SlidingWindow.usable_end
     SlidingWindow.usable_end = lambda self, look, host_len=0: look.device_len + host_len
@@ -327,12 +329,12 @@ def _swa_no_cut() -> Callable[[], None]:
 
 
 def _swa_backup_skips_sliding() -> Callable[[], None]:
-    from runtime.tree.sliding import SlidingWindow
+    from runtime.tree.groups.sliding import SlidingWindow
 
     start_backup = SlidingWindow.start_backup
 
-    def broken(self: SlidingWindow, op_id, device, host):
-        start_backup(self, op_id, device, host)  # records the backup (and its missing pages)
+    def broken(self: SlidingWindow, op_id, node, device, host):
+        start_backup(self, op_id, node, device, host)  # records the backup (and its missing pages)
         return ()  # ...but its plan copies only the full layers
 
     SlidingWindow.start_backup = broken
@@ -340,13 +342,13 @@ def _swa_backup_skips_sliding() -> Callable[[], None]:
 
 
 def _unchecked(plant: Callable[[], Callable[[], None]], check: str) -> Callable[[], Callable[[], None]]:
-    """`plant` with the invariant checker's part `check` (`runtime.invariants._check_states`,
+    """`plant` with the invariant checker's part `check` (`runtime.invariants.groups._check_states`,
     `_check_sliding`) off: the fingerprint oracles alone must find it."""
     def install() -> Callable[[], None]:
-        import runtime.invariants as invariants
+        import runtime.invariants.groups as invariants
 
         undo_plant, checker = plant(), getattr(invariants, check)
-        setattr(invariants, check, lambda core, nodes: None)
+        setattr(invariants, check, lambda core, group, nodes: None)
 
         def undo() -> None:
             undo_plant()

@@ -281,13 +281,14 @@ class LogRecorder:
 
 INTERNAL = {"TreeError": lambda: TreeError("tree corrupted half-way"),
             "OwnershipError": lambda: errors.OwnershipError("freed by a non-owner"),
-            "PinnedSlotError": lambda: errors.PinnedSlotError("freed while pinned")}
+            "PinnedSlotError": lambda: errors.PinnedSlotError("freed while pinned"),
+            "SlotMisuseError": lambda: errors.SlotMisuseError("unpin of a page not pinned")}
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["call", "step"])
 @pytest.mark.parametrize("make", INTERNAL.values(), ids=INTERNAL.keys())
 async def test_an_internal_structures_error_half_way_through_a_call_fails_the_runtime(make, batched, monkeypatch):
-    """A TreeError, OwnershipError or PinnedSlotError raised by the tree or a ledger
+    """A TreeError, OwnershipError, PinnedSlotError or SlotMisuseError raised by the tree or a ledger
     after a finish changed state is no refusal of the caller's input: the runtime fails (one
     `actor_failed` error event with the cause), every later call raises RuntimeFailed and leaving
     the `async with` re-raises it. Before the fix the finish's caller got the error as a validation
@@ -303,13 +304,13 @@ async def test_an_internal_structures_error_half_way_through_a_call_fails_the_ru
             compute(rt, res.slots, t)
 
             def break_release(core: Any) -> None:
-                release = core._release
+                release = core._kv.release
 
                 def half_then_raise(rec: Any) -> None:
                     release(rec)  # the change happened...
                     raise make()  # ...and then the structure complained
 
-                core._release = half_then_raise
+                core._kv.release = half_then_raise
 
             await rt.inspect(break_release)
             with pytest.raises(RuntimeFailed) as info:

@@ -33,7 +33,7 @@ from runtime.runtime import CacheRuntime
 from runtime.audit import audit, compare_final_state
 from runtime.transfer.fake_engine import FakeCopyEngine
 from runtime.tree.cache import CacheCore
-from runtime.tree.decode_offload import DecodeOffload
+from runtime.tree.tiers.decode_offload import DecodeOffload
 from tests.integration.support import (
     bad_positions,
     compute,

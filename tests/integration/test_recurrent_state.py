@@ -19,6 +19,7 @@ import torch
 from runtime.errors import StateError
 from runtime.invariants import check_invariants
 from runtime.runtime import CacheRuntime
+from runtime.tree.groups.recurrent import RecurrentStates
 from tests.integration.support import compute, settle, small_config, toks
 
 STATE = dict(state_layers=3, state_components="conv:6x3:float32,ssm:2x4x5:bfloat16", state_slots=6)
@@ -72,8 +73,8 @@ async def test_snapshots_go_to_host_and_come_back_with_their_kv(layout):
         await rt.admit("big", toks(av["device_free"] + av["device_evictable"], 3))
         await rt.abort("big")
         await settle(rt)
-        counts = await rt.inspect(lambda core: (len(core.residency.states.node_state),
-                                                len(core.residency.states.host_state)))
+        counts = await rt.inspect(lambda core: (len(core.residency.group(RecurrentStates).node_state),
+                                                len(core.residency.group(RecurrentStates).host_state)))
         assert counts == (0, 3)
         res = await serve(rt, "b2", b, snaps=())  # host only: KV and the states at 16 and 32 load back
         assert (res.cached_device, res.loaded_host) == (0, 32) and res.state_from is not None

@@ -21,6 +21,7 @@ from runtime.storage.backend import FaultPlan, FaultyBackend
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.storage.state_blobs import StateBlobFormat
+from runtime.tree.groups.recurrent import RecurrentStates
 from tests.integration.support import compute, small_config, toks
 from tests.integration.test_recurrent_state import serve as serve_checked
 
@@ -132,7 +133,7 @@ async def test_a_failed_state_read_frees_every_slot(tmp_path, mode):
     fb = FaultyBackend(file_backend(tmp_path, cfg), FaultPlan(fail_at={2}, mode=mode, methods={"get_batch"}))
     async with CacheRuntime.open(cfg, storage=fb) as rt:
         free = lambda core: (core.residency.host.num_free_pages(),  # noqa: E731
-                             core.residency.states.host_ledger.num_free_pages())
+                             core.residency.group(RecurrentStates).host_ledger.num_free_pages())
         before = await rt.inspect(free)
         res = await rt.admit("a2", a)
         assert (res.cached, res.loaded_storage, res.state_from) == (0, 0, None)
@@ -154,7 +155,7 @@ async def test_cancelled_prefetch_frees_its_state_slot(tmp_path):
     cfg = config()
     fb = FaultyBackend(file_backend(tmp_path, cfg), FaultPlan(hold_at={1}, methods={"get_batch"}))
     async with CacheRuntime.open(cfg, storage=fb) as rt:
-        states_free = lambda core: core.residency.states.host_ledger.num_free_pages()  # noqa: E731
+        states_free = lambda core: core.residency.group(RecurrentStates).host_ledger.num_free_pages()  # noqa: E731
         before = await rt.inspect(states_free)
         assert await rt.prepare("p", a) > 0
         for _ in range(2000):  # until the read (with its state slot) is issued and held

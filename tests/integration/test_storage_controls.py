@@ -97,7 +97,7 @@ async def held_at_head(rt: CacheRuntime, control: asyncio.Task) -> None:
     at that point cannot pass vacuously on a slow machine: a control that did not wait would be
     done, or gone from the queue, by then (the wait times out)."""
     tree = rt._tree
-    await until(lambda: control.done() or (bool(tree.controls) and tree.core.storage is not None
+    await until(lambda: control.done() or (bool(tree.controls) and tree.core.storage.attached
                                            and tree.core.storage.paused and bool(tree.core.storage.ops)))
 
 async def test_clear_waits_for_a_write_in_flight(tmp_path):
@@ -200,7 +200,7 @@ async def test_attach_and_detach_at_run_time(tmp_path):
         await serve(rt, "b", b)
         assert stored_pages(fb, config, b) == PAGES
         await rt.detach_storage()
-        assert rt.storage is None and await rt.inspect(lambda core: core.storage) is None
+        assert rt.storage is None and await rt.inspect(lambda core: core.storage.attached) is False
         await rt.flush()
         await serve(rt, "a", a)  # without the tier: no write
         assert stored_pages(fb, config, a) == 0
@@ -224,7 +224,7 @@ async def test_attach_refusals_change_nothing(tmp_path):
             await rt.attach_storage(FileBackend(tmp_path / "x", 4096))  # another page size
         with pytest.raises(ConfigError, match="lacks"):
             await rt.attach_storage(object())
-        assert rt.storage is None and await rt.inspect(lambda core: core.storage) is None
+        assert rt.storage is None and await rt.inspect(lambda core: core.storage.attached) is False
     no_host = small_config(host_tokens=0, write_policy="write_back")
     async with CacheRuntime.open(no_host) as rt:
         with pytest.raises(ConfigError, match="host tier"):

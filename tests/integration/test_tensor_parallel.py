@@ -35,7 +35,7 @@ from runtime.runtime import CacheRuntime
 from runtime.storage.file_backend import FileBackend
 from runtime.storage.hashing import KVIdentity, page_hashes, tp_shard
 from runtime.transfer.fake_engine import FakeCopyEngine
-from runtime.tree.storage_tier import StorageTier
+from runtime.tree.tiers.storage import StorageTier
 from tests.integration.support import bad_positions, compute, settle, small_config, toks, until
 
 N = 40  # tokens written through to storage (10 pages of 4)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime.errors import CapacityError, LengthError, OwnershipError, PinnedSlotError, StateError
+from runtime.errors import CapacityError, OwnershipError, PinnedSlotError, SlotMisuseError
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
 
@@ -162,7 +162,7 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         pinned = [p for p in range(self.n) if self.pins[p] > 0]
         pages = self.pick(data, pinned, min_size=0) + self.pick(data, unpinned)
-        self.rejects(StateError, self.led.unpin, slots_of(pages, self.ps), 999_999)
+        self.rejects(SlotMisuseError, self.led.unpin, slots_of(pages, self.ps), 999_999)
 
     @precondition(lambda self: self.owner)
     @rule(data=st.data())
@@ -171,9 +171,9 @@ class LedgerMachine(RuleBasedStateMachine):
         pages = self.pages_of(owner)
         p = data.draw(st.sampled_from(pages))
         slots = slots_of(pages + [p], self.ps)
-        self.rejects(LengthError, self.led.free, slots, owner)
-        self.rejects(LengthError, self.led.assign, slots, owner, OWNERS[0])
-        self.rejects(LengthError, self.led.pin, slots, 999_999)
+        self.rejects(SlotMisuseError, self.led.free, slots, owner)
+        self.rejects(SlotMisuseError, self.led.assign, slots, owner, OWNERS[0])
+        self.rejects(SlotMisuseError, self.led.pin, slots, 999_999)
 
     @precondition(lambda self: self.n > 0 and self.ps > 1)
     @rule(data=st.data())
@@ -181,8 +181,8 @@ class LedgerMachine(RuleBasedStateMachine):
         start = data.draw(st.integers(1, self.n * self.ps - 1).filter(lambda x: x % self.ps))
         slots = np.arange(start, start + self.ps, dtype=np.int64)
         owner = self.owner.get(start // self.ps, OWNERS[0])
-        self.rejects(LengthError, self.led.free, slots, owner)
-        self.rejects(LengthError, self.led.pin, slots, 999_999)
+        self.rejects(SlotMisuseError, self.led.free, slots, owner)
+        self.rejects(SlotMisuseError, self.led.pin, slots, 999_999)
 
     # ---- invariants
 

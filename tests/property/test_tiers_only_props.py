@@ -49,7 +49,7 @@ import pytest
 from runtime.integrations.vllm.invariants import check_tiers_only
 from runtime.messages import Direction
 from runtime.storage.hashing import KVIdentity, page_hashes
-from runtime.tree.storage_tier import StorageRequest
+from runtime.tree.tiers.storage import StorageRequest
 from runtime.integrations.vllm.core import TierLoad, TiersOnlyCore
 
 

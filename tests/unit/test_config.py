@@ -228,9 +228,9 @@ def test_tp_rank_and_size_are_validated(changes, says):
     (dict(tp_ranks=2, tp_size=4), "tp_size must equal it and tp_rank be 0 (got tp_size 4, tp_rank 0)"),
     (dict(tp_ranks=2, tp_size=2, tp_rank=1), "(got tp_size 2, tp_rank 1)"),
     (dict(tp_ranks=2, tp_size=2, state_layers=1, state_components="conv:4x2:float32", state_slots=4),
-     "tp_ranks > 1: recurrent state (state_layers > 0) has no per-rank pools yet"),
+     "recurrent state (state_layers > 0) has no per-rank pools (tp_ranks > 1) yet"),
     (dict(tp_ranks=2, tp_size=2, num_layers=2, sliding_layers="0", sliding_window=8),
-     "tp_ranks > 1: sliding layers (sliding_layers) have no per-rank pools yet"),
+     "sliding_layers has no per-rank pools (tp_ranks > 1) yet"),
 ])
 def test_tp_ranks_is_validated(changes, says):
     assert says in error(RuntimeConfig, **changes)

@@ -51,7 +51,7 @@ from runtime.trace import SlotTracer, get_logger
 from runtime.tree.radix import Node
 from runtime.tree.records import aligned, make_plan
 from runtime.tree.residency import Residency
-from runtime.tree.storage_tier import StorageRequest, StorageTier, storage_key_ok
+from runtime.tree.tiers.storage import StorageRequest, StorageTier, storage_key_ok
 from runtime.validation import tokens as checked_tokens
 
 log = get_logger("hicache.tiers_only")

@@ -56,7 +56,7 @@ class _Page:
 class ConnectorEvents:
     # -- state -------------------------------------------------------------------
     def __init__(self, core: TiersOnlyCore, identity: KVIdentity, block_size: int, hash_block_size: int) -> None:
-        if core.residency.events is not None:
+        if core.residency.records_events():
             raise ArgumentError("the core records KV events already")
         self.block_size = block_size
         self.hash_block_size = hash_block_size

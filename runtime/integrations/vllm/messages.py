@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from runtime.messages import TransferPlan
-from runtime.tree.storage_tier import StorageRequest
+from runtime.tree.tiers.storage import StorageRequest
 from runtime.integrations.vllm.core import TierLoad
 
 __all__ = ["LoadJob", "TieredMeta", "CopyAcks", "StorageOutcome", "JobResult"]

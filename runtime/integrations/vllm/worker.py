@@ -31,7 +31,7 @@ from runtime.storage.backend import read_prefix, write_pages
 from runtime.storage.health import HealthTracked
 from runtime.storage.integrity import PageSeal
 from runtime.transfer.block_copier import PagedKVCopier
-from runtime.tree.storage_tier import StorageRequest
+from runtime.tree.tiers.storage import StorageRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -17,10 +17,9 @@ from runtime.errors import (
     CapacityError,
     InternalError,
     InvariantViolation,
-    LengthError,
     OwnershipError,
     PinnedSlotError,
-    StateError,
+    SlotMisuseError,
     ValidationError,
 )
 from runtime.memory.ledger import LedgerSnapshot, SlotLedger
@@ -74,7 +73,7 @@ def test_construction(led):
 
 @pytest.mark.parametrize("num_slots,page_size", [(10, 4), (-4, 4), (16, 0), (16, -1), (16.0, 4)])
 def test_construction_rejects(num_slots, page_size):
-    with pytest.raises(LengthError):
+    with pytest.raises(SlotMisuseError):
         SlotLedger(num_slots, page_size, Tier.HOST)
 
 
@@ -131,7 +130,7 @@ def test_alloc_capacity_changes_nothing(led):
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, None])
 def test_alloc_bad_count(led, bad):
-    assert_rejects(led, LengthError, led.alloc, bad, R1)
+    assert_rejects(led, SlotMisuseError, led.alloc, bad, R1)
 
 
 def test_alloc_bad_owner(led):
@@ -241,11 +240,11 @@ def test_free_doubly_pinned_needs_both_unpins(led):
 def test_duplicate_pages(led):
     a = led.alloc(3, R1)
     dup = np.concatenate([a, a[:PS]])
-    assert_rejects(led, LengthError, led.free, dup, R1)
-    assert_rejects(led, LengthError, led.assign, dup, R1, N1)
-    assert_rejects(led, LengthError, led.pin, dup, 1)
+    assert_rejects(led, SlotMisuseError, led.free, dup, R1)
+    assert_rejects(led, SlotMisuseError, led.assign, dup, R1, N1)
+    assert_rejects(led, SlotMisuseError, led.pin, dup, 1)
     led.pin(a, 1)
-    assert_rejects(led, LengthError, led.unpin, dup, 1)
+    assert_rejects(led, SlotMisuseError, led.unpin, dup, 1)
 
 
 # ---------------------------------------------------------------------------- slot validation
@@ -268,11 +267,11 @@ def test_bad_slots_raise_length_error(led, case):
     led.alloc(16, R1)
     led.pin(pages_to_slots([0, 1]), 1)
     bad = misaligned_cases()[case]
-    assert_rejects(led, LengthError, led.free, bad, R1)
-    assert_rejects(led, LengthError, led.assign, bad, R1, N1)
-    assert_rejects(led, LengthError, led.pin, bad, 2)
-    assert_rejects(led, LengthError, led.unpin, bad, 1)
-    with pytest.raises(LengthError):
+    assert_rejects(led, SlotMisuseError, led.free, bad, R1)
+    assert_rejects(led, SlotMisuseError, led.assign, bad, R1, N1)
+    assert_rejects(led, SlotMisuseError, led.pin, bad, 2)
+    assert_rejects(led, SlotMisuseError, led.unpin, bad, 1)
+    with pytest.raises(SlotMisuseError):
         led.owners_of(bad)
 
 
@@ -286,9 +285,9 @@ def test_accepts_lists_and_int32(led):
 
 @pytest.mark.parametrize("bad", [-1, 64, 1.0, None])
 def test_slot_queries_validate(led, bad):
-    with pytest.raises(LengthError):
+    with pytest.raises(SlotMisuseError):
         led.owner_of(bad)
-    with pytest.raises(LengthError):
+    with pytest.raises(SlotMisuseError):
         led.pin_count(bad)
 
 
@@ -372,18 +371,19 @@ def test_pin_free_page_raises(led):
 
 def test_unpin_unpinned_raises(led):
     a = led.alloc(2, R1)
-    assert_rejects(led, StateError, led.unpin, a, 1)
+    assert_rejects(led, SlotMisuseError, led.unpin, a, 1)
     led.pin(a[:PS], 1)
-    assert_rejects(led, StateError, led.unpin, a, 1)  # second page unpinned: all-or-nothing
-    assert_rejects(led, StateError, led.unpin, pages_to_slots([15]), 1)  # free page
+    assert_rejects(led, SlotMisuseError, led.unpin, a, 1)  # second page unpinned: all-or-nothing
+    assert_rejects(led, SlotMisuseError, led.unpin, pages_to_slots([15]), 1)  # free page
 
 
 def test_error_types():
-    """Shortfall and bad arguments are ValidationErrors (the ledger changed nothing); a slot freed
-    or handed over by a non-owner, or while pinned, is the runtime's own bug whatever the phase."""
-    for e in (CapacityError, LengthError, StateError):
-        assert issubclass(e, ValidationError)
-    for e in (OwnershipError, PinnedSlotError):
+    """A shortfall is a ValidationError (the ledger changed nothing; callers refuse with it); every
+    other misuse (malformed slots, a page twice, an unpin of an unpinned page, an unhold of an
+    owner not held, a slot freed or handed over by a non-owner or while pinned) is the runtime's
+    own bug: the ledger's arguments are never a caller's."""
+    assert issubclass(CapacityError, ValidationError)
+    for e in (OwnershipError, PinnedSlotError, SlotMisuseError):
         assert issubclass(e, InternalError) and not issubclass(e, ValidationError)
 
 
@@ -425,7 +425,7 @@ def test_page_size_one():
     led.pin(a[1:2], 1)
     with pytest.raises(PinnedSlotError):
         led.free(a, R1)
-    with pytest.raises(LengthError):
+    with pytest.raises(SlotMisuseError):
         led.free(np.array([0, 0]), R1)
     led.free(a[[0, 2]], R1)
     led.assign(a[1:2], R1, N1)
@@ -592,8 +592,8 @@ def test_alloc_held_beyond_the_free_pages_is_a_capacity_error(led):
 def test_unhold_of_an_owner_not_held_raises(led):
     led.alloc(1, R1)
     before = led.snapshot()
-    with pytest.raises(StateError):
+    with pytest.raises(SlotMisuseError):
         led.unhold(R1)
-    with pytest.raises(StateError):
+    with pytest.raises(SlotMisuseError):
         led.unhold(R2)
     assert led.snapshot() == before

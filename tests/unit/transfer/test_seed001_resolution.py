@@ -25,6 +25,7 @@ from runtime.messages import Direction, PoolTransfer, TransferPlan
 from runtime.transfer.cpu_engine import CpuCopyEngine
 from runtime.transfer.engine import ResolvedPlan, resolve
 from runtime.transfer.fake_engine import FakeCopyEngine
+from runtime.tree.groups.recurrent import RecurrentStates
 
 PS = 4
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
@@ -291,11 +292,11 @@ def _hybrid_backup(resolve_plan):
     core.finish("a", prompt)
     (plan, _), = core.take_effects().copies
     assert [t.pool for t in plan.transfers] == ["kv", "state.conv", "state.ssm"]
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     (node, slot), = states.node_state.items()
     op = core.copies.ops[plan.op_id]
     recorded = (node.device.copy(), slot)
-    host_recorded = (op.host.copy(), int(op.state.dst[0]))  # what the ack hands to the node
+    host_recorded = (op.host.copy(), int(states.copies[op.op_id].dst[0]))  # what the ack hands to the node
     resolve_plan(plan)
     core.apply_ack(plan.op_id, None)
     check_invariants(core)
@@ -326,7 +327,7 @@ def test_seed001_over_pool_groups(broken):
     sizes = {"kv": PS, "state.conv": 1, "state.ssm": 1} if broken is broken_sort_in_place else PS
     resolve_plan = _engine_resolution if broken is None else (lambda plan: broken(plan, sizes))
     core, node, (device, slot), (host, host_slot) = _hybrid_backup(resolve_plan)
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     assert np.array_equal(node.device, device) and states.node_state[node] == slot
     assert np.array_equal(node.host, host) and states.host_state[node] == host_slot
     kv_free, state_free = core.residency.host.num_free_pages(), states.host_ledger.num_free_pages()

@@ -232,7 +232,7 @@ def test_an_ack_for_no_copy_in_flight_is_an_internal_error_and_changes_nothing()
 def test_a_refused_admission_keeps_its_own_cached_prefix(policy):
     """A no from `can_admit` (or a refused `admit`) starts the evictions and backups that make
     room, but never at the cost of the prefix the request would reuse: its admission would lock
-    it. Checked failing without the lock in `_start_writeback` (the prefix, least recently used,
+    it. Checked failing without the lock in `Admission.start_writeback` (the prefix, least recently used,
     was deleted under write_through_selective and backed up then dropped under write_back)."""
     core = make_core(device_slots=64, write_policy=policy)
     prefix = toks(8, 1)
@@ -246,3 +246,22 @@ def test_a_refused_admission_keeps_its_own_cached_prefix(policy):
     ack_all(core)
     check_invariants(core)
     assert core.match_prefix(ask)["device"] == 8
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete"])
+def test_an_admit_refused_for_capacity_leaves_its_prefetch_prepared(policy):
+    """An admit refused at the capacity check changed nothing: the rid's prefetch is still the
+    caller's, so a later abort finds it (and cancels it) instead of calling the rid unknown."""
+    core = make_core(prefetch_policy=policy, device_slots=32)
+    core.enable_storage()
+    tokens = toks(17, 5)
+    assert core.prepare("r", tokens) > 0
+    core.take_effects()
+    core.admit("hog", toks(29, 77))  # device pages held by a live request: no room for "r"
+    with pytest.raises(CapacityError):
+        core.admit_or_wait("r", tokens, waiter=None)
+    check_invariants(core)
+    assert core.abort("r") == []  # its prefetch, cancelled
+    with pytest.raises(UnknownRequestError):
+        core.abort("r")
+    check_invariants(core)

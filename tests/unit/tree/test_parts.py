@@ -16,13 +16,13 @@ from runtime.errors import InternalError
 from runtime.memory.owners import Owner
 from runtime.storage.hashing import KVIdentity
 from runtime.messages import Direction, OffloadAck, OffloadFinish
-from runtime.tree.copies import CopyTracker
-from runtime.tree.decode_offload import DecodeOffload
+from runtime.tree.tiers.copies import CopyTracker
+from runtime.tree.tiers.decode_offload import DecodeOffload
 from runtime.tree.readiness import ManualReadiness
 from runtime.tree.request_table import RequestTable
 from runtime.tree.records import RequestRecord
 from runtime.tree.residency import Residency
-from runtime.tree.storage_tier import StorageTier
+from runtime.tree.tiers.storage import StorageTier
 from tests.tokens import toks
 
 PS = 4

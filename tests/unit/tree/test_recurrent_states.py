@@ -25,6 +25,7 @@ from runtime.config import RuntimeConfig
 from runtime.errors import CapacityError, ConfigError, LengthError, StateError
 from runtime.invariants import check_invariants
 from runtime.tree.cache import CacheCore
+from runtime.tree.groups.recurrent import RecurrentStates
 from tests.tokens import toks
 
 PS = 4
@@ -62,7 +63,7 @@ def test_a_hit_ends_at_the_deepest_snapshot():
     core = make_core()
     p = toks(17, 2)
     run(core, "a", p, snaps=(8,))  # KV of 16 tokens, a snapshot at 8: the node splits there
-    snap = core.residency.states.node_state
+    snap = core.residency.group(RecurrentStates).node_state
     assert len(snap) == 1 and [n.num_tokens for n in snap] == [8]
     assert core.match_prefix(p) == {"device": 8, "host": 0}  # what an admit may use
     res = core.admit("b", p)
@@ -76,22 +77,22 @@ def test_snapshots_pass_to_the_nodes_ending_at_them_and_duplicates_are_freed():
     core = make_core()
     p = toks(25, 3)
     run(core, "a", p, snaps=(8, 16, 24))
-    ends = sorted(len(core.residency.tree.path_tokens(n)) for n in core.residency.states.node_state)
+    ends = sorted(len(core.residency.tree.path_tokens(n)) for n in core.residency.group(RecurrentStates).node_state)
     assert ends == [8, 16, 24]
-    free = core.residency.states.ledger.num_free_pages()
+    free = core.residency.group(RecurrentStates).ledger.num_free_pages()
     run(core, "b", p)  # a hit at 24: nothing new
     res = core.admit("c", np.concatenate((p[:24], toks(9, 4))))
     assert res.cached_device == 24
     core.snapshot("c", 32)
     core.finish("c", np.concatenate((p[:24], toks(9, 4)))[:32])
     check_invariants(core)
-    assert core.residency.states.ledger.num_free_pages() == free - 1  # the new node at 32 keeps one
+    assert core.residency.group(RecurrentStates).ledger.num_free_pages() == free - 1  # the new node at 32 keeps one
     # a second request snapshotting a position the tree already has: its slot is freed
     res = core.admit("d", p)
     assert res.cached_device == 24
-    run_free = core.residency.states.ledger.num_free_pages()
+    run_free = core.residency.group(RecurrentStates).ledger.num_free_pages()
     core.finish("d", p)
-    assert core.residency.states.ledger.num_free_pages() == run_free + 1  # only its running slot back
+    assert core.residency.group(RecurrentStates).ledger.num_free_pages() == run_free + 1  # only its running slot back
     check_invariants(core)
 
 
@@ -105,7 +106,7 @@ def test_hit_never_pairs_kv_with_another_prefix_state():
     b = np.concatenate((shared, toks(9, 7)))
     run(core, "a", a, snaps=(8, 16))
     run(core, "b", b, snaps=(16,))
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     by_end = {len(core.residency.tree.path_tokens(n)): (n, s) for n, s in states.node_state.items()}
     assert set(by_end) == {8, 16} and len(states.node_state) == 3
     for prompt in (a, b):
@@ -124,14 +125,14 @@ def test_snapshot_goes_with_the_node_device_kv():
     core = make_core(device_slots=32)
     p = toks(17, 9)
     run(core, "a", p, snaps=(16,))
-    assert len(core.residency.states.node_state) == 1
+    assert len(core.residency.group(RecurrentStates).node_state) == 1
     core.admit("big", toks(32, 10))  # evicts every cached page
     check_invariants(core)
-    assert not core.residency.states.node_state
+    assert not core.residency.group(RecurrentStates).node_state
     core.abort("big")
     assert core.flush() == 0
     check_invariants(core, quiescent=True)
-    assert core.residency.states.ledger.num_free_pages() == 8
+    assert core.residency.group(RecurrentStates).ledger.num_free_pages() == 8
 
 
 def test_state_slots_evict_lru_snapshots_never_locked_ones():
@@ -144,7 +145,7 @@ def test_state_slots_evict_lru_snapshots_never_locked_ones():
     check_invariants(core)
     core.admit("c", toks(9, 13))
     check_invariants(core)
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     kept = [len(core.residency.tree.path_tokens(n)) for n in states.node_state]
     assert kept == [8] and core.requests["hold"].last_node in states.node_state  # b's was evicted
     assert core.stats["state_snapshots_evicted"] == 1
@@ -190,9 +191,9 @@ def test_rewind_forgets_snapshots_past_it():
     core.snapshot("a", 16)
     core.rewind("a", 12)
     check_invariants(core)
-    assert core.residency.states.pending["a"] == {8: core.residency.states.pending["a"][8]}
+    assert core.residency.group(RecurrentStates).pending["a"] == {8: core.residency.group(RecurrentStates).pending["a"][8]}
     core.finish("a", p[:12])
-    assert [len(core.residency.tree.path_tokens(n)) for n in core.residency.states.node_state] == [8]
+    assert [len(core.residency.tree.path_tokens(n)) for n in core.residency.group(RecurrentStates).node_state] == [8]
     check_invariants(core, quiescent=True)
 
 
@@ -253,7 +254,7 @@ def test_backup_copies_the_snapshot_with_its_node():
     assert [t.pool for t in plan.transfers] == ["kv", *STATE_POOLS]
     src = plan.transfers[1].src
     assert plan.transfers[2].src.tolist() == src.tolist() and len(set(src.tolist())) == 2
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     assert not states.host_state and states.ledger.pin_count(next(iter(states.node_state.values()))) == 1
     ack(core)
     assert set(states.host_state) == set(states.node_state)
@@ -279,7 +280,7 @@ def test_host_hit_loads_the_snapshot_back_and_resumes_from_it():
     core = host_core()
     p = toks(17, 21)
     cache_on_host_only(core, p, (8, 16))
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     assert not states.node_state and len(states.host_state) == 2
     res = core.admit("b", p)
     assert (res.cached_device, res.loaded_host) == (0, 16)
@@ -301,11 +302,11 @@ def test_failed_load_takes_the_loaded_snapshot_back():
     core = host_core()
     p = toks(17, 22)
     cache_on_host_only(core, p, (16,))
-    free = core.residency.states.ledger.num_free_pages()
+    free = core.residency.group(RecurrentStates).ledger.num_free_pages()
     core.admit("b", p)
     take_plans(core)
     ack(core, error="injected")
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     assert not states.node_state and len(states.host_state) == 1
     assert states.ledger.num_free_pages() == free - 1  # only b's running slot
     core.abort("b")
@@ -321,7 +322,7 @@ def test_host_nodes_without_a_host_snapshot_are_no_hit():
     ack(core)
     take_plans(core)
     run(core, "c", p, snaps=(16,))  # no hit (no snapshot); its snapshot joins the backed-up node
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     assert len(states.node_state) == 1 and not states.host_state and not take_plans(core)
     res = core.admit("d", p)
     assert res.cached_device == 16  # on device: KV and state
@@ -343,7 +344,7 @@ def test_write_back_eviction_keeps_the_host_snapshot():
     take_plans(core)
     ack(core)
     core.admit("big", toks(28, 25))
-    states = core.residency.states
+    states = core.residency.group(RecurrentStates)
     assert not states.node_state and len(states.host_state) == 1
     core.abort("big")
     check_invariants(core, quiescent=True)
@@ -357,22 +358,22 @@ def test_checker_catches_a_load_copying_another_nodes_host_snapshot(monkeypatch)
     every recorded position, owner and pin stays right. Once the load lands, a hit at 16 resumes
     from the state at 8: the invariant checker must see it while the load is in flight."""
     from runtime.errors import InvariantViolation
-    from runtime.tree.recurrent import RecurrentStates, StateCopy
+    from runtime.tree.groups.recurrent import RecurrentStates, StateCopy
 
     core = host_core()
     p = toks(17, 26)
     cache_on_host_only(core, p, (8, 16))
-    start_load = RecurrentStates.start_load
+    load_copy = RecurrentStates._load_copy
 
     def crosswise(self, host_nodes, slot, op_id):
-        copy = start_load(self, host_nodes, slot, op_id)
+        copy = load_copy(self, host_nodes, slot, op_id)
         return StateCopy(copy.src[::-1].copy(), copy.dst, copy.nodes)
 
-    monkeypatch.setattr(RecurrentStates, "start_load", crosswise)
+    monkeypatch.setattr(RecurrentStates, "_load_copy", crosswise)
     res = core.admit("b", p)
     assert res.loaded_host == 16 and len(core.copies.ops) == 1
     (op,) = core.copies.ops.values()
-    assert len(op.state.nodes) == 2  # both snapshots come back, from each other's host slot
+    assert len(core.residency.group(RecurrentStates).copies[op.op_id].nodes) == 2  # both snapshots come back, from each other's host slot
     with pytest.raises(InvariantViolation, match="snapshot"):
         check_invariants(core)
 
@@ -382,7 +383,7 @@ def test_checker_catches_a_state_slot_held_twice_by_one_request(monkeypatch):
     new). The engine's later computation then overwrites the snapshot, and the node that keeps it
     holds the state of a longer prefix than its own."""
     from runtime.errors import InvariantViolation
-    from runtime.tree.recurrent import RecurrentStates
+    from runtime.tree.groups.recurrent import RecurrentStates
 
     def aliased(self, rid, owner, position):
         slot = self.running[rid]

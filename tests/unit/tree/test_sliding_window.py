@@ -24,6 +24,7 @@ from runtime.config import RuntimeConfig
 from runtime.errors import CapacityError, ConfigError, InvariantViolation, LengthError
 from runtime.invariants import check_invariants
 from runtime.tree.cache import CacheCore
+from runtime.tree.groups.sliding import SlidingWindow
 from tests.tokens import toks
 
 PS, W = 4, 6
@@ -48,7 +49,7 @@ def dropped(core: CacheCore, tokens: np.ndarray) -> list[bool]:
     """Per page of the cached `tokens`: whether its sliding page was dropped."""
     look = core.residency.tree.match(tokens, None, split=False, touch=False)
     slots = np.concatenate([n.device for n in look.nodes])[: look.device_len]
-    return (core.residency.sliding.swa.map[slots[::PS]] < 0).tolist()
+    return (core.residency.group(SlidingWindow).swa.map[slots[::PS]] < 0).tolist()
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -71,7 +72,7 @@ def test_config_names_the_bad_field(changes, field):
 def test_no_sliding_layers_keeps_the_plain_ledger():
     core = CacheCore(RuntimeConfig(num_layers=2, num_kv_heads=1, head_dim=2, page_size=PS, device_slots=64,
                                    host_tokens=0))
-    assert core.residency.sliding is None and type(core.residency.device).__name__ == "SlotLedger"
+    assert not any(isinstance(g, SlidingWindow) for g in core.residency.groups) and type(core.residency.device).__name__ == "SlotLedger"
     assert RuntimeConfig(sliding_layers="1", sliding_window=4, host_tokens=0).swa_slots == 4096
     config = RuntimeConfig(num_layers=4, sliding_layers=(3, 0, 1), sliding_window=4, host_tokens=0)
     assert config.sliding_layers == "3,0,1" and config.sliding_layer_set == (0, 1, 3)
@@ -82,7 +83,7 @@ def test_no_sliding_layers_keeps_the_plain_ledger():
 
 def test_every_allocated_page_gets_a_sliding_page_and_gives_it_back():
     core = make_core()
-    swa = core.residency.sliding.swa
+    swa = core.residency.group(SlidingWindow).swa
     res = core.admit("a", toks(30, 1))
     assert swa.num_free_pages() == 12 - 8 and (swa.map[res.slots.numpy()] >= 0).all()
     core.abort("a")
@@ -94,7 +95,7 @@ def test_sliding_pages_drop_outside_every_window_before_any_node_is_evicted():
     core = make_core()
     a = toks(32, 1)
     run(core, "a", a)  # a node of 32 tokens: its first (32 - 5) // 4 = 6 pages may drop
-    assert core.residency.sliding.swa.num_free_pages() == 12 - 8
+    assert core.residency.group(SlidingWindow).swa.num_free_pages() == 12 - 8
     run(core, "b", toks(28, 2))  # 7 pages: 3 sliding pages short
     stats = core.stats
     assert stats["swa_pages_dropped"] == 3 and stats["device_evicted_tokens"] == 0
@@ -202,7 +203,7 @@ def test_the_checker_flags_a_drop_inside_a_running_window():
     run(core, "a", a)
     core.admit("b", np.concatenate([a, toks(4, 2)]))
     node = core.residency.tree.match(a, None, split=False, touch=False).nodes[-1]
-    core.residency.sliding.swa.give_back(node.device[: 7 * PS: PS] // PS)  # page 6 holds 24..27
+    core.residency.group(SlidingWindow).swa.give_back(node.device[: 7 * PS: PS] // PS)  # page 6 holds 24..27
     with pytest.raises(InvariantViolation, match=r"request 'b' \(committed 32\) reads positions 24\.\.27"):
         check_invariants(core)
 
@@ -212,7 +213,7 @@ def test_the_checker_flags_drops_that_are_not_a_prefix_and_a_broken_map():
     a = toks(32, 1)
     run(core, "a", a)
     node = core.residency.tree.match(a, None, split=False, touch=False).nodes[-1]
-    swa = core.residency.sliding.swa
+    swa = core.residency.group(SlidingWindow).swa
     swa.give_back(node.device[PS: 2 * PS: PS] // PS)  # page 1 without page 0
     with pytest.raises(InvariantViolation, match="not a prefix"):
         check_invariants(core)
@@ -239,7 +240,7 @@ def test_host_copies_keep_what_the_device_had_and_loads_bring_it_back():
     the sliding rows of the pages that have them); a load of a brings back exactly those, its
     other pages stay without, and a hit through host is cut like a device one."""
     core = make_core(host_tokens=128, write_policy="write_back")
-    sliding = core.residency.sliding
+    sliding = core.residency.group(SlidingWindow)
     a, b = toks(32, 1), toks(28, 2)
     run(core, "a", a)
     run(core, "b", b)  # drops a's pages 0..2
@@ -284,7 +285,7 @@ def test_a_split_host_copy_hands_its_missing_prefix_to_the_upper_half():
     core.admit("c", toks(40, 3))
     core.abort("c")
     run(core, "d", np.concatenate([a[:12], toks(8, 5)]))  # splits a's host copy at 12: 3 pages up, 5 below
-    missing = {node.num_tokens: k for node, k in core.residency.sliding.host_missing.items()}
+    missing = {node.num_tokens: k for node, k in core.residency.group(SlidingWindow).host_missing.items()}
     assert missing[12] == 3 and missing[20] == 3
 
 
@@ -293,7 +294,7 @@ def test_the_checker_flags_a_missing_prefix_without_a_host_copy():
     a = toks(32, 1)
     run(core, "a", a)
     node = core.residency.tree.match(a, None, split=False, touch=False).nodes[-1]
-    core.residency.sliding.host_missing[node] = 2
+    core.residency.group(SlidingWindow).host_missing[node] = 2
     with pytest.raises(InvariantViolation, match="host pages without sliding KV"):
         check_invariants(core)
 
@@ -318,7 +319,7 @@ def test_a_request_whose_load_failed_is_not_held_to_its_window():
     core.apply_ack(op_id, "injected copy fault")
     rec = core.requests["a2"]
     window = rec.slot_range(32 - W + 1, 32)
-    assert rec.failed is not None and (core.residency.sliding.swa.map[window] < 0).all()
+    assert rec.failed is not None and (core.residency.group(SlidingWindow).swa.map[window] < 0).all()
     check_invariants(core)
     core.abort("a2")
     check_invariants(core, quiescent=True)
@@ -336,13 +337,13 @@ def decode_to(core: CacheCore, rid: str, length: int) -> None:
 def own_dropped(core: CacheCore, rid: str) -> list[bool]:
     """Per page of the request's own pages: whether its sliding page was dropped."""
     rec = core.requests[rid]
-    return (core.residency.sliding.swa.map[rec.slot_range(rec.cached_len, rec.num_slots)[::PS]] < 0).tolist()
+    return (core.residency.group(SlidingWindow).swa.map[rec.slot_range(rec.cached_len, rec.num_slots)[::PS]] < 0).tolist()
 
 
 def test_a_request_longer_than_the_sliding_pool_decodes_to_the_end():
     # without its own pages dropping (the rule before a running request gave its pages back) the 7th page finds no sliding page
     before = make_core(swa_tokens=24)
-    before.residency.sliding.requests = {}  # its running requests drop nothing
+    before.residency.group(SlidingWindow).requests = {}  # its running requests drop nothing
     before.admit("a", toks(8, 1))
     with pytest.raises(CapacityError, match="decode step needs 1 device pages"):
         decode_to(before, "a", 60)

@@ -16,7 +16,7 @@ An offload's host slots belong to the request (its generation's owner) until tha
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable, Iterator
+from collections.abc import Container, Hashable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,10 @@ COUNTERS = ("offloads_issued", "offloads_skipped", "offloaded_tokens", "offload_
 
 
 class DecodeOffload:
+    # a released request (not a session turn: its KV stays with its session) is retired until its
+    # offloads land
+    retires = True
+
     # -- state -------------------------------------------------------------------
     def __init__(self, residency: Residency, op_ids: Iterator[int]) -> None:
         self.residency = residency
@@ -49,6 +53,12 @@ class DecodeOffload:
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     # -- the request's life ------------------------------------------------------------
+
+    def note_commits(self, recs: Iterable[RequestRecord]) -> None:
+        """The requests `recs` committed tokens (a decode step's, a commit's)."""
+        for rec in recs:
+            self.note_commit(rec)
+
     def note_commit(self, rec: RequestRecord) -> None:
         if rec.session is None:
             self._notes.append(OffloadCommit(rec.rid, rec.generation, rec.committed_len, rec.cached_len))
@@ -94,7 +104,7 @@ class DecodeOffload:
             reason = "request released"
         elif end > limit:
             reason = f"only {limit} tokens may be offloaded"
-        elif res.host is None:
+        elif not res.has_host:
             reason = "no host tier"
         else:
             host = res.alloc_host((end - start) // ps, rec.owner, rid=rid, reason="offload")
@@ -104,7 +114,7 @@ class DecodeOffload:
             self.stats["offloads_skipped"] += 1
             _log.info("offload_skipped", rid=str(rid), generation=generation, start=start, end=end, reason=reason)
             return None
-        assert rec is not None and host is not None and res.host is not None
+        assert rec is not None and host is not None
         op_id = next(self._op_ids)
         device = rec.slot_range(start, end)
         res.device.pin(device, op_id)
@@ -123,7 +133,6 @@ class DecodeOffload:
     def apply_ack(self, op_id: int, error: str | None) -> None:
         res = self.residency
         op = self.ops.pop(op_id)
-        assert res.host is not None
         key = (op.rid, op.generation)
         res.device.unpin(op.device, op_id)
         res.host.unpin(op.host, op_id)
@@ -134,7 +143,7 @@ class DecodeOffload:
         if error is None:
             self.landed.setdefault(key, []).append((op.start, op.start + op.length, op.host))
         else:
-            res.host.free(op.host, op.host_owner, op=op_id, rid=op.rid, reason="offload_failed")
+            res.free_host(op.host, op.host_owner, op=op_id, rid=op.rid, reason="offload_failed")
             self.stats["offload_copy_failures"] += 1
         self._notes.append(OffloadAck(op.rid, op.generation, op_id, error is None))
 
@@ -163,9 +172,9 @@ class DecodeOffload:
                 self._free_host(host, rec, "aborted")
         own = rec.slots[rec.own_start:]
         if len(own):
-            res.device.free(own, rec.owner, rid=rid, reason="offload_release")
+            res.free_device(own, rec.owner, rid=rid, reason="offload_release")
         if len(rec.dups):
-            res.device.free(rec.dups, rec.owner, rid=rid, reason="duplicate")
+            res.free_device(rec.dups, rec.owner, rid=rid, reason="duplicate")
         if rec.last_node is not None:
             res.tree.unlock(rec.last_node)
         res.emit("release", Tier.DEVICE, own, rid=rid, generation=generation)
@@ -200,7 +209,7 @@ class DecodeOffload:
 
     def _free_host(self, host: np.ndarray, rec: RequestRecord, reason: str) -> None:
         if len(host):
-            self.residency.host.free(host, rec.owner, rid=rec.rid, reason=reason)  # type: ignore[union-attr]
+            self.residency.free_host(host, rec.owner, rid=rec.rid, reason=reason)
 
     def _insert_host(self, rec: RequestRecord, final_len: int, landed: list[tuple[int, int, np.ndarray]],
                      busy: Container[int]) -> tuple[Node, int] | None:

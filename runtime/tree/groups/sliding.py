@@ -6,6 +6,7 @@ sliding KV of [e-W+1, e) only; full layers need all of [0, e). The rule, by cons
 - **cut**: a match ending at e is usable only if every page over [max(0, e-W+1), e) still has
   its sliding page; otherwise it is cut back to the deepest page boundary where that holds
   (or 0). `usable_end`, in `Residency.usable_match`: admit, can_admit and match_prefix alike.
+  (This class is the sliding layers' `PoolGroup`: `runtime/tree/groups/base.py` names its hooks.)
 - **drop**: a node's page may give back its sliding page only if it ends at or before
   `end - W + 1` of the node's own end (`limit` leading pages): every descendant's end lies
   after the node's end, so its window starts later, and keeping each node's last W-1 tokens
@@ -34,13 +35,16 @@ through the node's full slots, so splits, adoption and eviction need nothing her
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from runtime.errors import LengthError
+from runtime.memory.groups import GroupSpec
 from runtime.memory.swa import SWA_POOL, PairedLedger, SwaSlots
 from runtime.messages import PoolTransfer
+from runtime.tree.groups.base import DryRun, PoolGroup
 from runtime.tree.nodes import MatchResult, Node
 from runtime.tree.radix import RadixTree
 from runtime.tree.records import RequestRecord
@@ -50,23 +54,28 @@ __all__ = ["SlidingWindow", "COUNTERS"]
 COUNTERS = ("swa_pages_dropped", "swa_cut_backs", "swa_cut_tokens")
 
 
-class SlidingWindow:
+class SlidingWindow(PoolGroup):
+    COUNTERS = COUNTERS
+    COUNTS = ("swa_free_slots",)
+
     # -- state -------------------------------------------------------------------
-    def __init__(self, window: int, swa: SwaSlots, ledger: PairedLedger, tree: RadixTree) -> None:
+    def __init__(self, spec: GroupSpec, window: int, swa: SwaSlots, ledger: PairedLedger, tree: RadixTree,
+                 requests: Mapping[Hashable, RequestRecord]) -> None:
+        """`requests`: the live request records, by rid (the request table's, only read here:
+        `read_past`)."""
+        self.spec = spec
         self.window = window
         self.page_size = swa.page_size
         self.swa = swa
         self.ledger = ledger
         self.tree = tree
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self._cut = 0  # tokens the current admission's look was cut by (note_cut, count_cut)
+        self._cut = 0  # tokens the current admission's look was cut by (note_cut, admitted)
         # host copies: leading pages of a node's host copy without sliding KV (absent: none), and
         # those of each backup in flight (op id -> pages), given to its chain at the ack
         self.host_missing: dict[Node, int] = {}
         self.backups: dict[int, int] = {}
-        # the live requests by rid: the request table's records, handed in by their owner
-        # (CacheCore) and only read here (`read_past`); none until then
-        self.requests: Mapping[Hashable, RequestRecord] = {}
+        self.requests = requests
 
     # -- live requests (their records are CacheCore's: read here, never written) --
     def read_past(self) -> Iterator[np.ndarray]:
@@ -115,11 +124,11 @@ class SlidingWindow:
         return int(ok[-1] + 1) * ps if len(ok) else 0
 
     def note_cut(self, cut: int) -> None:
-        """An admission's look was cut by `cut` tokens (0: not cut); counted by `count_cut` once
+        """An admission's look was cut by `cut` tokens (0: not cut); counted by `admitted` once
         the admission succeeds (a refused admit, retried, would count again)."""
         self._cut = cut
 
-    def count_cut(self) -> None:
+    def admitted(self) -> None:
         if self._cut:
             self.stats["swa_cut_backs"] += 1
             self.stats["swa_cut_tokens"] += self._cut
@@ -170,12 +179,20 @@ class SlidingWindow:
         self.stats["swa_pages_dropped"] += dropped
         return dropped
 
-    def present_at(self, slot: int) -> bool:
-        """Whether the page holding full `slot` still has its sliding page."""
-        return bool(self.swa.map[slot] >= 0)
+    def before_evict(self, target_free: int) -> None:
+        """Sliding pages dropped first, as many as the sliding pool is short of `target_free`."""
+        self.drop(target_free - self.swa.num_free_pages())
+
+    def grows_in_place(self, node: Node, first_slot: int) -> bool:
+        """Own pages whose sliding KV dropped must start a node (dropped pages are a node's
+        prefix): a leaf grows in place only if the first new page still has its sliding page."""
+        return bool(self.swa.map[first_slot] >= 0)
+
+    def counts(self) -> dict[str, int]:
+        return {"swa_free_slots": self.swa.num_free_pages() * self.page_size}
 
     # -- host copies (CopyTracker, Residency) -------------------------------------------
-    def start_backup(self, op_id: int, device: np.ndarray, host: np.ndarray) -> tuple[PoolTransfer, ...]:
+    def start_backup(self, op_id: int, node: Node, device: np.ndarray, host: np.ndarray) -> tuple[PoolTransfer, ...]:
         """A backup of `device` pages into `host` pages (pinned by the copy, so none drops while
         it runs) copies the sliding rows of the pages that have them; the leading pages that do
         not are recorded for its host copy (`end_backup`)."""
@@ -184,17 +201,17 @@ class SlidingWindow:
         self.backups[op_id] = int(np.count_nonzero(~present))
         return self._transfer(self.swa.map[device], host, np.repeat(present, ps))
 
-    def end_backup(self, op_id: int, chain: list[Node] | None) -> None:
+    def end_backup(self, op_id: int, chain: list[Node], ok: bool) -> None:
         """The backup's ack: its missing pages go to its chain's host copies, first nodes first
-        (None: it failed)."""
+        (none if it failed)."""
         missing = self.backups.pop(op_id)
-        for node in chain or ():
+        for node in chain if ok else ():
             if missing <= 0:
                 break
             self.host_missing[node] = min(missing, node.num_tokens // self.page_size)
             missing -= node.num_tokens // self.page_size
 
-    def start_load(self, host_nodes: list[Node]) -> tuple[PoolTransfer, ...]:
+    def start_load(self, op_id: int, host_nodes: list[Node], reserved: Any = None) -> tuple[PoolTransfer, ...]:
         """A load into the host-only chain's fresh device copies: pages whose host copy lacks
         sliding KV give back their new sliding page (a prefix of each node, as a drop leaves
         it); the others' sliding rows are copied."""
@@ -218,7 +235,7 @@ class SlidingWindow:
             if k > up:
                 self.host_missing[lower] = k - up
 
-    def forget_host(self, node: Node) -> None:
+    def drop_host(self, node: Node) -> None:
         self.host_missing.pop(node, None)
 
     @staticmethod
@@ -229,6 +246,12 @@ class SlidingWindow:
         return (PoolTransfer(SWA_POOL, torch.from_numpy(src[keep].copy()), torch.from_numpy(dst[keep].copy())),)
 
     # -- dry runs (room_for) ---------------------------------------------------------------
+    def room(self, pages: int, look: MatchResult | None, dry_run: DryRun) -> bool:
+        """The sliding pool reaches `pages` free by drops first, then by the node evictions that
+        free the token pool's pages too (`Residency.evict_device`), weighed in sliding pages."""
+        need = pages - self.swa.num_free_pages() - self.droppable_total(look)
+        return need <= 0 or dry_run(need, self.kept_pages) >= need
+
     def droppable_total(self, look: MatchResult | None) -> int:
         """Pages `drop` could give back now. An admission's partly matched last node is split at
         its match end first, which becomes a node end: its upper part keeps that end's window."""

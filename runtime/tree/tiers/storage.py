@@ -24,9 +24,8 @@ did not land is not adopted.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Container, Hashable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -36,10 +35,9 @@ from runtime.memory.owners import Owner
 from runtime.events.wire import STORAGE
 from runtime.messages import StateBlob
 from runtime.storage.hashing import KVIdentity, page_hashes, rank_identities
-from runtime.storage.state_blobs import StateBlobFormat
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
-from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, aligned
+from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, StorageRequest, StoredPages, aligned
 from runtime.tree.residency import Residency
 
 _log = get_logger("hicache.storage")
@@ -55,20 +53,6 @@ COUNTERS = ("storage_writes_issued", "storage_pages_written", "storage_write_fai
             "state_storage_writes", "state_storage_write_failures", "state_storage_hits", "state_storage_misses")
 
 
-class StorageRequest(NamedTuple):
-    """A storage op for the transfer side: write, read or (a read with no pages) look up `keys`."""
-
-    op_id: int
-    write: bool
-    keys: tuple[bytes, ...]
-    pages: tuple[int, ...]  # host pages, one per key
-    # under one control plane over tensor-parallel ranks: rank r's keys are rank_keys[r] (rank 0's
-    # are `keys`); (): `keys` serve every rank (one rank; a replicated shard, written by rank 0)
-    rank_keys: tuple[tuple[bytes, ...], ...] = ()
-    # a hybrid model's state snapshots written, looked up or read with the pages (the op's own)
-    states: tuple[StateBlob, ...] = ()
-
-
 def storage_key_ok(extra_key: Hashable) -> bool:
     """Namespaces the page hash encodes (the façade accepts only these)."""
     if extra_key is None or type(extra_key) in (str, bytes, int):
@@ -77,6 +61,8 @@ def storage_key_ok(extra_key: Hashable) -> bool:
 
 
 class StorageTier:
+    attached = True  # (`NoStorage`: none)
+
     # -- state -------------------------------------------------------------------
     def __init__(self, config: RuntimeConfig, residency: Residency, op_ids: Iterator[int],
                  identity: KVIdentity, stats: dict[str, int] | None = None) -> None:
@@ -85,44 +71,75 @@ class StorageTier:
         self.config = config  # (its prefetch policy; tiers-only mode issues its own reads: `read`)
         self.residency = residency
         self._op_ids = op_ids
-        self.identity = identity
         # one control plane over tensor-parallel ranks: every rank's identity, its keys its own (the
-        # tree's own records, `known` and KV events, name a page by rank 0's key); () with one list
-        self.ranks = rank_identities(identity, config.tp_ranks)
-        self.hasher = residency.use_hasher(identity)  # nodes' page hashes, shared with KV events
-        self.rank_keys: dict[bytes, tuple[bytes, ...]] = {}  # a known page's (rank 0's key) other ranks' keys
+        # tree's own records, `known` and KV events, name a page by rank 0's key); one with one list
+        self.identities = rank_identities(identity, config.tp_ranks) or (identity,)
+        # an admit with a waiter may wait for its prefetch (policy not `best_effort`)
+        self.may_wait = config.prefetch_policy != "best_effort"
+        residency.use_hasher(identity)  # nodes' page hashes (the residency's), shared with KV events
         self.ops: dict[int, StorageOp] = {}
         self.overdue: set[int] = set()  # ops past their deadline: in flight until their ack, awaited by nobody
         self.prefetches: dict[Hashable, Prefetch] = {}
         self.prefetched: set[Hashable] = set()  # rids whose prefetch landed, not yet admitted or aborted
         self.prefetch_landed: dict[Hashable, int] = {}  # rid -> tokens its prefetch brought to host
-        self.known: set[bytes] = set()  # page hashes this runtime wrote or found stored (skip rewriting them)
-        self.doubtful: set[bytes] = set()  # known once, in doubt since (`StoredPages`): a clear removes them too
-        # a hybrid model's snapshots: their storage format, and those known stored, by the hash of
-        # the page each follows, with their chunk keys (no KV events: they are not pages of a prefix)
-        self.states = residency.states if residency.states is not None and residency.states.host_ledger else None
-        self.state_format = (StateBlobFormat.of(config.state_shape, config.page_size * config.bytes_per_token)
-                             if self.states is not None and config.state_shape is not None else None)
-        self.known_states: dict[bytes, tuple[bytes, ...]] = {}
+        # what it knows of the backend's pages (`StoredPages`): those this runtime wrote or found
+        # stored (skip rewriting them), those in doubt (a clear removes them too), a known page's
+        # other ranks' keys, and a hybrid model's snapshots known stored, by the hash of the page each
+        # follows, with their chunk keys (no KV events: they are not pages of a prefix)
+        self.stored = StoredPages(set(), set())
+        self.states = residency.snapshots  # a hybrid model's host snapshots (none: `NoSnapshots`)
         self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
-        self._prefetch_gens = itertools.count(1)
         self._requests: list[StorageRequest] = []
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
+
+    def pause(self, paused: bool) -> None:
+        """A storage control (clear, detach) drains the ops: no op starts while paused."""
+        self.paused = paused
+
+    def restore(self, kept: StoredPages) -> None:
+        """What this runtime knew of the backend's pages when it detached the same backend."""
+        self.stored = kept
+
+    @property
+    def identity(self) -> KVIdentity:
+        """The identity the page hashes encode (rank 0's)."""
+        return self.identities[0]
+
+    @property
+    def ranks(self) -> tuple[KVIdentity, ...]:
+        """Every rank's identity when each rank has keys of its own; () when one key list serves all."""
+        return self.identities if len(self.identities) > 1 else ()
+
+    @property
+    def known(self) -> set[bytes]:
+        return self.stored.known
+
+    @property
+    def doubtful(self) -> set[bytes]:
+        return self.stored.doubtful
+
+    @property
+    def rank_keys(self) -> dict[bytes, tuple[bytes, ...]]:
+        return self.stored.rank_keys
+
+    @property
+    def known_states(self) -> dict[bytes, tuple[bytes, ...]]:
+        return self.stored.states
 
     # -- writes ------------------------------------------------------------------
     def write(self, node: Node, length: int, host: np.ndarray) -> None:
         """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
         (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
         res = self.residency
-        if self.paused or not storage_key_ok(node.extra_key) or res.host is None:
+        if self.paused or not storage_key_ok(node.extra_key):
             return
         ps = res.page_size
         path = res.tree.path_tokens(node)
         first = (len(path) - length) // ps
-        every = self.hasher.path(node)
+        every = res.hasher.path(node)  # type: ignore[union-attr] (made at this tier's start)
         hashes = every[first:]
         pick = [i for i, h in enumerate(hashes) if h not in self.known]
-        blobs = self._state_writes(node, length, every)
+        blobs = self.states.blobs_to_write(res.tree.split_chain(node, length), every, self.known_states)
         if not pick and not blobs:
             return
         keys = [hashes[i] for i in pick]
@@ -132,12 +149,11 @@ class StorageTier:
         res.host.pin(host, op_id, trusted=True)  # (whole pages of host copies the ledger allocated)
         res.tree.protect_host(node, length)
         for blob in blobs:  # (read by the write: pinned until its ack, its node's host copy protected)
-            self.states.pin_host(blob.slot, op_id)  # type: ignore[union-attr]
-        sop = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys, states=blobs)
-        if res.events is not None:  # what a STORAGE event of the written pages says
-            sop.tokens = path[first * ps:].reshape(-1, ps)[pick].reshape(-1)
-            sop.parents = [every[first + i - 1] if first + i else None for i in pick]
-        self.ops[op_id] = sop
+            self.states.pin_host(blob.slot, op_id)  # type: ignore[union-attr] (blobs: a recurrent store's)
+        # (tokens and parents: what a STORAGE event of the written pages says)
+        self.ops[op_id] = StorageOp(op_id, True, host, keys, node=node, length=length, rank_keys=rank_keys,
+                                    states=blobs, tokens=path[first * ps:].reshape(-1, ps)[pick].reshape(-1),
+                                    parents=[every[first + i - 1] if first + i else None for i in pick])
         self._requests.append(StorageRequest(op_id, True, tuple(keys), self._host_pages(host), rank_keys, blobs))
         self.stats["storage_writes_issued"] += 1
 
@@ -154,7 +170,7 @@ class StorageTier:
         live) beyond the device + host hit; the read of what it finds follows (`_read`). Returns
         the tokens looked up (0: nothing started)."""
         res = self.residency
-        if self.paused or res.host is None or rid in self.prefetches or not storage_key_ok(extra_key):
+        if self.paused or rid in self.prefetches or not storage_key_ok(extra_key):
             return 0
         ps = res.page_size
         match_len = aligned(len(tokens) - 1, ps)
@@ -164,11 +180,11 @@ class StorageTier:
             return 0
         every = self._hashes(tokens[:match_len], extra_key)
         keys = every[start // ps:]
-        blobs = self._state_lookups(keys)
+        blobs = self.states.blobs_to_look_up(keys)
         # first a lookup (no host pages): host pages are taken, evicting host copies if need be,
         # only for what storage holds (`_read`)
         op_id = next(self._op_ids)
-        pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens[:match_len], start,
+        pf = Prefetch(rid, Owner.prefetch(rid, next(self._op_ids)), extra_key, tokens[:match_len], start,
                       op_id, EMPTY)
         if start:
             self._hold_anchor(pf, res.tree.settle(look, touch=False))
@@ -195,32 +211,25 @@ class StorageTier:
             raise ArgumentError(f"a read from token {start} needs the hash of the page before it, and only then")
         if reserved is not None and len(reserved[0]) != len(keys) * self.residency.page_size:
             raise LengthError(f"a read of {len(keys)} pages given {len(reserved[0])} reserved host slots")
-        pf = Prefetch(rid, Owner.prefetch(rid, next(self._prefetch_gens)), extra_key, tokens, start, 0, EMPTY,
+        pf = Prefetch(rid, Owner.prefetch(rid, next(self._op_ids)), extra_key, tokens, start, 0, EMPTY,
                       detached=True, by_prepare=False)  # (detached: lands into the tree for whoever comes next)
         pf.link = link
         if reserved is not None:
-            assert self.residency.host is not None
-            self.residency.host.assign(reserved[0], reserved[1], pf.owner, trusted=True)
+            self.residency.assign_host(reserved[0], reserved[1], pf.owner, trusted=True)
         request = self._issue_read(pf, keys, host=None if reserved is None else reserved[0])
         return None if request is None else (pf, request)  # (the caller carries the request to its worker)
 
     def wait_for(self, rid: Hashable, tokens: np.ndarray, extra_key: Hashable, waiter: Any) -> PrefetchWait | None:
-        """The prefetch an admit of `rid` (not live) waits for, by the policy, with `waiter`
-        appended to it; None: admit now (policy `best_effort`, no waiter: a batch item never
-        waits, or nothing to fetch). An admit that does not wait detaches its prefetch."""
-        policy = self.config.prefetch_policy
+        """The prefetch an admit of `rid` (not live; `may_wait`, a `waiter`) waits for, with `waiter`
+        appended to it; None: admit now (nothing to fetch)."""
         pf = self.prefetches.get(rid)
-        if policy == "best_effort" or waiter is None:
-            if pf is not None:
-                self.detach(pf)
-            return None
         if pf is None and self.prepare(rid, tokens, extra_key):
             pf = self.prefetches[rid]
             pf.by_prepare = False  # the admit's own: its rid is not one the caller prepared
         if pf is None:
             return None
-        pf.waiters.append(waiter)
-        timeout = self.config.prefetch_timeout(len(tokens)) if policy == "timeout" else None
+        pf.wait(waiter)
+        timeout = self.config.prefetch_timeout(len(tokens)) if self.config.prefetch_policy == "timeout" else None
         return PrefetchWait(pf, timeout)
 
     def detach(self, pf: Prefetch) -> None:
@@ -256,14 +265,17 @@ class StorageTier:
         """Forget that `rid` was prepared (its landed pages are the tree's, nothing to release);
         True if it was."""
         self.prefetch_landed.pop(rid, None)
-        if rid in self.prefetched:
-            self.prefetched.discard(rid)
-            return True
-        return False
+        was = rid in self.prefetched
+        self.prefetched.discard(rid)
+        return was
 
     def admitted(self, rid: Hashable, host_len: int) -> int:
         """`rid` was admitted with `host_len` tokens loaded from host: it is no longer a prepared
-        rid; returns how many of those tokens its prefetch brought from storage."""
+        rid, and a prefetch still running goes on without it (`detach`); returns how many of those
+        tokens its prefetch brought from storage."""
+        pf = self.prefetches.get(rid)
+        if pf is not None:
+            self.detach(pf)
         self.prefetched.discard(rid)
         return min(self.prefetch_landed.pop(rid, 0), host_len)
 
@@ -278,7 +290,6 @@ class StorageTier:
         res = self.residency
         sop = self.ops.pop(op_id)
         self.overdue.discard(op_id)
-        assert res.host is not None
         if len(sop.host):  # a lookup pinned nothing
             res.host.unpin(sop.host, op_id, trusted=True)
         states_ok = states_ok if error is None and len(states_ok) == len(sop.states) else (False,) * len(sop.states)
@@ -293,6 +304,14 @@ class StorageTier:
         assert pf is not None
         if not len(sop.host):
             return self._lookup_landed(sop, pf, pages, error, states_ok)
+        return self._read_landed(sop, pf, pages, error, busy, states_ok)
+
+    def _read_landed(self, sop: StorageOp, pf: Prefetch, pages: int, error: str | None, busy: Container[int],
+                     states_ok: tuple[bool, ...]) -> Prefetch:
+        """A read's leading `pages` (with the snapshot after them, for a hybrid model) become host
+        copies in the tree; the rest is freed. The prefetch ends here."""
+        res = self.residency
+        op_id = sop.op_id
         if self.prefetches.get(pf.rid) is pf:
             del self.prefetches[pf.rid]
         ps = res.page_size
@@ -316,7 +335,7 @@ class StorageTier:
             pages = 0
         rest = pf.host[pages * ps:]
         if len(rest):
-            res.host.free(rest, pf.owner, trusted=True, rid=pf.rid, reason="prefetch_unused")
+            res.free_host(rest, pf.owner, trusted=True, rid=pf.rid, reason="prefetch_unused")
         if pages:
             # the read pages become host copies in the tree (the same hand-over as decode offload's)
             taken, end = res.adopt_host_run(pf.tokens[:pf.start + pages * ps], pf.extra_key, pf.start,
@@ -325,21 +344,28 @@ class StorageTier:
             if not pf.detached and not pf.cancelled and len(self.prefetch_landed) < _PREPARED_CAP:
                 self.prefetch_landed[pf.rid] = taken
             if sop.states:  # the node ending where the KV ends takes the state read with it
-                assert self.states is not None
-                if self.states.adopt_host(end, sop.states[0].slot, pf.owner, pf.start + pages * ps):
+                if self.states.adopt_host(end, sop.states[0].slot, pf.owner,  # type: ignore[union-attr]
+                                          pf.start + pages * ps):
                     self.stats["state_storage_hits"] += 1
         elif sop.states:
             self.states.free_host(sop.states[0].slot, pf.owner, rid=pf.rid, reason="prefetch_unused")  # type: ignore[union-attr]
         self._release_anchor(pf)  # from here the landed pages keep their anchor in the tree
         return pf
 
+    def kept(self) -> StoredPages:
+        """What it knows stored or in doubt, for a re-attach of the same backend (`detach_storage`,
+        once no storage op is in flight)."""
+        if self.ops:
+            raise InternalError("storage detached with storage ops in flight")
+        return self.stored
+
     def forget_stored(self) -> list[bytes]:
         """`clear_storage`, with no op in flight: the page hashes known stored, forgotten (the
         caller removes them from the backend; KV events report them removed)."""
         if self.ops:
             raise InternalError(f"storage clear with {len(self.ops)} storage ops in flight")
-        if self.residency.events is not None:  # (the doubtful ones were reported removed when doubted)
-            self.residency.events.removed_pages(sorted(self.known), STORAGE)
+        # (the doubtful ones were reported removed when doubted)
+        self.residency.events.removed_pages(sorted(self.known), STORAGE)
         pages = self.known | self.doubtful
         out = sorted(pages | {k for page in pages for k in self.rank_keys.get(page, ())}
                      | {k for keys in self.known_states.values() for k in keys})
@@ -372,35 +398,10 @@ class StorageTier:
             _log.debug("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
         self.known.update(stored)
         self._remember_ranks(sop, [i for i, good in enumerate(ok) if good])
-        if self.residency.events is not None and stored:
+        if stored:
             self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
-
-    def _state_writes(self, node: Node, length: int, every: list[bytes]) -> tuple[StateBlob, ...]:
-        """The host snapshots at the ends of the chain of the last `length` tokens of `node`'s path
-        (page hashes `every`) that are not known stored: one blob each, keyed by the page ending
-        at the snapshot's position (snapshots are only ever taken at page-aligned node ends)."""
-        states, fmt = self.states, self.state_format
-        if states is None or fmt is None:
-            return ()
-        out = []
-        for n in self.residency.tree.split_chain(node, length):
-            slot = states.host_state.get(n)
-            if slot is None:
-                continue
-            page = every[states.host_position[slot] // self.residency.page_size - 1]
-            if page not in self.known_states:
-                out.append(StateBlob(slot, fmt.keys(page), page=page))
-        return tuple(out)
-
-    def _state_lookups(self, keys: list[bytes]) -> tuple[StateBlob, ...]:
-        """A hybrid model's hit ends at a stored snapshot: one asked for after each of the pages
-        `keys` (a lookup's), deepest first, each named by the page it follows (the worker derives
-        the chunk keys of those it checks: hashing every boundary's here would cost O(pages x chunks))."""
-        if self.state_format is None:
-            return ()
-        return tuple(StateBlob(-1, (), j, page=keys[j - 1]) for j in range(len(keys), 0, -1))
 
     def _doubt_states(self, page: bytes) -> None:
         """The snapshot after `page`, found missing or unreadable: no longer known stored (written
@@ -422,7 +423,7 @@ class StorageTier:
     def _announce(self, sop: StorageOp, ok: tuple[bool, ...]) -> None:
         """STORAGE events of a write's stored pages: one per run of consecutive written pages."""
         events = self.residency.events
-        assert events is not None and sop.tokens is not None and sop.parents is not None and sop.node is not None
+        assert sop.tokens is not None and sop.parents is not None and sop.node is not None
         ps = self.residency.page_size
         i, n = 0, len(sop.keys)
         while i < n:
@@ -441,14 +442,12 @@ class StorageTier:
         such page on)."""
         keys = sop.keys[:pages]
         self._remember_ranks(sop, range(pages))
-        events = self.residency.events
-        if events is not None:
-            new = next((i for i, k in enumerate(keys) if k not in self.known), len(keys))
-            if new < len(keys):
-                ps = self.residency.page_size
-                lo = pf.start + new * ps
-                events.stored_pages(keys[new:], keys[new - 1] if new else pf.link,
-                                    pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
+        new = next((i for i, k in enumerate(keys) if k not in self.known), len(keys))
+        if new < len(keys):
+            ps = self.residency.page_size
+            lo = pf.start + new * ps
+            self.residency.events.stored_pages(keys[new:], keys[new - 1] if new else pf.link,
+                                               pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
         self.known.update(keys)
 
     def missing(self, keys: list[bytes]) -> None:
@@ -465,8 +464,7 @@ class StorageTier:
         known = self.known
         was = [k for k in keys if k in known]
         if was:
-            if self.residency.events is not None:
-                self.residency.events.removed_pages(was, STORAGE)
+            self.residency.events.removed_pages(was, STORAGE)
             known.difference_update(was)
             self.doubtful.update(was)
 
@@ -493,8 +491,7 @@ class StorageTier:
                     self._doubt_states(b.page)
             found = blob.after if blob is not None else 0
             if blob is not None:  # found stored, as the KV before it (`_found`): a clear removes it
-                assert self.state_format is not None
-                self.known_states[blob.page] = self.state_format.keys(blob.page)
+                self.known_states[blob.page] = self.states.blob_keys(blob.page)  # type: ignore[union-attr]
         if found and self._read(pf, sop.keys[:found], blob):
             return None  # its waiters wait for the read
         self._release_anchor(pf)
@@ -509,7 +506,6 @@ class StorageTier:
         read them, with the state snapshot `blob` after the last one (a hybrid model's). False when
         nothing was started (the prefetch ends)."""
         res = self.residency
-        assert res.host is not None
         ps = res.page_size
         # a cap on host memory held by prefetches: half the host pool
         held = sum(len(p.host) for p in self.prefetches.values()) // ps
@@ -529,11 +525,9 @@ class StorageTier:
         pages `pf` owns already), and the state snapshot `blob` into a host state slot taken for
         `pf`; returns the read's storage request (None: no host room)."""
         res = self.residency
-        assert res.host is not None
         slot = None
-        if blob is not None:
-            assert self.states is not None
-            slot = self.states.take_host(pf.owner, rid=pf.rid)
+        if blob is not None:  # (a blob comes from a recurrent store's lookup)
+            slot = self.states.take_host(pf.owner, rid=pf.rid)  # type: ignore[union-attr]
         if host is None:
             host = res.alloc_host(len(keys), pf.owner, rid=pf.rid, reason="prefetch") if keys and \
                 (blob is None or slot is not None) else None
@@ -584,12 +578,13 @@ class StorageTier:
                        pages: Sequence[int]) -> tuple[tuple[bytes, ...], ...]:
         """Every rank's keys of pages `pages` (ascending) of `tokens`, rank 0's being `keys`: the
         prefix hashed once per rank's shard. () when `keys` serve every rank."""
-        if not self.ranks or not keys:
+        ranks = self.ranks
+        if not ranks or not keys:
             return ()
         ps = self.residency.page_size
         head = tokens[:(pages[-1] + 1) * ps]
         others = []
-        for identity in self.ranks[1:]:
+        for identity in ranks[1:]:
             every = page_hashes(head, ps, extra_key, identity)
             others.append(tuple(every[i] for i in pages))
         return (tuple(keys), *others)

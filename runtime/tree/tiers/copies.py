@@ -24,8 +24,11 @@ they are `unissued` (their pages not pinned yet).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+import functools
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,8 +61,8 @@ class CopyTracker:
                  readiness_factory: ReadinessFactory) -> None:
         self.residency = residency
         self._op_ids = op_ids  # shared with decode offload and storage: one id space for pins
-        self._num_layers = num_layers
-        self._new_readiness = readiness_factory  # a load's readiness (the actor's: per-layer futures)
+        # a load's readiness, by op id (the actor's: per-layer futures)
+        self._new_readiness = functools.partial(readiness_factory, num_layers)
         self.ops: dict[int, CopyOp] = {}
         self.backup_pending: dict[int, int] = {}  # node id -> op id of its in-flight backup
         self.loading: dict[int, LoadReadiness] = {}  # node id -> readiness of its in-flight load
@@ -78,13 +81,14 @@ class CopyTracker:
         self._poisoned: set[int] = set()  # chained after a backup that failed: fails too
         self.stats: dict[str, int] = {"backups_issued": 0, "loads_issued": 0, "copy_failures": 0,
                                       "writeback_deferred": 0}
+        residency.listen_splits(self.on_split)
 
     # -- issuing -------------------------------------------------------------------
     def backup(self, node: Node, evict_after: bool = False, growth: bool = False) -> bool:
         """Copy `node`'s device pages to fresh host pages (false: no need, or no host room).
         `growth` (write-through): with backups of `node` in flight, back up what it grew since."""
         res = self.residency
-        if node.host is not None or node.device is None or res.host is None or node.id in self.loading:
+        if node.host is not None or node.device is None or node.id in self.loading:
             return False
         pending = self.backup_pending.get(node.id)
         if pending is not None:
@@ -96,14 +100,13 @@ class CopyTracker:
         op_id = next(self._op_ids)
         device = node.device.copy()
         res.tree.lock(node)
-        state = res.states.start_backup(node, op_id) if res.states is not None else None
         op = CopyOp(op_id, Direction.BACKUP, node, node.num_tokens, device, host,
-                    node_owner(node), evict_after=evict_after, state=state)
+                    node_owner(node), evict_after=evict_after)
         self.ops[op_id] = op
         self.backup_pending[node.id] = op_id
-        more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
-        if res.sliding is not None:
-            more += res.sliding.start_backup(op_id, device, host)
+        more: tuple[PoolTransfer, ...] = ()
+        for g in res.hooked.start_backup:  # (each group's pools: a snapshot, sliding rows)
+            more += g.start_backup(op_id, node, device, host)
         self._open.append((op, more))
         self.stats["backups_issued"] += 1
         return True
@@ -147,14 +150,17 @@ class CopyTracker:
     def growth_locks(self, node: Node) -> int:
         """The locks on `node` a request that holds it may grow it with (`RadixTree.insert`'s
         `extend_leaf`): its own and those of its backups in flight; 0 while a load is in flight,
-        or a backup that copies other pools too (their transfers are not handed over)."""
+        or a backup of a model whose groups copy other pools with it (recurrent state, sliding
+        layers: their transfers are not handed over)."""
         if node.id in self.loading:
             return 0
         op_id = self.backup_pending.get(node.id)
+        if op_id is not None and self.residency.hooked.start_backup:
+            return 0
         locks = 1
         while op_id is not None:
             op = self.ops.get(op_id)
-            if op is None or op.state is not None or self.residency.sliding is not None:
+            if op is None:
                 return 0
             if op.node is node:
                 locks += 1
@@ -182,7 +188,7 @@ class CopyTracker:
             more = _merged_transfers([t for _, ts in batch for t in ts])
         res = self.residency
         res.device.pin(device, carrier, trusted=True)
-        res.host.pin(host, carrier, trusted=True)  # type: ignore[union-attr]
+        res.host.pin(host, carrier, trusted=True)
         if res.tracer is not None and res.tracer.active:  # (the copy that pins them: the carrier)
             for op in ops:
                 res.emit("backup", Tier.HOST, op.host, node=op.node.id, op=carrier)
@@ -197,14 +203,14 @@ class CopyTracker:
                 self.stats["writeback_deferred"] += node.num_tokens
 
     def start_load(self, host_nodes: list[Node], host_len: int, device: np.ndarray, owner: Owner,
-                   state_slot: int | None = None) -> CopyOp:
+                   reserved: Mapping[Any, Any] = MappingProxyType({})) -> CopyOp:
         """Load the host-only chain into `device` slots (allocated by `owner`, handed to the nodes);
-        with recurrent state, the deepest node's host snapshot into `state_slot` (reserved for it)."""
+        each group's part with what its admission reserved (`reserved`, by group: with
+        recurrent state, the slot the deepest node's host snapshot comes back to)."""
         res = self.residency
-        assert res.host is not None
         device = device.copy()  # the op's snapshot owns its arrays
         op_id = next(self._op_ids)
-        readiness = self._new_readiness(self._num_layers, op_id)
+        readiness = self._new_readiness(op_id)
         res.attach_load(host_nodes, device, owner)
         for node in host_nodes:
             self.loading[node.id] = readiness
@@ -213,14 +219,12 @@ class CopyTracker:
         res.tree.lock(deepest)
         res.device.pin(device, op_id, trusted=True)
         res.host.pin(host, op_id, trusted=True)
-        state = res.states.start_load(host_nodes, state_slot, op_id) if state_slot is not None else None  # type: ignore[union-attr]
-        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest),
-                    readiness=readiness, state=state)
+        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest), readiness=readiness)
         self.ops[op_id] = op
         res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
-        more = res.states.transfers(state) if state is not None else ()  # type: ignore[union-attr]
-        if res.sliding is not None:
-            more += res.sliding.start_load(host_nodes)
+        more: tuple[PoolTransfer, ...] = ()
+        for g in res.hooked.start_load:
+            more += g.start_load(op_id, host_nodes, reserved.get(g))
         self._plans.append((make_plan(op_id, Direction.LOAD, host, device, more), readiness))
         self.stats["loads_issued"] += 1
         return op
@@ -282,37 +286,35 @@ class CopyTracker:
             if op.direction is Direction.BACKUP:
                 raise InternalError(f"ack of backup {op_id}, which travels in the batch of another op")
             res.device.unpin(op.device, op_id, trusted=True)
-            res.host.unpin(op.host, op_id, trusted=True)  # type: ignore[union-attr]
+            res.host.unpin(op.host, op_id, trusted=True)
             return [self._apply_one(op, error)]
         res.device.unpin(batch.device, op_id, trusted=True)  # (unpinned first: a write-back frees them)
-        res.host.unpin(batch.host, op_id, trusted=True)  # type: ignore[union-attr]
+        res.host.unpin(batch.host, op_id, trusted=True)
         if self._handed:
             for each in batch.op_ids:
                 for device, host in self._handed.pop(each, ()):
                     res.device.unpin(device, each, trusted=True)
-                    res.host.unpin(host, each, trusted=True)  # type: ignore[union-attr]
+                    res.host.unpin(host, each, trusted=True)
         return [self._apply_one(self.ops[each], error) for each in batch.op_ids]
 
     def _apply_one(self, op: CopyOp, error: str | None) -> AckOutcome:
         res = self.residency
         op_id = op.op_id
         del self.ops[op_id]
-        if op.state is not None:  # (unpinned first: a rollback or a write-back eviction frees them)
-            assert res.states is not None
-            if op.direction is Direction.BACKUP:
-                res.states.end_backup(op.state, op_id, error is None)
-            else:
-                res.states.end_load(op.state, op_id)
         node = op.node
         if op.direction is Direction.BACKUP:
             if op_id in self._poisoned:
                 self._poisoned.discard(op_id)
                 error = error or "an earlier part of its node's backup failed"
             chain, op = self._backed_up_chain(op, error)
+            for g in res.hooked.end_backup:  # (before a write-back eviction frees the pages)
+                g.end_backup(op_id, chain, error is None)
             out = AckOutcome(op)
             self._finish_backup(op, chain, error)
             out.backed_up = error is None and bool(chain)
         else:
+            for g in res.hooked.end_load:  # (unpinned first: a rollback frees them)
+                g.end_load(op_id, op.orphaned)
             out = AckOutcome(op)
             chain = res.tree.split_chain(op.node, op.length)
             self._finish_load(op, chain, error, out)
@@ -398,10 +400,8 @@ class CopyTracker:
         op_id = op.op_id
         for node in chain:
             self.backup_pending.pop(node.id, None)
-        if res.sliding is not None:
-            res.sliding.end_backup(op_id, chain if error is None else None)
         if error is not None:
-            res.host.free(op.host, op.host_owner, op=op_id, reason="copy_failed")  # type: ignore[union-attr]
+            res.free_host(op.host, op.host_owner, op=op_id, reason="copy_failed")
             return
         if chain:
             res.attach_backup(chain, op.host, op.host_owner)
@@ -411,9 +411,7 @@ class CopyTracker:
             if self.loading.get(node.id) is op.readiness:  # (an orphaned op's nodes may load again)
                 del self.loading[node.id]
         if op.orphaned:  # its nodes were rolled back with a failed load above them
-            self.residency.device.free(op.device, node_owner(op.node), node=op.node.id, reason="load_orphaned")
-            if op.state is not None:
-                self.residency.states.free_orphaned(op.state)  # type: ignore[union-attr]
+            self.residency.free_device(op.device, node_owner(op.node), node=op.node.id, reason="load_orphaned")
             return
         if error is not None and op.readiness is not None and op.readiness.all_ready():
             # every layer was reported on device: its users computed on it, and KV below it

@@ -22,27 +22,35 @@ error. The rule, by construction:
   its load brings the snapshot back to a device slot of that node, the hit resumes from it.
 
 Owns the device and host state ledgers (`SlotLedger`s, one slot a page), `running`, `pending`,
-`node_state` and `host_state`; `Residency` calls `drop` / `drop_host` where it drops a node's
-device / host KV, `CopyTracker` the backup and load methods.
+`node_state` and `host_state`, and the state copies of the backups and loads in flight (`copies`,
+by op id). It is the recurrent state's `PoolGroup` (`runtime/tree/groups/base.py`): `Residency`
+calls `drop_device` / `drop_host` where it drops a node's device / host KV, `CopyTracker` the
+copy hooks, `CacheCore` the admission and request hooks; the storage tier writes and reads host
+snapshots through `take_host` / `pin_host` / `adopt_host`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterator
+from collections.abc import Callable, Collection, Container, Hashable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 import torch
 
 from runtime.errors import CapacityError
+from runtime.memory.groups import GroupSpec
 from runtime.memory.ledger import SlotLedger
 from runtime.memory.owners import Owner, Tier
-from runtime.messages import PoolTransfer
+from runtime.messages import PoolTransfer, StateBlob
+from runtime.storage.state_blobs import StateBlobFormat
+from runtime.tree.groups.base import PoolGroup
 from runtime.tree.nodes import MatchResult, Node, node_owner
 from runtime.tree.policies import EvictionPolicy
+from runtime.tree.records import RequestRecord
 
-__all__ = ["RecurrentStates", "StateCopy", "COUNTERS"]
+__all__ = ["RecurrentStates", "NoSnapshots", "StateCopy", "COUNTERS"]
 
 COUNTERS = ("state_snapshots_taken", "state_snapshots_kept", "state_snapshots_evicted", "state_hits")
 
@@ -57,19 +65,39 @@ class StateCopy:
     nodes: tuple[Node, ...]
 
 
+class NoSnapshots:
+    """The storage tier's snapshot store of a model without recurrent state (or without host state
+    slots): no snapshot to write, look up or read."""
+
+    def blobs_to_write(self, chain: list[Node], every: list[bytes], known: Container[bytes]) -> tuple[StateBlob, ...]:
+        return ()
+
+    def blobs_to_look_up(self, keys: list[bytes]) -> tuple[StateBlob, ...]:
+        return ()
+
+
 def _slots(values: list[int]) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 
 
-class RecurrentStates:
+class RecurrentStates(PoolGroup):
+    COUNTERS = COUNTERS
+    COUNTS = ("state_free_slots",)
+
     # -- state -------------------------------------------------------------------
-    def __init__(self, num_slots: int, host_slots: int, pools: tuple[str, ...], policy: EvictionPolicy) -> None:
-        """`pools`: the plan pool names of the state's components (`state.<name>`); `policy`: the
-        tree's eviction order, which snapshot evictions follow too."""
+    def __init__(self, spec: GroupSpec, num_slots: int, host_slots: int, policy: EvictionPolicy,
+                 page_size: int = 1, blob_format: StateBlobFormat | None = None) -> None:
+        """`spec.pools`: the plan pool names of the state's components (`state.<name>`); `policy`:
+        the tree's eviction order, which snapshot evictions follow too; `blob_format`: how a
+        snapshot is stored (with a storage tier)."""
+        self.spec = spec
+        self.page_size = page_size
+        self.blob_format = blob_format
         # not traced: the slot tracer's tiers are KV tiers (the trace auditor replays them)
         self.ledger = SlotLedger(num_slots, 1, Tier.DEVICE)
-        self.host_ledger: SlotLedger | None = SlotLedger(host_slots, 1, Tier.HOST) if host_slots > 0 else None
-        self.pools = pools
+        self.host_ledger = SlotLedger(host_slots, 1, Tier.HOST)  # (no pages: no host tier)
+        self.pools = spec.pools
+        self.copies: dict[int, StateCopy] = {}  # op id -> the state slots a backup or load in flight copies
         self.policy = policy
         self.host_state: dict[Node, int] = {}  # node -> host copy of its snapshot
         self.host_position: dict[int, int] = {}  # host snapshot slot -> its prefix length
@@ -104,7 +132,60 @@ class RecurrentStates:
         self.stats["state_hits"] += 1
         return self.node_state[node]
 
+    # -- admission (PoolGroup hooks) ---------------------------------------------------
+    def admission_room(self, look: MatchResult, host_len: int) -> bool:
+        """A running slot, and one for the hit's snapshot when it comes back from host."""
+        return self.room_for(1 + (host_len > 0), look.nodes)
+
+    def reserve(self, rid: Hashable, owner: Owner, host_nodes: list[Node]) -> tuple[int, int | None]:
+        """The request's running slot and, for a load, the slot its snapshot comes back to (all
+        or nothing; may evict unlocked snapshots, never the hit's: the caller locked it)."""
+        running = self.admit(rid, owner)
+        try:
+            return running, self.reserve_load(host_nodes[-1]) if host_nodes else None
+        except CapacityError:
+            self.release(rid, owner)
+            raise
+
+    def cancel(self, rid: Hashable, owner: Owner, host_nodes: list[Node], reserved: Any) -> None:
+        _, load = reserved
+        self.release(rid, owner)
+        if load is not None:
+            self.free_node_slot(host_nodes[-1], load)
+
+    def grant(self, lock_node: Node | None, reserved: Any) -> Mapping[str, Any]:
+        return {"state_slot": reserved[0], "state_from": self.hit_state(lock_node)}
+
     # -- requests ----------------------------------------------------------------
+    def grows_in_place(self, node: Node, first_slot: int) -> bool:
+        """A leaf holding a snapshot does not grow: it is the state after its last token."""
+        return node not in self.node_state
+
+    def after_insert(self, rec: RequestRecord, split: Callable[[Node, int], Node]) -> list[Node]:
+        """The request's snapshots at positions its insert reached pass to the nodes ending there
+        (a node is split at a snapshot's position when it spans it); returns the split-off upper
+        halves (new nodes: the write-through backs them up too)."""
+        node, end = rec.last_node, rec.cached_len
+        uppers = []
+        for position, slot in self.pending_upto(rec.rid, rec.cached_len):  # deepest first
+            assert node is not None
+            while end - node.num_tokens >= position:  # walk up to the node spanning the position
+                end -= node.num_tokens
+                node = node.parent  # type: ignore[assignment]
+            if end > position:  # inside: the upper half of a split ends there
+                node = split(node, position - (end - node.num_tokens))
+                uppers.append(node)
+                end = position
+            self.attach(node, slot, rec.owner)
+        return uppers
+
+    def rewind(self, rec: RequestRecord, new_len: int) -> None:
+        """A snapshot of retracted tokens describes no prefix."""
+        self.forget_after(rec.rid, rec.owner, new_len)
+
+    def counts(self) -> dict[str, int]:
+        return {"state_free_slots": self.ledger.num_free_slots()}
+
     def room_for(self, slots: int, keep: Collection[Node]) -> bool:
         """Whether `slots` state slots can be had, free or by evicting snapshots of unlocked nodes
         not in `keep` (the path an admission is about to lock): `can_admit` and `admit` agree."""
@@ -166,7 +247,7 @@ class RecurrentStates:
         self._free(slots, owner, rid=rid)
 
     # -- nodes -------------------------------------------------------------------
-    def drop(self, node: Node) -> None:
+    def drop_device(self, node: Node) -> None:
         """`node` loses its device KV: its snapshot goes with it."""
         slot = self.node_state.pop(node, None)
         if slot is not None:
@@ -176,17 +257,44 @@ class RecurrentStates:
         """`node` loses its host KV: the host copy of its snapshot goes with it."""
         slot = self.host_state.pop(node, None)
         if slot is not None:
-            assert self.host_ledger is not None
             self.host_ledger.free(np.array([slot]), node_owner(node), node=node.id, reason="evict")
             del self.host_position[slot]
 
     # -- copies (CopyTracker) -------------------------------------------------------
-    def start_backup(self, node: Node, op_id: int) -> StateCopy | None:
+    def start_backup(self, op_id: int, node: Node, device: np.ndarray, host: np.ndarray) -> tuple[PoolTransfer, ...]:
+        copy = self._backup_copy(node, op_id)
+        if copy is None:
+            return ()
+        self.copies[op_id] = copy
+        return self.transfers(copy)
+
+    def end_backup(self, op_id: int, chain: list[Node], ok: bool) -> None:
+        copy = self.copies.pop(op_id, None)
+        if copy is not None:
+            self._end_backup(copy, op_id, ok)
+
+    def start_load(self, op_id: int, host_nodes: list[Node], reserved: Any) -> tuple[PoolTransfer, ...]:
+        slot = reserved[1]
+        if slot is None:  # (a hit on device alone loads no snapshot)
+            return ()
+        copy = self._load_copy(host_nodes, slot, op_id)
+        self.copies[op_id] = copy
+        return self.transfers(copy)
+
+    def end_load(self, op_id: int, orphaned: bool) -> None:
+        copy = self.copies.pop(op_id, None)
+        if copy is not None:
+            self.host_ledger.unpin(copy.src, op_id)
+            self.ledger.unpin(copy.dst, op_id)
+            if orphaned:  # its nodes lost their device copies: the slots are freed with the load
+                self.free_orphaned(copy)
+
+    def _backup_copy(self, node: Node, op_id: int) -> StateCopy | None:
         """A backup of `node` copies its snapshot too (both slots pinned by `op_id`); None when it
         has none on device or no host state slot can be had (the backup then copies KV alone:
         hits through its host copy end higher up)."""
         src = self.node_state.get(node)
-        if src is None or self.host_ledger is None or node in self.host_state:
+        if src is None or node in self.host_state:
             return None
         dst = self.take_host(node_owner(node), node=node.id)
         if dst is None:
@@ -197,9 +305,8 @@ class RecurrentStates:
         self.host_ledger.pin(copy.dst, op_id)
         return copy
 
-    def end_backup(self, copy: StateCopy, op_id: int, ok: bool) -> None:
+    def _end_backup(self, copy: StateCopy, op_id: int, ok: bool) -> None:
         """The backup's ack: its host snapshot joins its node, or is freed."""
-        assert self.host_ledger is not None
         self.ledger.unpin(copy.src, op_id)
         self.host_ledger.unpin(copy.dst, op_id)
         (node,), dst = copy.nodes, int(copy.dst[0])
@@ -210,12 +317,35 @@ class RecurrentStates:
             del self.host_position[dst]
 
     # -- storage (StorageTier): a host snapshot written with its node's KV, or read for a prefetch --
+    def blobs_to_write(self, chain: list[Node], every: list[bytes], known: Container[bytes]) -> tuple[StateBlob, ...]:
+        """The host snapshots at the ends of `chain` (its path's page hashes `every`) not known
+        stored: one blob each, keyed by the page ending at the snapshot's position (snapshots are
+        only ever taken at page-aligned node ends)."""
+        fmt = self.blob_format
+        assert fmt is not None
+        out = []
+        for n in chain:
+            slot = self.host_state.get(n)
+            if slot is not None:
+                page = every[self.host_position[slot] // self.page_size - 1]
+                if page not in known:
+                    out.append(StateBlob(slot, fmt.keys(page), page=page))
+        return tuple(out)
+
+    def blobs_to_look_up(self, keys: list[bytes]) -> tuple[StateBlob, ...]:
+        """A hit ends at a stored snapshot: one asked for after each of the pages `keys` (a
+        lookup's), deepest first, each named by the page it follows (the worker derives the chunk
+        keys of those it checks: hashing every boundary's here would cost O(pages x chunks))."""
+        return tuple(StateBlob(-1, (), j, page=keys[j - 1]) for j in range(len(keys), 0, -1))
+
+    def blob_keys(self, page: bytes) -> tuple[bytes, ...]:
+        assert self.blob_format is not None
+        return self.blob_format.keys(page)
+
     def take_host(self, owner: Owner, **ctx: object) -> int | None:
         """A host state slot for `owner`, evicting the first unlocked, unpinned host snapshot in the
         eviction order if none is free; None when none can be had."""
         host = self.host_ledger
-        if host is None:
-            return None
         if host.num_free_pages() == 0:
             victim = min(self._evictable(self.host_state, host), key=self.policy.key, default=None)
             if victim is None:
@@ -226,16 +356,13 @@ class RecurrentStates:
 
     def pin_host(self, slot: int, op_id: int) -> None:
         """A storage op reads (a write) or fills (a read) host state `slot` until its ack."""
-        assert self.host_ledger is not None
         self.host_ledger.pin(_slots([slot]), op_id)
 
     def unpin_host(self, slot: int, op_id: int) -> None:
-        assert self.host_ledger is not None
         self.host_ledger.unpin(_slots([slot]), op_id)
 
     def free_host(self, slot: int, owner: Owner, **ctx: object) -> None:
         """Free host state `slot`, held by `owner` and no node (a storage read's that did not land)."""
-        assert self.host_ledger is not None
         self.host_ledger.free(_slots([slot]), owner, **ctx)
 
     def adopt_host(self, node: Node | None, slot: int, owner: Owner, position: int) -> bool:
@@ -245,7 +372,6 @@ class RecurrentStates:
         if node is None or node.host is None or node in self.host_state:
             self.free_host(slot, owner, reason="unused" if node is None or node.host is None else "duplicate")
             return False
-        assert self.host_ledger is not None
         self.host_ledger.assign(_slots([slot]), owner, node_owner(node), node=node.id)
         self.host_state[node] = slot
         self.host_position[slot] = position
@@ -256,12 +382,11 @@ class RecurrentStates:
         (owned by `node`; CapacityError: none free or evictable). `start_load` attaches it."""
         return self._alloc(node_owner(node), node=node.id)
 
-    def start_load(self, host_nodes: list[Node], slot: int, op_id: int) -> StateCopy:
+    def _load_copy(self, host_nodes: list[Node], slot: int, op_id: int) -> StateCopy:
         """A load of the host-only chain `host_nodes` brings back the deepest node's host snapshot
         into `slot` (reserved), and those of the others while device state slots are free: each
         becomes its node's device snapshot now (a hit resumes from the deepest once the load is
         ready). Every slot is pinned by `op_id`."""
-        assert self.host_ledger is not None
         deepest = host_nodes[-1]
         nodes = [deepest]
         dst = [slot]
@@ -277,11 +402,6 @@ class RecurrentStates:
         self.host_ledger.pin(copy.src, op_id)
         self.ledger.pin(copy.dst, op_id)
         return copy
-
-    def end_load(self, copy: StateCopy, op_id: int) -> None:
-        assert self.host_ledger is not None
-        self.host_ledger.unpin(copy.src, op_id)
-        self.ledger.unpin(copy.dst, op_id)
 
     def orphan_load(self, chain: list[Node]) -> None:
         """A load under a failed load loses its nodes' device copies: their device snapshots leave
@@ -321,6 +441,6 @@ class RecurrentStates:
             if victim is None:
                 raise CapacityError(f"no state slot free: {self.ledger.num_pages} held by running requests, "
                                     "their snapshots and locked nodes")
-            self.drop(victim)
+            self.drop_device(victim)
             self.stats["state_snapshots_evicted"] += 1
         return int(self.ledger.alloc(1, owner, **ctx)[0])

@@ -1,0 +1,1 @@
+"""Tiers and copies below the device tier: host copies, decode offload, the storage tier."""
