@@ -100,6 +100,7 @@ class Residency:
                                       "tokens_host_hit_recomputed": 0}
         # the load-cost model: fed the loads' and prefills' times, asked at every admission's look
         self.reuse: ReuseCost = AlwaysLoad(page_size) if reuse is None else reuse
+        self.weighs_reuse = reuse is not None  # (the default loads every hit: nothing to ask or tell)
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | NoEvents = NoEvents()
         # the nodes' page hashes, shared by KV events and storage writes (`use_hasher`)
@@ -461,7 +462,7 @@ class Residency:
         look (the cuts are noted, counted once it is admitted)."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len
-        if by_cost and host_len:  # an admission's look loads a host hit only where it beats recomputing it
+        if by_cost and host_len and self.weighs_reuse:  # an admission's look loads a host hit only where it beats recomputing it
             load = self.reuse.loadable(look.device_len, host_len, 0)[0]
             if load < host_len:
                 if admitting:
