@@ -98,7 +98,7 @@ async def run_config(name: str, model: Any, args: argparse.Namespace, device_slo
     kw: dict[str, Any] = dict(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=PAGE,
                               kv_dtype=str(model.dtype).removeprefix("torch."),
                               device_slots=device_slots, host_tokens=host_tokens if name.startswith("device_host") else 0,
-                              write_policy="write_through", device=args.device)
+                              write_policy="write_through", device=args.device, reuse_cost=args.reuse_cost)
     if name == "device_host_storage":
         kw.update(storage_backend="file", storage_dir=str(Path(tmp) / "kv"))
     cfg = RuntimeConfig(**kw)
@@ -147,6 +147,7 @@ async def run_config(name: str, model: Any, args: argparse.Namespace, device_slo
         "wall_s": wall,
         "ideal": ideal_recompute(len(system), lengths),
         "rt_storage_hit": stats["storage"]["hit_tokens"],
+        "host_hit_recomputed": stats["host"]["hit_tokens_recomputed"],  # the load-cost model chose to recompute
         "storage_pages_written": stats["storage"]["written_pages"],
     }
 
@@ -181,6 +182,9 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=128)
     ap.add_argument("--prefill-budget", type=int, default=4096, help="ServingLoop max_prefill_tokens")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--reuse-cost", default="measured", choices=["always", "measured"],
+                    help="RuntimeConfig.reuse_cost: load every host hit, or only where loading beats recomputing "
+                         "(the serving loop reports its prefills)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--model", default="tiny", choices=["tiny", "8b"],
                     help="tiny: the 4-layer random Llama; 8b: Llama-3-8B's architecture, random bf16 weights (CUDA only)")

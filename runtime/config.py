@@ -22,6 +22,7 @@ from runtime.memory.swa import SWA_POOL
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
+REUSE_COSTS = ("always", "measured")  # load every hit | load a hit only where it beats recomputing
 HOST_LAYOUTS = ("layer_first", "page_first")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -114,6 +115,9 @@ class RuntimeConfig:
     write_policy: str = "write_through_selective"
     write_through_threshold: int = 2
     eviction_policy: str = "lru"
+    # "measured": a host hit loads only where the load beats recomputing it, by measured load and
+    # prefill rates (`CacheRuntime.observe_prefill`; runtime/transfer/load_cost.py)
+    reuse_cost: str = "always"
     # Transfer
     copy_engine: str = "auto"
     copy_workers: int = 1
@@ -207,6 +211,7 @@ class RuntimeConfig:
         need(self.write_policy in WRITE_POLICIES, f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         need(self.eviction_policy in EVICTION_POLICIES,
              f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        need(self.reuse_cost in REUSE_COSTS, f"reuse_cost must be one of {REUSE_COSTS}, got {self.reuse_cost!r}")
         need(self.copy_engine in COPY_ENGINES, f"copy_engine must be one of {COPY_ENGINES}, got {self.copy_engine!r}")
         if self.copy_engine == "cuda":
             need(dev.type == "cuda", "copy_engine 'cuda' needs device 'cuda'")

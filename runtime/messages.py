@@ -185,6 +185,14 @@ class Flush(Message):
     reply: "Reply[int] | None" = None
 
 
+class ObservePrefill(Message):
+    """A prefill the model ran: `tokens` computed in `seconds` (for the load-cost model)."""
+
+    tokens: int
+    seconds: float
+    reply: "Reply[None] | None" = None
+
+
 class TreeStats(Message):
     reply: "Reply[dict[str, Any]] | None" = None
 
@@ -457,6 +465,6 @@ class PrefetchDeadline(Message):
 
 
 TreeMessage = (Admit | Extend | DecodeStep | Commit | Cache | Finish | Abort | Rewind | Snapshot | OpenSession | CloseSession | ReleaseAbandoned
-               | Query | Flush | TreeStats | DrainTree | TransferAck | Prepare
+               | Query | Flush | ObservePrefill | TreeStats | DrainTree | TransferAck | Prepare
                | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline
                | StorageControl | StorageCleared)

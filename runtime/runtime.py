@@ -52,6 +52,7 @@ from runtime.messages import (
     Extend,
     Finish,
     Flush,
+    ObservePrefill,
     OpenSession,
     Query,
     Prepare,
@@ -79,6 +80,7 @@ from runtime.validation import (
     step_tokens,
 )
 from runtime.validation import tokens as _checked_tokens
+from runtime.transfer.load_cost import check_sample
 
 if TYPE_CHECKING:  # prometheus_client is imported only when metrics are on
     from prometheus_client.registry import CollectorRegistry
@@ -438,6 +440,14 @@ class CacheRuntime:
     async def flush(self) -> int:
         """Drop every unlocked cached prefix from device and host (after a weight update)."""
         return await self._sup.ask(self._tree.mailbox, Flush(Reply()))
+
+    async def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Tell the runtime a prefill the model ran: `tokens` computed in `seconds`. With
+        `reuse_cost="measured"` an admission then loads a host hit only where the load beats
+        recomputing it (runtime/transfer/load_cost.py); otherwise the samples are kept unused.
+        `ValidationError`: `tokens` not an int > 0, `seconds` not a finite number >= 0."""
+        check_sample(tokens, seconds)
+        await self._sup.ask(self._tree.mailbox, ObservePrefill(tokens, float(seconds), Reply()))
 
     async def stats(self) -> dict[str, dict[str, Any]]:
         """Counters, sizes, queue depths and latency histograms, nested by tier and concern

@@ -36,6 +36,7 @@ from runtime.messages import (
     Extend,
     Finish,
     Flush,
+    ObservePrefill,
     OpenSession,
     Query,
     DrainTree,
@@ -96,6 +97,7 @@ class TreeActor(Actor[TreeMessage]):
             ReleaseAbandoned: self.on_release_abandoned,
             Query: self.on_query,
             Flush: self.on_flush,
+            ObservePrefill: self.on_observe_prefill,
             TreeStats: self.on_stats,
             DrainTree: self.on_quiesce,
             TransferAck: self.on_transfer_ack,
@@ -155,6 +157,9 @@ class TreeActor(Actor[TreeMessage]):
 
     def on_flush(self, msg: Flush) -> int:
         return self.core.flush()
+
+    def on_observe_prefill(self, msg: ObservePrefill) -> None:
+        self.core.observe_prefill(msg.tokens, msg.seconds)
 
     def on_stats(self, msg: TreeStats) -> dict[str, Any]:
         hub = self.events

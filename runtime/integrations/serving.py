@@ -541,13 +541,8 @@ class ServingLoop:
             await self._preempt(batch, abort=[r for r in batch if r.readiness])
             return
         now = time.perf_counter()
-        st = self.stats
-        st["steps"] += 1
-        st["forwards"] += 1
-        st["forward_s"] += now - t0
-        st["max_batch"] = max(st["max_batch"], len(batch))
-        st["prefill_tokens"] += sum(len(s.input_ids) for s in seqs[: len(prefills)])
-        st["decode_tokens"] += len(decodes)
+        await self._note_step(len(batch), sum(len(s.input_ids) for s in seqs[: len(prefills)]), len(decodes),
+                              now - t0)
         next_ids = out.logits.argmax(dim=-1).tolist()
         finished: list[tuple[_Request, str]] = []
         for i, r in enumerate(batch):
@@ -568,6 +563,17 @@ class ServingLoop:
                 finished.append((r, "length"))
         if finished:
             await self._finish(finished, now)
+
+    async def _note_step(self, batch: int, prefill_tokens: int, decode_tokens: int, forward_s: float) -> None:
+        st = self.stats
+        st["steps"] += 1
+        st["forwards"] += 1
+        st["forward_s"] += forward_s
+        st["max_batch"] = max(st["max_batch"], batch)
+        st["prefill_tokens"] += prefill_tokens
+        st["decode_tokens"] += decode_tokens
+        if prefill_tokens and self.rt.config.reuse_cost == "measured":  # the runtime's load-cost model weighs loads against it
+            await self.rt.observe_prefill(prefill_tokens, forward_s)
 
     async def _finish(self, finished: list[tuple[_Request, str]], now: float) -> None:
         out = await self.rt.step([Finish(r.rid, np.asarray(r.context[: r.kv_len], dtype=np.int32))

@@ -38,7 +38,7 @@ from typing import Protocol
 from runtime.errors import ValidationError
 from runtime.memory.owners import Tier
 
-__all__ = ["ReuseCost", "AlwaysLoad", "MeasuredReuseCost", "CostPriors", "LinearEstimate"]
+__all__ = ["check_sample", "ReuseCost", "AlwaysLoad", "MeasuredReuseCost", "CostPriors", "LinearEstimate"]
 
 
 class ReuseCost(Protocol):
@@ -52,6 +52,10 @@ class ReuseCost(Protocol):
 
     def observe_prefill(self, tokens: int, seconds: float) -> None: ...
 
+    def stats(self) -> dict[str, int]:
+        """Samples seen per kind: host_load_samples, storage_load_samples, prefill_samples."""
+        ...
+
 
 def _check_counts(page_size: int, **counts: int) -> None:
     for name, n in counts.items():
@@ -61,7 +65,7 @@ def _check_counts(page_size: int, **counts: int) -> None:
             raise ValidationError(f"{name} must be a whole number of pages of {page_size}, got {n}")
 
 
-def _check_sample(tokens: int, seconds: float) -> None:
+def check_sample(tokens: int, seconds: float) -> None:
     if type(tokens) is not int or tokens <= 0:
         raise ValidationError(f"tokens must be an int > 0, got {tokens!r}")
     if not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
@@ -82,10 +86,13 @@ class AlwaysLoad:
         return host_tokens, storage_tokens
 
     def observe_load(self, tokens: int, seconds: float, tier: Tier) -> None:
-        _check_sample(tokens, seconds)
+        check_sample(tokens, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        _check_sample(tokens, seconds)
+        check_sample(tokens, seconds)
+
+    def stats(self) -> dict[str, int]:
+        return dict.fromkeys(("host_load_samples", "storage_load_samples", "prefill_samples"), 0)
 
 
 @dataclass(frozen=True)
@@ -184,7 +191,7 @@ class MeasuredReuseCost:
     def observe_load(self, tokens: int, seconds: float, tier: Tier) -> None:
         """A load of ``tokens`` from ``tier`` took ``seconds``: host, the host -> device copy
         (issue to last layer ready); storage, the read into host."""
-        _check_sample(tokens, seconds)
+        check_sample(tokens, seconds)
         est = self._load.get(tier) if isinstance(tier, Tier) else None
         if est is None:
             raise ValidationError(f"tier must be Tier.HOST or Tier.STORAGE, got {tier!r}")
@@ -192,8 +199,12 @@ class MeasuredReuseCost:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A forward computed ``tokens`` prompt tokens in ``seconds``."""
-        _check_sample(tokens, seconds)
+        check_sample(tokens, seconds)
         self._prefill.add(tokens, seconds)
+
+    def stats(self) -> dict[str, int]:
+        return {"host_load_samples": self._load[Tier.HOST].samples,
+                "storage_load_samples": self._load[Tier.STORAGE].samples, "prefill_samples": self._prefill.samples}
 
     # -- the decision ---------------------------------------------------------------------
     def loadable(self, device_tokens: int, host_tokens: int, storage_tokens: int) -> tuple[int, int]:

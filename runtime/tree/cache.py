@@ -508,6 +508,11 @@ class CacheCore:
         self.phase.change()
         return self.residency.flush()
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill the model ran (the load-cost model's sample; checked by the façade)."""
+        self.phase.change()
+        self.residency.reuse.observe_prefill(tokens, seconds)
+
     # -- decode offload (the offload actor's calls) ----------------------------------------
     def offload_start(self, rid: Hashable, generation: int, start: int, end: int) -> OffloadStarted | None:
         return self.offload.start(rid, generation, start, end, self.requests.get(rid))

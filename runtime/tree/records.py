@@ -181,6 +181,7 @@ class CopyOp:
     host_owner: Owner  # owner of `host` until the ack hands it to the nodes
     readiness: LoadReadiness | None = None
     evict_after: bool = False
+    issued_at: float = 0.0  # a load's `time.perf_counter()` when issued (the load-cost model's sample)
     users: set[Hashable] = field(default_factory=set)
     # a load issued under another load that failed first: its nodes lost their device copies, and
     # its device slots stay with it (owner: its deepest node's id) until its ack frees them

@@ -32,6 +32,7 @@ from runtime.memory.swa import PairedLedger, SwaSlots
 from runtime.storage.hashing import KVIdentity
 from runtime.storage.state_blobs import StateBlobFormat
 from runtime.trace import SlotTracer
+from runtime.transfer.load_cost import AlwaysLoad, MeasuredReuseCost, ReuseCost
 from runtime.tree.policies import policy_by_name
 from runtime.tree.nodes import node_owner  # noqa: F401 - re-exported (copies, tests)
 from runtime.tree.page_hasher import PageHasher
@@ -52,7 +53,7 @@ class Residency:
                  write_back: bool = False, tracer: SlotTracer | None = None, state_slots: int = 0,
                  host_state_slots: int = 0, sliding_window: int = 0, swa_slots: int = 0,
                  specs: tuple[GroupSpec, ...] = (), requests: Mapping[Hashable, RequestRecord] | None = None,
-                 state_format: StateBlobFormat | None = None) -> None:
+                 state_format: StateBlobFormat | None = None, reuse: ReuseCost | None = None) -> None:
         """`device_slots` 0: no device tier of its own (tiers-only mode, where the engine owns
         device memory): a tree of host copies over the host ledger. `specs`: the model's pool
         groups (`RuntimeConfig.group_specs`; none: full attention alone), each a rule object in
@@ -61,7 +62,8 @@ class Residency:
         layers (`sliding_window` > 0, a pool of `swa_slots`, `SlidingWindow`) pages outside
         every node end's window drop their sliding KV and a match is cut back to the deepest end
         whose window is present. `requests`: the live request records (read by groups whose
-        rule depends on what running requests still read)."""
+        rule depends on what running requests still read). `reuse`: how much of a host hit an
+        admission loads (default: all of it, `AlwaysLoad`)."""
         self.page_size = page_size
         self.write_back = host_slots > 0 and write_back
         self.tracer = tracer
@@ -94,7 +96,11 @@ class Residency:
                 self.snapshots = states
         self.groups: tuple[PoolGroup, ...] = tuple(groups)
         self.hooked = Hooked.of(self.groups)  # per hook, the groups that have a say
-        self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0}
+        self.stats: dict[str, int] = {"device_evicted_tokens": 0, "host_evicted_tokens": 0,
+                                      "tokens_host_hit_recomputed": 0}
+        # the load-cost model: fed the loads' and prefills' times, asked at every admission's look
+        self.reuse: ReuseCost = AlwaysLoad(page_size) if reuse is None else reuse
+        self.weighs_reuse = reuse is not None  # (the default loads every hit: nothing to ask or tell)
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | NoEvents = NoEvents()
         # the nodes' page hashes, shared by KV events and storage writes (`use_hasher`)
@@ -145,7 +151,9 @@ class Residency:
                    sliding_window=config.sliding_window if config.swa_slots else 0, swa_slots=config.swa_slots,
                    specs=config.group_specs, requests=requests,
                    state_format=StateBlobFormat.of(shape, config.page_size * config.bytes_per_token)
-                   if (shape := config.state_shape) else None)
+                   if (shape := config.state_shape) else None,
+                   reuse=MeasuredReuseCost(config.page_size, config.num_layers)
+                   if config.reuse_cost == "measured" else None)
 
     # -- allocation --------------------------------------------------------------
     def alloc_device(self, pages: int, owner: Owner, **ctx: Any) -> np.ndarray:
@@ -440,18 +448,27 @@ class Residency:
         needs its logits), so at most len - 1 tokens match. `admitting`: an admit's (the cut is
         noted by each group, counted when it is admitted)."""
         ps = self.page_size
-        look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, admitting=admitting)
+        look, host_len = self.usable_match(tokens[:aligned(len(tokens) - 1, ps)], extra_key, admitting=admitting,
+                                           by_cost=True)
         return look, host_len, host_len // ps + -(-(len(tokens) - look.device_len - host_len) // ps)
 
     def usable_match(self, tokens: np.ndarray, extra_key: Hashable, *,
-                     admitting: bool = False) -> tuple[MatchResult, int]:
+                     admitting: bool = False, by_cost: bool = False) -> tuple[MatchResult, int]:
         """The read-only match of `tokens` a hit may use, and its host tokens: cut back to where
         every group's state is whole (`PoolGroup.usable_end`; with recurrent state, the deepest
         snapshot; with sliding layers, the deepest end whose window's sliding KV is present). This
-        is the one place a hit is cut short. `admitting`: an admission's look (each group notes
-        the cut, counted once it is admitted)."""
+        is the one place a hit is cut short. `by_cost`: an admission's look, whose host hit is first
+        cut to what the load-cost model says is worth loading (`reuse`). `admitting`: an admit's
+        look (the cuts are noted, counted once it is admitted)."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len
+        if by_cost and host_len and self.weighs_reuse:  # an admission's look loads a host hit only where it beats recomputing it
+            load = self.reuse.loadable(look.device_len, host_len, 0)[0]
+            if load < host_len:
+                if admitting:
+                    self.stats["tokens_host_hit_recomputed"] += host_len - load
+                look = self.tree.match(tokens[:look.device_len + load], extra_key, split=False, touch=False)
+                host_len = look.host_len
         matched = look.device_len + host_len
         usable = matched
         for g in self.hooked.usable_end if matched else ():

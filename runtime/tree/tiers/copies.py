@@ -25,6 +25,7 @@ they are `unissued` (their pages not pinned yet).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -219,7 +220,8 @@ class CopyTracker:
         res.tree.lock(deepest)
         res.device.pin(device, op_id, trusted=True)
         res.host.pin(host, op_id, trusted=True)
-        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest), readiness=readiness)
+        op = CopyOp(op_id, Direction.LOAD, deepest, host_len, device, host, node_owner(deepest), readiness=readiness,
+                    issued_at=time.perf_counter())
         self.ops[op_id] = op
         res.emit("load", Tier.DEVICE, device, node=deepest.id, op=op_id)
         more: tuple[PoolTransfer, ...] = ()
@@ -287,6 +289,8 @@ class CopyTracker:
                 raise InternalError(f"ack of backup {op_id}, which travels in the batch of another op")
             res.device.unpin(op.device, op_id, trusted=True)
             res.host.unpin(op.host, op_id, trusted=True)
+            if error is None and res.weighs_reuse:  # the load-cost model learns what a load costs, issue to ack
+                res.reuse.observe_load(op.length, time.perf_counter() - op.issued_at, Tier.HOST)
             return [self._apply_one(op, error)]
         res.device.unpin(batch.device, op_id, trusted=True)  # (unpinned first: a write-back frees them)
         res.host.unpin(batch.host, op_id, trusted=True)

@@ -26,7 +26,7 @@ class StubRuntime:
     `extra_key` is its rid, so `can_admit` knows whom it is asked about."""
 
     def __init__(self, room: int) -> None:
-        self.config = SimpleNamespace(device_slots=1024, page_size=PAGE)
+        self.config = SimpleNamespace(device_slots=1024, page_size=PAGE, reuse_cost="always")
         self.room = room
         self.live: set = set()
         self.gate: tuple[str, asyncio.Event, asyncio.Event] | None = None  # (rid, asked, open)
