@@ -115,8 +115,7 @@ STATS: tuple[Stat, ...] = (
        "includes tokens a prefetch brought from storage)", "hicache_hit_tokens", tier="host"),
     _s("host", "hit_rate", None, "", R, "host hit tokens / all admitted prompt tokens"),
     _s("host", "hit_tokens_recomputed", T, "tokens_host_hit_recomputed", C, "host hit tokens an admission "
-       "recomputed because loading them would have taken longer (reuse_cost 'measured'; counted at each "
-       "admit's look)", "hicache_host_hit_tokens_recomputed"),
+       "recomputed because loading them would have taken longer (reuse_cost 'measured')", "hicache_host_hit_tokens_recomputed"),
     _s("host", "evicted_tokens", T, "host_evicted_tokens", C, "tokens evicted from the tier",
        "hicache_evicted_tokens", tier="host"),
     _s("host", "free_slots", T, "host_free_slots", G, "free slots (one slot holds one token's KV)",

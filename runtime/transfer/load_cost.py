@@ -42,6 +42,9 @@ __all__ = ["check_sample", "ReuseCost", "AlwaysLoad", "MeasuredReuseCost", "Cost
 
 
 class ReuseCost(Protocol):
+    # whether it weighs anything: False for the null object, so callers skip asking and telling it
+    weighs: bool
+
     def loadable(self, device_tokens: int, host_tokens: int, storage_tokens: int) -> tuple[int, int]:
         """Of a match with these tokens per tier (device first, then host, then storage), how
         many host and storage tokens to load; the rest of the hit is recomputed. Never more
@@ -74,6 +77,8 @@ def check_sample(tokens: int, seconds: float) -> None:
 
 class AlwaysLoad:
     """The null object: every hit loads (what the runtime did before the cost model)."""
+
+    weighs = False
 
     def __init__(self, page_size: int = 1) -> None:
         if type(page_size) is not int or page_size < 1:
@@ -167,6 +172,8 @@ class LinearEstimate:
 
 class MeasuredReuseCost:
     """Loads a tier's hit only where loading it is faster than recomputing it (module docstring)."""
+
+    weighs = True
 
     def __init__(self, page_size: int, num_layers: int, priors: CostPriors = CostPriors(), *,
                  window: int = 64, min_samples: int = 4) -> None:

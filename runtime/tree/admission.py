@@ -130,6 +130,8 @@ class Admission:
         self.count(m.device_len, host_len, len(tokens) - cached)
         for g in res.hooked.admitted:
             g.admitted()
+        if res.reuse.weighs:
+            res.cost_cut_admitted()
         if self.hit_threshold:
             for node in device_nodes:
                 if node.hit_count >= self.hit_threshold:

@@ -100,7 +100,7 @@ class Residency:
                                       "tokens_host_hit_recomputed": 0}
         # the load-cost model: fed the loads' and prefills' times, asked at every admission's look
         self.reuse: ReuseCost = AlwaysLoad(page_size) if reuse is None else reuse
-        self.weighs_reuse = reuse is not None  # (the default loads every hit: nothing to ask or tell)
+        self._cost_cut = 0  # host hit tokens the current admission's look chose to recompute
         # KV cache events (`enable_events`): every tier change below is reported to it
         self.events: KVEventRecorder | NoEvents = NoEvents()
         # the nodes' page hashes, shared by KV events and storage writes (`use_hasher`)
@@ -462,11 +462,11 @@ class Residency:
         look (the cuts are noted, counted once it is admitted)."""
         look = self.tree.match(tokens, extra_key, split=False, touch=False)
         host_len = look.host_len
-        if by_cost and host_len and self.weighs_reuse:  # an admission's look loads a host hit only where it beats recomputing it
+        if by_cost and host_len and self.reuse.weighs:  # an admission's look loads a host hit only where it beats recomputing it
             load = self.reuse.loadable(look.device_len, host_len, 0)[0]
             if load < host_len:
-                if admitting:
-                    self.stats["tokens_host_hit_recomputed"] += host_len - load
+                if admitting:  # counted once admitted (`cost_cut_admitted`), as the groups' cuts are
+                    self._cost_cut = host_len - load
                 look = self.tree.match(tokens[:look.device_len + load], extra_key, split=False, touch=False)
                 host_len = look.host_len
         matched = look.device_len + host_len
@@ -480,6 +480,11 @@ class Residency:
             look = self.tree.match(tokens[:usable], extra_key, split=False, touch=False)
             host_len = look.host_len
         return look, host_len
+
+    def cost_cut_admitted(self) -> None:
+        """The admission whose look was cut by the load-cost model was admitted: count the cut."""
+        self.stats["tokens_host_hit_recomputed"] += self._cost_cut
+        self._cost_cut = 0
 
     def evictable_device_pages(self) -> int:
         return self.tree.evictable_device_tokens // self.page_size

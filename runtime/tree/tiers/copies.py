@@ -289,7 +289,7 @@ class CopyTracker:
                 raise InternalError(f"ack of backup {op_id}, which travels in the batch of another op")
             res.device.unpin(op.device, op_id, trusted=True)
             res.host.unpin(op.host, op_id, trusted=True)
-            if error is None and res.weighs_reuse:  # the load-cost model learns what a load costs, issue to ack
+            if error is None and res.reuse.weighs:  # the load-cost model learns what a load costs, issue to ack
                 res.reuse.observe_load(op.length, time.perf_counter() - op.issued_at, Tier.HOST)
             return [self._apply_one(op, error)]
         res.device.unpin(batch.device, op_id, trusted=True)  # (unpinned first: a write-back frees them)

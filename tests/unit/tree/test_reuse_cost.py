@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from runtime.errors import CapacityError
 from runtime.invariants import check_invariants
 from runtime.messages import Direction
 from tests.tokens import toks
@@ -42,6 +43,26 @@ def test_a_fast_prefill_recomputes_a_host_hit():
     assert not core.copies.ops  # no load was issued
     check_invariants(core)
     core.finish("r", prompt[:-1])
+    check_invariants(core)
+
+
+def test_a_refused_admission_counts_no_recomputed_hit():
+    """(Counting at the look, as first written, counted the refused admission's cut too: 32, not 16.)"""
+    core, prompt = _host_hit(reuse_cost="measured")
+    for n in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        core.observe_prefill(n, n * 1e-9)
+    av = core.available()
+    core.admit("hog", toks(av["device_free"] + av["device_evictable"] - 16, 77))  # leaves too little room
+    try:
+        core.admit("r", prompt)
+    except CapacityError:
+        pass
+    else:
+        raise AssertionError("the admission should have been refused")
+    assert core.stats["tokens_host_hit_recomputed"] == 0  # only an admitted request's cut counts
+    core.abort("hog")
+    core.admit("r", prompt)
+    assert core.stats["tokens_host_hit_recomputed"] == 16
     check_invariants(core)
 
 
