@@ -270,7 +270,8 @@ def make_transfer_actor(config: RuntimeConfig, pools: Pools, engine: CopyEngine,
         engine, max_inflight_loads=config.max_inflight_loads,
         max_queued_backups=config.max_queued_backups, mailbox_capacity=config.mailbox_capacity,
         bytes_per_slot=pools.device_pool.shape.bytes_per_token, storage=storage, host_pool=pools.host_pool,
-        storage_timeout_s=config.storage_timeout_s,
+        storage_timeout_s=config.storage_timeout_s, storage_max_inflight_ops=config.storage_max_inflight_ops,
+        storage_max_overdue_pages=config.storage_max_overdue_pages,
         pool_slot_bytes=({name: pool.shape.num_layers * pool.component.row_bytes
                           for name, pool in state_pool.component_pools()}
                          if state_pool is not None else

@@ -136,6 +136,11 @@ class RuntimeConfig:
     prefetch_timeout_per_1k_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
     storage_timeout_s: float = 5.0  # deadline of one backend call; past it the op is overdue (docs/STORAGE.md)
+    # backend calls in flight at once, overdue ones included (more wait; one past its deadline unstarted is skipped)
+    storage_max_inflight_ops: int = 4
+    # host pages that overdue reads and writes may hold (their calls may still move them) before no
+    # read or write starts until some return (None: an eighth of the host pool)
+    storage_max_overdue_pages: int | None = None
     # Keyed page tags (docs/STORAGE.md, "Page integrity"): with a key (>= 16 bytes; HICACHE_STORAGE_KEY),
     # a page read from storage must carry a MAC made with it, so pages written without it are refused.
     # Never shown: not in repr, logs, stats or error messages
@@ -249,6 +254,11 @@ class RuntimeConfig:
         need(isinstance(self.storage_timeout_s, (int, float)) and not isinstance(self.storage_timeout_s, bool)
              and 0 < self.storage_timeout_s < float("inf"),
              f"storage_timeout_s must be a positive number of seconds, got {self.storage_timeout_s!r}")
+        need(type(self.storage_max_inflight_ops) is int and self.storage_max_inflight_ops > 0,
+             f"storage_max_inflight_ops must be a positive int, got {self.storage_max_inflight_ops!r}")
+        need(self.storage_max_overdue_pages is None
+             or (type(self.storage_max_overdue_pages) is int and self.storage_max_overdue_pages >= 0),
+             f"storage_max_overdue_pages must be a non-negative int or None, got {self.storage_max_overdue_pages!r}")
         if self.storage_key is not None:  # (the value is never put in a message)
             need(isinstance(self.storage_key, str) and len(self.storage_key.encode()) >= MIN_KEY_BYTES,
                  f"storage_key must be a string of at least {MIN_KEY_BYTES} bytes (a MAC key; its value is not shown)")

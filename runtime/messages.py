@@ -247,6 +247,18 @@ class StorageAck(Message):
     # per `SubmitStorage.states` entry: written whole, present whole (a lookup: the deepest one
     # within the KV found, the rest False) or read whole into its slot
     states_ok: tuple[bool, ...] = ()
+    # not made: its backend is down (no probe due), or overdue ops hold their share of host pages,
+    # or it waited past its deadline behind other calls. A skip says nothing of what storage holds
+    skipped: bool = False
+    reply: None = None
+
+
+class StorageHealthChanged(Message):
+    """The storage backend's health changed (`runtime.storage.health`): while it is down the
+    requester starts no storage op (the transfer actor probes it and tells when it is back)."""
+
+    state: str
+    down: bool
     reply: None = None
 
 
@@ -376,7 +388,7 @@ class SubmitStorage(Message):
     write: bool
     keys: tuple[bytes, ...]
     pages: tuple[int, ...]  # host page indices, one per key
-    ack_to: "Mailbox[Any]"
+    ack_to: "Mailbox[Any] | None"  # (None: the transfer actor's own probe of a down backend)
     states: "tuple[StateBlob, ...]" = ()  # a hybrid model's state snapshots written, looked up or read with it
     reply: None = None
     # one control plane over tensor-parallel ranks: rank r's keys (rank 0's are `keys`), each rank
@@ -417,6 +429,12 @@ class StorageDeadline(Message):
     reply: None = None
 
 
+class StorageProbe(Message):
+    """Time to probe the down storage backend (the transfer actor's timer): one lookup."""
+
+    reply: None = None
+
+
 class StorageRemoved(Message):
     """`clear_storage`'s removal returned (`future`: the worker's concurrent future)."""
 
@@ -444,7 +462,7 @@ class RemoveStoragePages(Message):
 
 
 TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage | StorageDone
-                   | StorageDeadline | StorageRemoved | SetStorageBackend | RemoveStoragePages)
+                   | StorageDeadline | StorageProbe | StorageRemoved | SetStorageBackend | RemoveStoragePages)
 
 
 # -- tree actor: a batch of requests (one scheduling step), the prefetch deadline ----------------
@@ -466,5 +484,5 @@ class PrefetchDeadline(Message):
 
 TreeMessage = (Admit | Extend | DecodeStep | Commit | Cache | Finish | Abort | Rewind | Snapshot | OpenSession | CloseSession | ReleaseAbandoned
                | Query | Flush | ObservePrefill | TreeStats | DrainTree | TransferAck | Prepare
-               | StorageAck | StorageOverdue | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline
+               | StorageAck | StorageOverdue | StorageHealthChanged | StartOffload | ReleaseOffloaded | Batch | PrefetchDeadline
                | StorageControl | StorageCleared)

@@ -6,7 +6,9 @@ mailbox, and the handler applies it and acks the requester. A deadline (`storage
 posts a `StorageDeadline` the same way: past it the requester gets one `StorageOverdue` and the
 op stays in flight until its call returns (its worker may still be writing into pinned host
 pages), and a drain for close no longer waits for it. `clear_storage`'s removal runs in a
-worker too and comes back as a `StorageRemoved`.
+worker too and comes back as a `StorageRemoved`. Whether a call starts at all is its
+`BackendGate`'s (`runtime/actors/backend_gate.py`: calls in flight bounded, host pages of overdue
+ops bounded, the backend's health, probes while it is down).
 
 Storage backends are not trusted: every value one returns is checked against its contract
 (`checked_count` / `checked_flags`; out of contract, the whole op is a miss, logged and counted
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.actors.backend_gate import BackendGate
 from runtime.errors import InternalError, RuntimeClosed
 from runtime.messages import (
     RemoveStoragePages,
@@ -38,6 +41,7 @@ from runtime.messages import (
 )
 from runtime.stats import LatencyHistogram
 from runtime.storage.backend import ContractViolation, StorageError, checked_count, read_prefix, write_pages
+from runtime.storage.health import Health
 from runtime.storage.integrity import PageSeal
 from runtime.trace import get_logger
 from runtime.transfer.state_io import StateBlobIO
@@ -47,7 +51,8 @@ log = get_logger("hicache.transfer")
 # stats() names of the storage latency histograms (runtime.stats.STATS)
 LATENCIES = ("storage_write_seconds", "storage_read_seconds", "storage_lookup_seconds")
 COUNTERS = ("storage_ops_done", "storage_ops_failed", "storage_bytes_written", "storage_bytes_read", "storage_errors",
-            "storage_backend_errors", "storage_ops_overdue", "storage_ops_submitted", "storage_ops_abandoned")
+            "storage_backend_errors", "storage_ops_overdue", "storage_ops_submitted", "storage_ops_abandoned",
+            "storage_ops_skipped", "storage_probes")
 
 
 def _page_rows(pool: Any) -> np.ndarray | None:
@@ -69,11 +74,14 @@ class StorageCalls:
     # -- state -------------------------------------------------------------------
     def __init__(self, post: Callable[[Any], None], *, backend: Any, host_pool: Any, bytes_per_slot: int,
                  timeout_s: float, rank_host_pools: Sequence[Any] = (), state_io: StateBlobIO | None = None,
-                 seal: PageSeal | None = None) -> None:
+                 seal: PageSeal | None = None, max_inflight: int = 4, max_overdue_pages: int | None = None) -> None:
         """`post`: a message into the transfer actor's mailbox (on the loop thread); the rest as
-        `TransferActor`'s arguments of the same names."""
+        `TransferActor`'s arguments of the same names (`max_overdue_pages` None: an eighth of the
+        host pool)."""
         self._post = post
-        self.timeout_s = timeout_s
+        if max_overdue_pages is None:
+            max_overdue_pages = host_pool.num_pages // 8 if host_pool is not None else 0
+        self.gate = BackendGate(post, timeout_s=timeout_s, max_inflight=max_inflight, max_overdue_pages=max_overdue_pages)
         self.state_io = state_io
         self.seal = seal if seal is not None else PageSeal()
         self.inflight: dict[int, _Call] = {}
@@ -99,31 +107,64 @@ class StorageCalls:
 
     # -- ops ---------------------------------------------------------------------------
     def submit(self, msg: SubmitStorage) -> None:
-        self.counters["storage_ops_submitted"] += 1
+        self.counters["storage_ops_submitted" if msg.ack_to is not None else "storage_probes"] += 1
         self.inflight[msg.op_id] = _Call(msg, time.perf_counter())
         if not msg.write and not msg.pages and msg.keys and self._absent(msg.keys[0]):
             # a lookup on a local backend without the first page: a miss, no worker thread needed
             self._settle(msg.op_id, 0, (), None)
             return
+        # armed before the worker can finish: `done` (on the loop thread, later) cancels it
+        self.timers[msg.op_id] = asyncio.get_running_loop().call_later(self.gate.timeout_s, self._post,
+                                                                       StorageDeadline(msg.op_id))
+        if self.gate.queue(msg):
+            self._call_in_worker(msg)
+        elif msg.op_id not in self.gate.waiting:  # refused: skipped
+            self._settle(msg.op_id, 0, (), None, skipped=True)
+
+    def _start_waiting(self) -> None:
+        """Start the waiting ops the gate lets go."""
+        for op_id in self.gate.startable():
+            self._start(self.inflight[op_id].submit)
+
+    def _start(self, msg: SubmitStorage) -> None:
+        """A waiting op's call in a worker thread, or, refused by the gate, the op skipped."""
+        if self.gate.admit(msg):
+            self._call_in_worker(msg)
+        else:
+            self._settle(msg.op_id, 0, (), None, skipped=True)
+
+    def _call_in_worker(self, msg: SubmitStorage) -> None:
         loop = asyncio.get_running_loop()
         fut = self._workers().submit(self._run, msg)
-        # armed before the worker can finish: `done` (on the loop thread, later) cancels it
-        self.timers[msg.op_id] = loop.call_later(self.timeout_s, self._post, StorageDeadline(msg.op_id))
         fut.add_done_callback(lambda f, op_id=msg.op_id: _post_threadsafe(loop, self._post, StorageDone(op_id, f)))
 
     def done(self, msg: StorageDone) -> None:
-        """A worker's call returned: apply its outcome, ack the requester."""
+        """A worker's call returned: apply its outcome, ack the requester, tell the gate."""
         fut = msg.future
+        submit = self.inflight[msg.op_id].submit
+        exc = None if fut.cancelled() else fut.exception()
         if fut.cancelled():
+            failure = None
             self._settle(msg.op_id, 0, (), "cancelled")
-        elif isinstance(fut.exception(), ContractViolation):
-            exc = fut.exception()
-            self._settle(msg.op_id, 0, (), f"backend contract violation: {exc}", exc)
-        elif fut.exception() is not None:
-            self._settle(msg.op_id, 0, (), repr(fut.exception()))
+        elif isinstance(exc, ContractViolation):
+            failure = f"backend contract violation: {exc}"
+            self._settle(msg.op_id, 0, (), failure, exc)
+        elif exc is not None:
+            failure = repr(exc)
+            self._settle(msg.op_id, 0, (), failure)
         else:
             pages, ok, states_ok = fut.result()
+            failure = "stored no page" if ok and not any(ok) else None
             self._settle(msg.op_id, pages, ok, None, states_ok=states_ok)
+        self.gate.returned(submit, failure)
+        if self.gate.waiting:
+            self._start_waiting()
+
+    def probe(self) -> None:
+        """The down backend's probe is due: one lookup through the gate like any op (no requester)."""
+        msg = self.gate.probe()
+        if msg is not None:
+            self.submit(msg)
 
     def returned_after_stop(self, msg: Any) -> None:
         """A completion that found the actor stopped (its mailbox closed): the op was abandoned."""
@@ -132,32 +173,44 @@ class StorageCalls:
             log.debug("storage_op_returned_after_close", op=msg.op_id)
 
     def deadline(self, msg: StorageDeadline) -> None:
-        """`timeout_s` after the op was submitted, if its call has not returned: tell the requester
-        once (it may stop waiting for the op), keep the op in flight."""
+        """`timeout_s` after the op was submitted, if its call has not returned: an op still waiting
+        to start is skipped; else tell the requester once (it may stop waiting for the op), keep the
+        op in flight (its host pages held: the call may still move them)."""
         call = self.inflight.get(msg.op_id)
         if self.timers.pop(msg.op_id, None) is None or call is None:  # it returned first
             return
         submit = call.submit
+        healthy = self.gate.health.state is Health.HEALTHY  # (before this op counts against it)
+        if self.gate.expired(submit):
+            self._settle(msg.op_id, 0, (), None, skipped=True)
+            self._start_waiting()
+            return
         self.counters["storage_ops_overdue"] += 1
-        log.warning("storage_op_overdue", op=msg.op_id, write=submit.write, lookup=not submit.write and not submit.pages,
-                    pages=len(submit.keys), timeout_s=self.timeout_s)
+        (log.warning if healthy else log.debug)("storage_op_overdue", op=msg.op_id, write=submit.write, lookup=not submit.write and not submit.pages,
+                    pages=len(submit.keys), timeout_s=self.gate.timeout_s)
+        if submit.ack_to is None:  # (a probe)
+            return
         try:
             submit.ack_to.put_internal(StorageOverdue(msg.op_id))
         except RuntimeClosed:
             log.warning("ack_undeliverable", op=msg.op_id, direction="storage_overdue")
 
     def _settle(self, op_id: int, pages: int, ok: tuple[bool, ...], error: str | None,
-                violation: ContractViolation | None = None, states_ok: tuple[bool, ...] = ()) -> None:
+                violation: ContractViolation | None = None, states_ok: tuple[bool, ...] = (),
+                skipped: bool = False) -> None:
         call = self.inflight.pop(op_id)
         submit = call.submit
-        kind = "storage_write_seconds" if submit.write else "storage_read_seconds" if submit.pages \
-            else "storage_lookup_seconds"
-        self.latency[kind].observe(time.perf_counter() - call.started)
         timer = self.timers.pop(op_id, None)
         if timer is not None:
             timer.cancel()
         counters = self.counters
-        if error is None:
+        if not skipped:
+            kind = "storage_write_seconds" if submit.write else "storage_read_seconds" if submit.pages \
+                else "storage_lookup_seconds"
+            self.latency[kind].observe(time.perf_counter() - call.started)
+        if skipped:
+            counters["storage_ops_skipped"] += 1
+        elif error is None:
             counters["storage_ops_done"] += 1
             if submit.write or submit.pages:  # a lookup moves no bytes
                 key = "storage_bytes_written" if submit.write else "storage_bytes_read"
@@ -173,16 +226,19 @@ class StorageCalls:
         else:
             counters["storage_ops_failed"] += 1
             counters["storage_errors"] += 1
-            log.warning("storage_op_failed", op=op_id, write=submit.write, error=error)
+            # (a warning while the backend is healthy; past that its health's change said it)
+            self._log_op("storage_op_failed", op=op_id, write=submit.write, error=error)
+        if submit.ack_to is None:  # a probe: its outcome went to the gate
+            return
         try:
-            submit.ack_to.put_internal(StorageAck(op_id, pages, error, ok, states_ok))
+            submit.ack_to.put_internal(StorageAck(op_id, pages, error, ok, states_ok, skipped))
         except RuntimeClosed:
             log.warning("ack_undeliverable", op=op_id, direction="storage")
 
     # -- in a worker thread ----------------------------------------------------------------
     def _absent(self, key: bytes) -> bool:
         """Inline probe (local backends only): True when storage surely lacks `key`."""
-        if getattr(self.backend, "exists_is_local", False) is not True:
+        if getattr(self.backend, "exists_is_local", False) is not True or self.gate.health.state is not Health.HEALTHY:
             return False
         try:
             return checked_count("exists_prefix", self.backend.exists_prefix([key]), 1) == 0
@@ -263,6 +319,7 @@ class StorageCalls:
         old = self.backend
         self.unregister()
         self.backend = backend
+        self.gate.reset()
         if running:  # (else the actor's start registers it)
             self.register()
         log.info("storage_attached" if backend is not None else "storage_detached",
@@ -310,6 +367,7 @@ class StorageCalls:
         for timer in self.timers.values():
             timer.cancel()
         self.timers.clear()
+        self.gate.stop()
         if self.inflight:
             ops = sorted(self.inflight)
             self.counters["storage_ops_abandoned"] += len(ops)
@@ -348,13 +406,20 @@ class StorageCalls:
                     log.debug("storage_unregister_host_pool_failed", error=repr(exc))
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "inflight_storage_ops": len(self.inflight), "storage_pages_rejected": self.seal.rejected,
+        return {**self.counters, "storage_pages_rejected": self.seal.rejected,
+                **self.gate.stats(self._page_bytes * max(1, len(self.rank_pools))),
                 **{name: hist.snapshot() for name, hist in self.latency.items()}}
 
     # -- helpers -------------------------------------------------------------------------------
+    def _log_op(self, event: str, **fields: Any) -> None:
+        """An op's failure: a warning while the backend is healthy, else debug (the change of its
+        health was the line worth reading; an outage is not a line per op)."""
+        (log.warning if self.gate.health.state is Health.HEALTHY else log.debug)(event, **fields)
+
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-storage")
+            # (as many as calls may run: a call waits in the gate, never in the pool's queue)
+            self._pool = ThreadPoolExecutor(max_workers=self.gate.max_inflight + 1, thread_name_prefix="hicache-storage")
         return self._pool
 
 

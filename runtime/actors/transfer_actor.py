@@ -38,6 +38,7 @@ from runtime.messages import (
     SetStorageBackend,
     StorageDeadline,
     StorageDone,
+    StorageProbe,
     StorageRemoved,
     SubmitCopy,
     SubmitStorage,
@@ -148,7 +149,8 @@ class TransferActor(Actor[TransferMessage]):
                  mailbox_capacity: int, bytes_per_slot: int = 0, storage: Any = None,
                  host_pool: Any = None, storage_timeout_s: float = 5.0,
                  pool_slot_bytes: dict[str, int] | None = None, rank_host_pools: Sequence[Any] = (),
-                 state_io: StateBlobIO | None = None, seal: PageSeal | None = None) -> None:
+                 state_io: StateBlobIO | None = None, seal: PageSeal | None = None,
+                 storage_max_inflight_ops: int = 4, storage_max_overdue_pages: int | None = None) -> None:
         """`bytes_per_slot`: a KV slot's bytes (a token's); `pool_slot_bytes`: a slot's bytes in the
         plan's other pools (a recurrent state's components), for the byte counters;
         `rank_host_pools`: under one control plane over tensor-parallel ranks, every rank's host
@@ -163,7 +165,8 @@ class TransferActor(Actor[TransferMessage]):
                                 getattr(engine, "coalesce_backups", False) is True)
         self.storage = StorageCalls(self._post, backend=storage, host_pool=host_pool, bytes_per_slot=bytes_per_slot,
                                     timeout_s=storage_timeout_s, rank_host_pools=rank_host_pools, state_io=state_io,
-                                    seal=seal)
+                                    seal=seal, max_inflight=storage_max_inflight_ops,
+                                    max_overdue_pages=storage_max_overdue_pages)
         self.drain_waiters: list[Reply[None]] = []
         self.pool_slot_bytes = {"kv": bytes_per_slot, **(pool_slot_bytes or {})}
         self._counts = {"ops_done": 0, "ops_failed": 0, "bytes_device_to_host": 0, "bytes_host_to_device": 0}
@@ -177,6 +180,7 @@ class TransferActor(Actor[TransferMessage]):
             SubmitStorage: self.on_submit_storage,
             StorageDone: self.on_storage_done,
             StorageDeadline: self.on_storage_deadline,
+            StorageProbe: self.on_storage_probe,
             StorageRemoved: self.on_storage_removed,
             SetStorageBackend: self.on_set_storage,
             RemoveStoragePages: self.on_remove_storage,
@@ -294,6 +298,9 @@ class TransferActor(Actor[TransferMessage]):
         self.storage.deadline(msg)
         if self.drain_waiters:
             self._maybe_drained()
+
+    def on_storage_probe(self, msg: StorageProbe) -> None:
+        self.storage.probe()
 
     def on_storage_removed(self, msg: StorageRemoved) -> None:
         self.storage.removed(msg)

@@ -45,6 +45,7 @@ from runtime.messages import (
     Rewind,
     Snapshot,
     StorageAck,
+    StorageHealthChanged,
     StorageOverdue,
     TransferAck,
     TransferMessage,
@@ -104,7 +105,8 @@ class TreeActor(Actor[TreeMessage]):
         }
         self.handlers.update({StartOffload: self.on_start_offload, ReleaseOffloaded: self.on_release_offloaded})
         self.handlers.update({Prepare: self.on_prepare, StorageAck: self.on_storage_ack,
-                              StorageOverdue: self.on_storage_overdue, PrefetchDeadline: self.on_prefetch_timeout})
+                              StorageOverdue: self.on_storage_overdue, PrefetchDeadline: self.on_prefetch_timeout,
+                              StorageHealthChanged: self.on_storage_health})
         self.handlers.update({StorageControl: self.on_storage_control, StorageCleared: self.on_storage_cleared})
 
     # -- handlers ----------------------------------------------------------------
@@ -226,7 +228,7 @@ class TreeActor(Actor[TreeMessage]):
         return self.core.prepare(msg.rid, msg.tokens, msg.extra_key)
 
     def on_storage_ack(self, msg: StorageAck) -> None:
-        pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok, msg.states_ok)
+        pf = self.core.apply_storage_ack(msg.op_id, msg.pages, msg.error, msg.ok, msg.states_ok, msg.skipped)
         if pf is not None:
             self._release_waiters(pf)
         if self.controls:
@@ -241,6 +243,9 @@ class TreeActor(Actor[TreeMessage]):
         if pf is not None:
             self._release_waiters(pf)
         self._maybe_quiesced()
+
+    def on_storage_health(self, msg: StorageHealthChanged) -> None:
+        self.core.storage_down(msg.down)
 
     def on_prefetch_timeout(self, msg: PrefetchDeadline) -> None:
         if self.core.prefetch_deadline(msg.prefetch):

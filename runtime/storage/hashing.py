@@ -31,6 +31,7 @@ import hashlib
 import re
 import struct
 from dataclasses import dataclass, replace
+from collections.abc import Hashable, Sequence
 from typing import Union
 
 import numpy as np
@@ -238,3 +239,19 @@ def page_hashes(
     chain = chain_function(identity.hash_algo)
     blob = chain(prev, np.ascontiguousarray(arr[: n_pages * page_size]).tobytes(), page_size * 4)
     return [blob[i : i + HASH_BYTES] for i in range(0, len(blob), HASH_BYTES)]
+
+
+def rank_page_keys(tokens: np.ndarray, page_size: int, extra_key: Hashable, ranks: Sequence["KVIdentity"],
+                   keys: list[bytes], pages: Sequence[int]) -> tuple[tuple[bytes, ...], ...]:
+    """Every rank's keys of pages `pages` (ascending) of `tokens`, rank 0's being `keys`: the
+    prefix hashed once per rank's shard (`ranks`: every rank's identity). () when `keys` serve
+    every rank (no `ranks`)."""
+    if not ranks or not keys:
+        return ()
+    head = tokens[:(pages[-1] + 1) * page_size]
+    others = []
+    for identity in ranks[1:]:
+        every = page_hashes(head, page_size, extra_key, identity)
+        others.append(tuple(every[i] for i in pages))
+    return (tuple(keys), *others)
+

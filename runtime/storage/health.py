@@ -26,7 +26,7 @@ from runtime.errors import ConfigError
 from runtime.storage.backend import Buffer, StorageBackend
 from runtime.trace import get_logger
 
-__all__ = ["Health", "HealthPolicy", "HealthTracked"]
+__all__ = ["Health", "HealthPolicy", "HealthTracked", "HealthTracker"]
 
 _log = get_logger("hicache.storage.health")
 
@@ -69,21 +69,22 @@ class _Channel:
     probing: bool = False  # a probe is in flight (other calls are still skipped)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("calls", "failures", "skipped"), 0))
 
-    def begin(self, policy: HealthPolicy, now: float) -> bool:
+    def begin(self, policy: HealthPolicy, clock: Callable[[], float]) -> bool:
         """A call is about to be made: False when the channel is down and no probe is due."""
         self.used = True
         if self.failing >= policy.down_after:  # down: only a probe goes through, once due
-            if self.probing or now < self.retry_at:
+            if self.probing or clock() < self.retry_at:
                 self.counts["skipped"] += 1
                 return False
             self.probing = True
         self.counts["calls"] += 1
         return True
 
-    def settle(self, failed: bool, policy: HealthPolicy, now: float) -> None:
+    def settle(self, failed: bool, policy: HealthPolicy, clock: Callable[[], float]) -> None:
         """A call made through `begin` ended; a failure that takes the channel down starts (or
         doubles) its backoff."""
         self.probing = False
+        self.used = True  # (a caller may skip `begin` while every channel is healthy)
         if not failed:
             self.failing, self.backoff = 0, 0.0
             return
@@ -91,30 +92,82 @@ class _Channel:
         self.failing += 1
         if self.failing >= policy.down_after:
             self.backoff = min(policy.max_backoff_s, self.backoff * 2 if self.backoff else policy.backoff_s)
-            self.retry_at = now + self.backoff
+            self.retry_at = clock() + self.backoff
 
 
-def _log_change(old: Health, new: Health, reason: str) -> None:
+def log_change(old: Health, new: Health, reason: str) -> None:
     (_log.info if new is Health.HEALTHY else _log.warning)("storage_health_changed", old=old.value, new=new.value,
                                                              reason=reason)
 
 
-class HealthTracked:
-    """`inner` with its health tracked, and the calls of a down channel held back (see the module
-    docstring). Thread-safe: a connector's worker reads and writes from two threads."""
+class HealthTracker:
+    """The health of one backend from the outcomes of its calls, per channel (the module
+    docstring): `begin` before a call (False: the channel is down and no probe is due, do not
+    make it), `settle` after it (or at its deadline: a call that never returns is a failed one).
+    Thread-safe (a connector's worker calls from two threads); `on_change` runs outside the lock."""
 
-    def __init__(self, inner: StorageBackend, policy: HealthPolicy | None = None, *,
-                 on_change: Callable[[Health, Health, str], None] = _log_change,
+    def __init__(self, policy: HealthPolicy | None = None, *,
+                 on_change: Callable[[Health, Health, str], None] = log_change,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.inner = inner
-        self.page_bytes = inner.page_bytes
         self.policy = policy or HealthPolicy()
         self._on_change = on_change
         self._clock = clock
         self._lock = threading.Lock()
         self._channels = {name: _Channel() for name in CHANNELS}
-        self._state = Health.HEALTHY
+        self.state = Health.HEALTHY  # (written under the lock; read by anyone)
         self._changes = 0
+        self._since = clock()  # when the state last changed
+
+    def begin(self, channel: str) -> bool:
+        with self._lock:
+            return self._channels[channel].begin(self.policy, self._clock)
+
+    def settle(self, channel: str, error: str | None) -> None:
+        """A call `begin` let through ended: failed with `error`, or served (None)."""
+        with self._lock:
+            self._channels[channel].settle(error is not None, self.policy, self._clock)
+            old, new = self.state, self._health()
+            if new is old:
+                return
+            self.state, self._since = new, self._clock()
+            self._changes += 1
+        self._on_change(old, new, f"{channel}: {error}" if error is not None else f"{channel} served")
+
+    def next_probe_in(self) -> float | None:
+        """Seconds until a down channel may be probed (0: now); None when no channel is down."""
+        with self._lock:
+            due = [ch.retry_at for ch in self._channels.values() if ch.failing >= self.policy.down_after]
+            return None if not due else max(0.0, min(due) - self._clock())
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            s: dict[str, Any] = {"health": self.state.value, "health_level": self.state.level,
+                                 "health_changes": self._changes,
+                                 "health_seconds": round(self._clock() - self._since, 3)}
+            for name, ch in self._channels.items():
+                for k, v in ch.counts.items():
+                    s[f"{name}_{k}"] = v
+        return s
+
+    def _health(self) -> Health:
+        used = [ch for ch in self._channels.values() if ch.used]
+        if all(ch.failing for ch in used) and any(ch.failing >= self.policy.down_after for ch in used):
+            return Health.DOWN
+        return Health.DEGRADED if any(ch.failing for ch in used) else Health.HEALTHY
+
+
+class HealthTracked:
+    """`inner` with its health tracked (`HealthTracker`), and the calls of a down channel held
+    back (see the module docstring). Thread-safe: a connector's worker reads and writes from two
+    threads."""
+
+    def __init__(self, inner: StorageBackend, policy: HealthPolicy | None = None, *,
+                 on_change: Callable[[Health, Health, str], None] = log_change,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = inner
+        self.page_bytes = inner.page_bytes
+        self.tracker = HealthTracker(policy, on_change=on_change, clock=clock)
+        self.policy = self.tracker.policy
         # `read_prefix` prefers a one-pass `get_prefix`: offered when the inner backend has one
         if getattr(inner, "get_prefix", None) is None:
             self.get_prefix = None  # type: ignore[assignment]
@@ -122,7 +175,7 @@ class HealthTracked:
 
     @property
     def state(self) -> Health:
-        return self._state
+        return self.tracker.state
 
     # -- the backend's calls -----------------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
@@ -143,42 +196,16 @@ class HealthTracked:
         self.inner.close()
 
     def stats(self) -> dict[str, Any]:
-        s = dict(self.inner.stats())
-        with self._lock:
-            s["health"] = self._state.value
-            s["health_changes"] = self._changes
-            for name, ch in self._channels.items():
-                for k, v in ch.counts.items():
-                    s[f"{name}_{k}"] = v
-        return s
+        return {**self.inner.stats(), **self.tracker.stats()}
 
-    # -- tracking ---------------------------------------------------------------------------------
     def _call(self, channel: str, call: Callable[[], Any], skipped: Any,
               failed: Callable[[Any], bool] = lambda _: False) -> Any:
-        ch = self._channels[channel]
-        with self._lock:
-            if not ch.begin(self.policy, self._clock()):
-                return skipped
+        if not self.tracker.begin(channel):
+            return skipped
         try:
             result = call()
         except Exception as exc:
-            self._record(ch, channel, repr(exc))
+            self.tracker.settle(channel, repr(exc))
             raise
-        self._record(ch, channel, f"{channel} stored no page" if failed(result) else None)
+        self.tracker.settle(channel, f"{channel} stored no page" if failed(result) else None)
         return result
-
-    def _record(self, ch: _Channel, channel: str, error: str | None) -> None:
-        with self._lock:
-            ch.settle(error is not None, self.policy, self._clock())
-            old, new = self._state, self._health()
-            if new is old:
-                return
-            self._state = new
-            self._changes += 1
-        self._on_change(old, new, f"{channel}: {error}" if error is not None else f"{channel} served")
-
-    def _health(self) -> Health:
-        used = [ch for ch in self._channels.values() if ch.used]
-        if all(ch.failing for ch in used) and any(ch.failing >= self.policy.down_after for ch in used):
-            return Health.DOWN
-        return Health.DEGRADED if any(ch.failing for ch in used) else Health.HEALTHY

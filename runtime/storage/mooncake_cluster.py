@@ -132,15 +132,31 @@ class LocalMooncakeCluster:
             deadline = time.monotonic() + self.start_timeout_s
             pm = self._spawn([meta, "--host", self.HOST, "--port", str(self.metadata_port), "--log-level", "WARNING"],
                              "metadata")
-            pr = self._spawn([master, f"--rpc_address={self.HOST}", f"--rpc_port={self.rpc_port}",
-                              "--enable_http_metadata_server=false", f"--metrics_host={self.HOST}",
-                              f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={self.lease_ttl_ms}",
-                              f"--eviction_high_watermark_ratio={self.eviction_high_watermark}"], "master")
+            pr = self._spawn(self._master_argv(master), "master")
             if _wait_port(self.HOST, self.metadata_port, pm, deadline) and _wait_port(self.HOST, self.rpc_port, pr, deadline):
                 return self
             last = f"master log: {self.log_tail('master')}\nmetadata log: {self.log_tail('metadata')}"
         self.stop()
         raise StorageError(f"local Mooncake cluster did not start\n{last}")
+
+    def _master_argv(self, master: str) -> list[str]:
+        return [master, f"--rpc_address={self.HOST}", f"--rpc_port={self.rpc_port}",
+                "--enable_http_metadata_server=false", f"--metrics_host={self.HOST}",
+                f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+                f"--eviction_high_watermark_ratio={self.eviction_high_watermark}"]
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (an outage: its clients are not told); `restart_master` brings one back."""
+        os.kill(self.master_pid, signal.SIGKILL)
+        self._procs[1].wait(timeout=5)
+
+    def restart_master(self) -> None:
+        """A fresh master on the same address (it knows nothing the old one held)."""
+        master = find_binary("mooncake_master")
+        assert master is not None and self._procs[1].poll() is not None, "the master is still running"
+        self._procs[1] = self._spawn(self._master_argv(master), "master")
+        if not _wait_port(self.HOST, self.rpc_port, self._procs[1], time.monotonic() + self.start_timeout_s):
+            raise StorageError(f"the Mooncake master did not restart\n{self.log_tail('master')}")
 
     def stop(self) -> None:
         for p in self._procs:

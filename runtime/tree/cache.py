@@ -539,12 +539,16 @@ class CacheCore:
         self.phase.change()
         return self.storage.prepare(rid, tokens, extra_key)
 
-    def apply_storage_ack(self, op_id: int, pages: int, error: str | None,
-                          ok: tuple[bool, ...] = (), states_ok: tuple[bool, ...] = ()) -> Prefetch | None:
+    def apply_storage_ack(self, op_id: int, pages: int, error: str | None, ok: tuple[bool, ...] = (),
+                          states_ok: tuple[bool, ...] = (), skipped: bool = False) -> Prefetch | None:
         """A storage op finished; returns the prefetch that ended here (admit its waiters)."""
         if op_id not in self.storage.ops:
             raise InternalError(f"ack of storage op {op_id}, which is not in flight")
-        return self.storage.apply_ack(op_id, pages, error, ok, self.copies.backup_pending, states_ok)
+        return self.storage.apply_ack(op_id, pages, error, ok, self.copies.backup_pending, states_ok, skipped)
+
+    def storage_down(self, down: bool) -> None:
+        """The backend is down (start no storage op) or back."""
+        self.storage.mark_down(down)
 
     def storage_overdue(self, op_id: int) -> Prefetch | None:
         """A storage call ran past its deadline; returns the prefetch whose waiters go on now."""

@@ -9,7 +9,7 @@ what it means (seed 002).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -257,6 +257,20 @@ class StoredPages:
     # state snapshots known stored: the hash of the page each follows -> its chunk keys
     states: dict[bytes, tuple[bytes, ...]] = field(default_factory=dict)
 
+    def remember_ranks(self, keys: Sequence[bytes], rank_keys: Sequence[Sequence[bytes]], stored: Iterable[int]) -> None:
+        """The other ranks' keys (`rank_keys[1:]`) of pages `stored` of `keys`, now known stored: a
+        clear removes them too."""
+        if rank_keys:
+            for i in stored:
+                self.rank_keys[keys[i]] = tuple(other[i] for other in rank_keys[1:])
+
+    def doubt_state(self, page: bytes) -> None:
+        """The snapshot after `page`, found missing or unreadable: no longer known stored (written
+        again next time), its chunks held in doubt (a clear still removes those that are there)."""
+        keys = self.states.pop(page, None)
+        if keys is not None:
+            self.doubtful.update(keys)
+
 
 @dataclass(slots=True)
 class StorageOp:
@@ -299,3 +313,19 @@ class StorageRequest(NamedTuple):
     rank_keys: tuple[tuple[bytes, ...], ...] = ()
     # a hybrid model's state snapshots written, looked up or read with the pages (the op's own)
     states: tuple[StateBlob, ...] = ()
+
+
+def written_runs(keys: Sequence[bytes], ok: Sequence[bool], parents: Sequence[bytes | None]) -> Iterator[tuple[int, int]]:
+    """The runs [i, j) of a write's pages that were stored and chain on each other (each page's
+    parent the key before it): one STORAGE event each."""
+    i, n = 0, len(keys)
+    while i < n:
+        if not ok[i]:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and ok[j] and parents[j] == keys[j - 1]:
+            j += 1
+        yield i, j
+        i = j
+

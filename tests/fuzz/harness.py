@@ -504,7 +504,7 @@ def _summary(res: Any, exc: Any) -> str:
 
 _TIMING_STATS = {(s.group, s.key) for s in STATS if s.kind is Kind.HISTOGRAM} | {
     ("transfer", "inflight_loads"), ("transfer", "inflight_backups"), ("queues", "waiting_loads"),
-    ("queues", "waiting_backups"), ("queues", "transfer_mailbox_messages")}
+    ("queues", "waiting_backups"), ("queues", "transfer_mailbox_messages"), ("storage", "health_seconds")}
 
 
 def _names(types: tuple[type, ...]) -> str:

@@ -93,6 +93,9 @@ class NoStorage:
     def mark_overdue(self, op_id: int) -> Prefetch | None:
         return None
 
+    def mark_down(self, down: bool) -> None:
+        pass
+
     def all_overdue(self) -> bool:
         return True
 

@@ -11,8 +11,9 @@ pages are a snapshot taken at issue: a split during the write never shrinks what
 
 It owns the storage ops, the prefetch records and their waiting policy (an admit waits for its
 request's prefetch under `wait`/`timeout`), the ops past their deadline, the KV identity the
-page hashes encode and the record of page hashes known stored (written, or found by a lookup or
-read): the pages `clear_storage` removes. While a storage control drains (`paused`) no op starts.
+page hashes encode and the page hashes known stored (written, or found by a lookup or read): what
+`clear_storage` removes. No op starts while a storage control drains (`paused`) or the backend is
+`down`; an overdue lookup ends its prefetch (it has no pages in flight), a skipped op teaches nothing.
 
 A hybrid model's host snapshots go with their node's KV (docs/ARCHITECTURE.md, "Recurrent state";
 keys and chunking: `runtime.storage.state_blobs`): a write carries the host snapshots of its chain
@@ -34,10 +35,11 @@ from runtime.errors import ArgumentError, InternalError, LengthError
 from runtime.memory.owners import Owner
 from runtime.events.wire import STORAGE
 from runtime.messages import StateBlob
-from runtime.storage.hashing import KVIdentity, page_hashes, rank_identities
+from runtime.storage.hashing import KVIdentity, page_hashes, rank_identities, rank_page_keys
 from runtime.trace import get_logger
 from runtime.tree.radix import MatchResult, Node
-from runtime.tree.records import EMPTY, Prefetch, PrefetchWait, StorageOp, StorageRequest, StoredPages, aligned
+from runtime.tree.records import (EMPTY, Prefetch, PrefetchWait, StorageOp, StorageRequest, StoredPages, aligned,
+                                  written_runs)
 from runtime.tree.residency import Residency
 
 _log = get_logger("hicache.storage")
@@ -48,7 +50,7 @@ _log = get_logger("hicache.storage")
 _PREPARED_CAP = 4096
 COUNTERS = ("storage_writes_issued", "storage_pages_written", "storage_write_failures", "storage_lookups_issued",
             "storage_reads_issued", "storage_pages_read", "storage_read_misses", "storage_read_failures",
-            "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted",
+            "tokens_storage_hit", "prefetch_skipped", "prefetch_aborted", "storage_writes_skipped",
             # a hybrid model's state snapshots (the `state` stats group)
             "state_storage_writes", "state_storage_write_failures", "state_storage_hits", "state_storage_misses")
 
@@ -88,13 +90,22 @@ class StorageTier:
         # follows, with their chunk keys (no KV events: they are not pages of a prefix)
         self.stored = StoredPages(set(), set())
         self.states = residency.snapshots  # a hybrid model's host snapshots (none: `NoSnapshots`)
-        self.paused = False  # a storage control (clear, detach) waits for the ops to drain: start none
+        # why no op starts now: "control" (a clear or detach drains the ops), "down" (the backend is,
+        # `StorageHealthChanged`, until it is back)
+        self.held: set[str] = set()
         self._requests: list[StorageRequest] = []
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
 
     def pause(self, paused: bool) -> None:
         """A storage control (clear, detach) drains the ops: no op starts while paused."""
-        self.paused = paused
+        (self.held.add if paused else self.held.discard)("control")
+
+    def mark_down(self, down: bool) -> None:
+        (self.held.add if down else self.held.discard)("down")
+
+    @property
+    def paused(self) -> bool:
+        return "control" in self.held
 
     def restore(self, kept: StoredPages) -> None:
         """What this runtime knew of the backend's pages when it detached the same backend."""
@@ -131,7 +142,7 @@ class StorageTier:
         """Write the pages of the last `length` tokens of `node`'s path, held in host slots `host`
         (a landed backup's or offload's snapshot), to storage: those not known stored yet."""
         res = self.residency
-        if self.paused or not storage_key_ok(node.extra_key):
+        if self.held or not storage_key_ok(node.extra_key):
             return
         ps = res.page_size
         path = res.tree.path_tokens(node)
@@ -170,7 +181,7 @@ class StorageTier:
         live) beyond the device + host hit; the read of what it finds follows (`_read`). Returns
         the tokens looked up (0: nothing started)."""
         res = self.residency
-        if self.paused or rid in self.prefetches or not storage_key_ok(extra_key):
+        if self.held or rid in self.prefetches or not storage_key_ok(extra_key):
             return 0
         ps = res.page_size
         match_len = aligned(len(tokens) - 1, ps)
@@ -200,13 +211,11 @@ class StorageTier:
              keys: list[bytes], link: bytes | None = None,
              reserved: tuple[np.ndarray, Owner] | None = None) -> tuple[Prefetch, StorageRequest] | None:
         """Tiers-only mode: read `keys`, the pages of `tokens` from `start` on, into fresh host
-        pages now; the engine's scheduler asked storage itself and waits on its own terms, so there
-        is no lookup first and no waiting policy. The caller keeps the prefix [0, start) in the
-        tree until the read's ack (its pages hang under it). `link`: the hash of the page before
-        `start` (the parent a STORAGE event of the pages found names). Returns the prefetch and
-        its storage request (not queued in `take_requests`); None when no host room can be had.
-        `reserved`: host pages taken for it beforehand (one per key) and their owner: the read
-        takes them over instead of taking pages now."""
+        pages now (the engine's scheduler asked storage itself: no lookup, no waiting policy); the
+        caller keeps [0, start) in the tree until the read's ack. `link`: the hash of the page
+        before `start` (a STORAGE event's parent). Returns the prefetch and its storage request
+        (not queued in `take_requests`); None: no host room. `reserved`: host pages (one per key)
+        and their owner, taken beforehand: the read takes them over."""
         if (link is None) != (start == 0):
             raise ArgumentError(f"a read from token {start} needs the hash of the page before it, and only then")
         if reserved is not None and len(reserved[0]) != len(keys) * self.residency.page_size:
@@ -247,6 +256,11 @@ class StorageTier:
             return None
         self.overdue.add(op_id)
         pf = sop.prefetch
+        if pf is not None and not sop.write and not len(sop.host):
+            # a lookup holds no pages in flight: its prefetch ends here, a miss (the late answer is dropped)
+            self._end_lookup(pf)
+            pf.cancelled = pf.detached = True
+            return pf if pf.waiters else None
         if pf is not None and pf.waiters:
             self.detach(pf)
             return pf
@@ -281,14 +295,18 @@ class StorageTier:
 
     # -- acks ---------------------------------------------------------------------
     def apply_ack(self, op_id: int, pages: int, error: str | None, ok: tuple[bool, ...],
-                  busy: Container[int], states_ok: tuple[bool, ...] = ()) -> Prefetch | None:
+                  busy: Container[int], states_ok: tuple[bool, ...] = (), skipped: bool = False) -> Prefetch | None:
         """A storage op finished. A write marks its stored pages known; a lookup starts the read of
         what it found; a read's leading `pages` become host copies in the tree (the rest is freed;
         `busy`: node ids with a backup in flight, which take none). `states_ok`: per state snapshot
-        the op carried, whether it was written, found or read whole. Returns the prefetch when it
-        ended here (its waiting admits can run), else None."""
+        the op carried, whether it was written, found or read whole. `skipped`: the call was not
+        made (no news of what storage holds): the op ends as if it found and stored nothing. Returns
+        the prefetch when it ended here (its waiting admits can run), else None."""
         res = self.residency
         sop = self.ops.pop(op_id)
+        if skipped and sop.prefetch is not None:  # (it ends with nothing landed or learnt)
+            self._prepared(sop.prefetch)
+            sop.prefetch.cancelled = True
         self.overdue.discard(op_id)
         if len(sop.host):  # a lookup pinned nothing
             res.host.unpin(sop.host, op_id, trusted=True)
@@ -297,8 +315,9 @@ class StorageTier:
             if blob.slot >= 0:
                 self.states.unpin_host(blob.slot, op_id)  # type: ignore[union-attr]
         if sop.write:
-            self._write_landed(sop, error, ok)
-            self._states_written(sop, states_ok)
+            self._write_landed(sop, error, ok, skipped)
+            if not skipped:
+                self._states_written(sop, states_ok)
             return None
         pf = sop.prefetch
         assert pf is not None
@@ -319,11 +338,10 @@ class StorageTier:
             self.stats["storage_read_failures"] += 1
             _log.warning("storage_read_failed", op=op_id, rid=str(pf.rid), error=error)
             pages = 0
+        self._prepared(pf)
         if pf.cancelled:
             pages = 0
         else:
-            if pf.by_prepare and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
-                self.prefetched.add(pf.rid)
             self._gone(sop.keys[pages:])  # (evicted elsewhere): rewrite it next time
             self._found(pf, sop, pages)
             self.stats["storage_read_misses"] += len(sop.keys) - pages
@@ -331,7 +349,7 @@ class StorageTier:
         if sop.states and pages and not states_ok[0]:
             # KV without its state is no usable end: adopt none of it (rewrite the state next time)
             self.stats["state_storage_misses"] += 1
-            self._doubt_states(sop.states[0].page)
+            self.stored.doubt_state(sop.states[0].page)
             pages = 0
         rest = pf.host[pages * ps:]
         if len(rest):
@@ -353,8 +371,7 @@ class StorageTier:
         return pf
 
     def kept(self) -> StoredPages:
-        """What it knows stored or in doubt, for a re-attach of the same backend (`detach_storage`,
-        once no storage op is in flight)."""
+        """What it knows stored or in doubt, for a re-attach of the same backend (no op in flight)."""
         if self.ops:
             raise InternalError("storage detached with storage ops in flight")
         return self.stored
@@ -385,9 +402,12 @@ class StorageTier:
         return len(self.ops) == len(self.overdue)
 
     # -- helpers -------------------------------------------------------------------
-    def _write_landed(self, sop: StorageOp, error: str | None, ok: tuple[bool, ...]) -> None:
+    def _write_landed(self, sop: StorageOp, error: str | None, ok: tuple[bool, ...], skipped: bool) -> None:
         assert sop.node is not None
         self.residency.tree.unprotect_host(sop.node, sop.length)
+        if skipped:  # (not stored, not a failure: the backend was down or busy)
+            self.stats["storage_writes_skipped"] += 1
+            return
         # (debug, not a warning per write: they are counted, `storage_write_failures`, and a failing
         # backend's state is what is worth a log line, `runtime.storage.health`)
         if error is not None:
@@ -397,18 +417,11 @@ class StorageTier:
         if error is None and len(stored) < len(sop.keys):
             _log.debug("storage_pages_not_written", op=sop.op_id, failed=len(sop.keys) - len(stored))
         self.known.update(stored)
-        self._remember_ranks(sop, [i for i, good in enumerate(ok) if good])
+        self.stored.remember_ranks(sop.keys, sop.rank_keys, [i for i, good in enumerate(ok) if good])
         if stored:
             self._announce(sop, ok)
         self.stats["storage_pages_written"] += len(stored)
         self.stats["storage_write_failures"] += len(sop.keys) - len(stored)
-
-    def _doubt_states(self, page: bytes) -> None:
-        """The snapshot after `page`, found missing or unreadable: no longer known stored (written
-        again next time), its chunks held in doubt (a clear still removes those that are there)."""
-        keys = self.known_states.pop(page, None)
-        if keys is not None:
-            self.doubtful.update(keys)
 
     def _states_written(self, sop: StorageOp, states_ok: tuple[bool, ...]) -> None:
         for blob, good in zip(sop.states, states_ok, strict=True):
@@ -422,33 +435,26 @@ class StorageTier:
 
     def _announce(self, sop: StorageOp, ok: tuple[bool, ...]) -> None:
         """STORAGE events of a write's stored pages: one per run of consecutive written pages."""
-        events = self.residency.events
         assert sop.tokens is not None and sop.parents is not None and sop.node is not None
         ps = self.residency.page_size
-        i, n = 0, len(sop.keys)
-        while i < n:
-            if not ok[i]:
-                i += 1
-                continue
-            j = i + 1
-            while j < n and ok[j] and sop.parents[j] == sop.keys[j - 1]:
-                j += 1
-            events.stored_pages(sop.keys[i:j], sop.parents[i], sop.tokens[i * ps: j * ps], sop.node.extra_key, STORAGE)
-            i = j
+        for i, j in written_runs(sop.keys, ok, sop.parents):
+            self.residency.events.stored_pages(sop.keys[i:j], sop.parents[i], sop.tokens[i * ps: j * ps],
+                                               sop.node.extra_key, STORAGE)
 
     def _found(self, pf: Prefetch, sop: StorageOp, pages: int) -> None:
         """Storage holds the leading `pages` of `sop`'s keys (a lookup or read of `pf` found them on
         every rank): known stored, and a STORAGE event for those not known before (from the first
         such page on)."""
         keys = sop.keys[:pages]
-        self._remember_ranks(sop, range(pages))
-        new = next((i for i, k in enumerate(keys) if k not in self.known), len(keys))
+        self.stored.remember_ranks(sop.keys, sop.rank_keys, range(pages))
+        known = self.stored.known
+        new = next((i for i, k in enumerate(keys) if k not in known), len(keys))
         if new < len(keys):
             ps = self.residency.page_size
             lo = pf.start + new * ps
             self.residency.events.stored_pages(keys[new:], keys[new - 1] if new else pf.link,
                                                pf.tokens[lo: pf.start + len(keys) * ps], pf.extra_key, STORAGE)
-        self.known.update(keys)
+        known.update(keys)
 
     def missing(self, keys: list[bytes]) -> None:
         """The engine's own lookup (tiers-only mode) found `keys[0]` missing. When it was known
@@ -488,18 +494,26 @@ class StorageTier:
                 self.stats["state_storage_misses"] += 1
             for b in sop.states:  # asked for and not found whole (deeper than the one found): rewrite them
                 if b.after <= found and (blob is None or b.after > blob.after):
-                    self._doubt_states(b.page)
+                    self.stored.doubt_state(b.page)
             found = blob.after if blob is not None else 0
             if blob is not None:  # found stored, as the KV before it (`_found`): a clear removes it
                 self.known_states[blob.page] = self.states.blob_keys(blob.page)  # type: ignore[union-attr]
         if found and self._read(pf, sop.keys[:found], blob):
             return None  # its waiters wait for the read
+        self._end_lookup(pf)
+        return pf
+
+    def _end_lookup(self, pf: Prefetch) -> None:
+        """`pf` ends at its lookup (nothing to read): its anchor released, its rid no longer fetching."""
         self._release_anchor(pf)
-        if pf.by_prepare and not pf.cancelled and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
-            self.prefetched.add(pf.rid)  # prepared: a later abort of the rid is not an unknown rid
+        self._prepared(pf)
         if self.prefetches.get(pf.rid) is pf:
             del self.prefetches[pf.rid]
-        return pf
+
+    def _prepared(self, pf: Prefetch) -> None:
+        """`pf` ends, or lands: a prepared rid's is remembered (a later abort of it is no unknown rid)."""
+        if pf.by_prepare and not pf.cancelled and not pf.detached and len(self.prefetched) < _PREPARED_CAP:
+            self.prefetched.add(pf.rid)
 
     def _read(self, pf: Prefetch, keys: list[bytes], blob: StateBlob | None = None) -> bool:
         """After a lookup found `keys` (the leading ones it looked up): take host pages for them and
@@ -576,24 +590,9 @@ class StorageTier:
 
     def keys_per_rank(self, tokens: np.ndarray, extra_key: Hashable, keys: list[bytes],
                        pages: Sequence[int]) -> tuple[tuple[bytes, ...], ...]:
-        """Every rank's keys of pages `pages` (ascending) of `tokens`, rank 0's being `keys`: the
-        prefix hashed once per rank's shard. () when `keys` serve every rank."""
-        ranks = self.ranks
-        if not ranks or not keys:
+        if len(self.identities) == 1:  # (one key list serves every rank)
             return ()
-        ps = self.residency.page_size
-        head = tokens[:(pages[-1] + 1) * ps]
-        others = []
-        for identity in ranks[1:]:
-            every = page_hashes(head, ps, extra_key, identity)
-            others.append(tuple(every[i] for i in pages))
-        return (tuple(keys), *others)
-
-    def _remember_ranks(self, sop: StorageOp, stored: Sequence[int]) -> None:
-        """The other ranks' keys of `sop`'s pages `stored` (now known stored): a clear removes them too."""
-        if sop.rank_keys:
-            for i in stored:
-                self.rank_keys[sop.keys[i]] = tuple(keys[i] for keys in sop.rank_keys[1:])
+        return rank_page_keys(tokens, self.residency.page_size, extra_key, self.identities, keys, pages)
 
     def _host_pages(self, host: np.ndarray) -> tuple[int, ...]:
         ps = self.residency.page_size
