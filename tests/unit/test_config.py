@@ -375,3 +375,24 @@ def test_the_storage_key_is_never_in_an_error():
                 error(RuntimeConfig, storage_key=b"bytes-key-of-16-bytes")):
         assert secret not in msg and "bytes-key" not in msg and "storage_key" in msg
     assert RuntimeConfig.from_env({"HICACHE_STORAGE_KEY": "k" * 16}).storage_key == "k" * 16
+
+
+@pytest.mark.parametrize("value", ["none", "NULL", " none ", "Null", "", "   "])
+def test_a_storage_key_variable_that_holds_no_key_is_refused_naming_it(value):
+    # "none"/"null" mean None for other optional fields; for the key that would quietly turn the MAC off
+    msg = error(RuntimeConfig.from_env, {"HICACHE_STORAGE_KEY": value})
+    assert "HICACHE_STORAGE_KEY" in msg and "holds no key" in msg
+    assert value.strip() == "" or value.strip().lower() not in msg.lower()
+    assert RuntimeConfig.from_env({}).storage_key is None  # unset: unkeyed
+
+
+@pytest.mark.parametrize("value", ["none", "NULL", " none ", "", " " * 20, "null" + " " * 16])
+def test_a_storage_key_in_code_or_a_file_that_holds_no_key_is_refused(value, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"storage_key": value}))
+    for msg in (error(RuntimeConfig, storage_key=value), error(RuntimeConfig.from_dict, {"storage_key": value}),
+                error(RuntimeConfig.from_file, path)):
+        assert "storage_key" in msg and "holds no key" in msg
+        assert value.strip() == "" or value.strip().lower() not in msg.lower()
+    assert RuntimeConfig.from_dict({"storage_key": None}).storage_key is None
+    assert "at least 16 bytes" in error(RuntimeConfig, storage_key="k" * 15)  # too short: still refused
