@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.config import RuntimeConfig
 from runtime.config_sources import parse_size
 from runtime.errors import ConfigError
 from runtime.memory.host_memory import MAX_HOST_SHARE, available_memory, gib
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
     from runtime.storage.backend import StorageBackend
 
-__all__ = ["ConnectorConfig", "available_memory", "open_storage", "KEYS"]
+__all__ = ["ConnectorConfig", "available_memory", "open_storage", "storage_key", "KEYS"]
 
 EXTRA = "kv_connector_extra_config"
 KEYS = ("host_bytes", "host_blocks", "storage_backend", "storage_dir", "storage_cap_bytes", "mooncake",
@@ -131,6 +132,23 @@ def open_storage(config: ConnectorConfig, contribute: bool = True) -> StorageBac
             mc = replace(mc, global_segment_size=0)
         return MooncakeBackend(config.block_bytes, mc)
     return None
+
+
+STORAGE_KEY_ENV = "HICACHE_STORAGE_KEY"
+
+
+def storage_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The workers' page-tag key: `HICACHE_STORAGE_KEY` of `environ` (default `os.environ`; None:
+    unset, unkeyed tags), checked as `RuntimeConfig.from_env` checks it: a value that holds no key
+    (empty, blank, none, null) or is shorter than 16 bytes is a `ConfigError` naming the variable,
+    never showing the value."""
+    environ = os.environ if environ is None else environ
+    if STORAGE_KEY_ENV not in environ:
+        return None
+    try:
+        return RuntimeConfig.from_env({STORAGE_KEY_ENV: environ[STORAGE_KEY_ENV]}).storage_key
+    except ConfigError as exc:
+        raise ConfigError(str(exc) if STORAGE_KEY_ENV in str(exc) else f"{STORAGE_KEY_ENV}: {exc}") from None
 
 
 # -- the options -------------------------------------------------------------------------------
