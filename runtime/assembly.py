@@ -23,6 +23,7 @@ from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, TransferError
 from runtime.events.hub import EventHub
 from runtime.events.publisher import ZmqEventPublisher
+from runtime.memory.host_memory import MAX_HOST_SHARE, available_memory, gib
 from runtime.memory.pools import DevicePool, HostPool, KVShape
 from runtime.memory.state_pool import StatePool
 from runtime.memory.swa import SWA_POOL
@@ -30,7 +31,7 @@ from runtime.messages import TreeMessage
 from runtime.storage.integrity import PageSeal
 from runtime.storage.state_blobs import StateBlobFormat
 from runtime.supervisor import Supervisor
-from runtime.trace import JsonlSink, SlotTracer
+from runtime.trace import JsonlSink, SlotTracer, file_problem
 from runtime.transfer.engine import CopyEngine
 from runtime.transfer.sharded import ShardedCopyEngine, pool_geometry
 from runtime.transfer.state_io import StateBlobIO
@@ -141,7 +142,10 @@ def make_storage(config: RuntimeConfig, storage: Any = None) -> tuple[Any, bool]
         from runtime.storage.file_backend import FileBackend
 
         assert config.storage_dir is not None
-        return FileBackend(config.storage_dir, page_bytes, cap_bytes=config.storage_cap_bytes), True
+        try:
+            return FileBackend(config.storage_dir, page_bytes, cap_bytes=config.storage_cap_bytes), True
+        except OSError as exc:  # (checked by check_machine; the OS may still refuse: a pseudo file system, a race)
+            raise ConfigError(f"storage_dir {config.storage_dir!r}: cannot open it: {exc}") from exc
     # mooncake: the cluster comes from the environment (MOONCAKE_MASTER, ... or MOONCAKE_CONFIG_PATH,
     # see docs/STORAGE.md); or pass storage=MooncakeBackend(page_bytes, MooncakeConfig(...))
     from runtime.storage.mooncake_backend import MooncakeBackend
@@ -190,25 +194,97 @@ class Parts:
 
 def assemble(config: RuntimeConfig, engine_factory: EngineFactory | None = None, storage: Any = None) -> Parts:
     """The pools, copy engine, storage backend, core and actors of a runtime of `config` (nothing
-    started). `ConfigError` for a storage tier without a host tier or a backend that does not fit."""
+    started). `ConfigError` for a storage tier without a host tier or a backend that does not fit,
+    and for what the machine does not allow (`check_machine`, before anything is built); a step
+    that fails closes what the steps before it opened (the trace file, the storage, the engine)."""
+    check_machine(config, storage)
     pools = make_pools(config)
-    sinks = [JsonlSink(config.trace_path)] if config.trace_path else []
-    tracer = SlotTracer(config.page_size, sinks)
-    storage, own = make_storage(config, storage)
-    if storage is not None and pools.host_pool is None:
-        raise ConfigError("a storage tier needs the host tier")
-    if config.tp_ranks == 1:
-        engine = make_engine(
-            config, pools.device_pool, pools.host_pool, engine_factory,
-            (pools.state_pool, pools.host_state_pool) if pools.host_state_pool is not None else None,
-            (pools.swa_pool, pools.host_swa_pool) if pools.host_swa_pool is not None else None)
-    else:
-        engine = make_rank_engines(config, pools.device_pools, pools.host_pools, engine_factory)
-    actors = make_actors(config, pools, engine, storage, tracer)
+    opened: list[Callable[[], None]] = []  # closers, in the order opened
+    try:
+        tracer = make_tracer(config)
+        opened.append(tracer.close)
+        storage, own = make_storage(config, storage)
+        if own:
+            opened.append(storage.close)
+        if storage is not None and pools.host_pool is None:
+            raise ConfigError("a storage tier needs the host tier")
+        engine = _make_engines(config, pools, engine_factory)
+        opened.append(engine.close)
+        actors = make_actors(config, pools, engine, storage, tracer)
+    except BaseException:
+        for close in reversed(opened):
+            close()
+        raise
     # the full -> sliding slot map, shared with the tree actor's ledger (read-only here)
     swa_map = next((torch.from_numpy(g.swa.map) for g in actors.core.residency.groups
                     if isinstance(g, SlidingWindow)), None)
     return Parts(pools, actors, swa_map, tracer, engine, storage if own else None)
+
+
+def _make_engines(config: RuntimeConfig, pools: Pools, factory: EngineFactory | None) -> CopyEngine:
+    if config.tp_ranks > 1:
+        return make_rank_engines(config, pools.device_pools, pools.host_pools, factory)
+    return make_engine(
+        config, pools.device_pool, pools.host_pool, factory,
+        (pools.state_pool, pools.host_state_pool) if pools.host_state_pool is not None else None,
+        (pools.swa_pool, pools.host_swa_pool) if pools.host_swa_pool is not None else None)
+
+
+def make_tracer(config: RuntimeConfig) -> SlotTracer:
+    """The slot tracer, appending to `trace_path` when one is set."""
+    sinks = []
+    if config.trace_path:
+        try:
+            sinks.append(JsonlSink(config.trace_path))
+        except OSError as exc:  # (checked by check_machine; the file system may have changed since)
+            raise ConfigError(f"trace_path {config.trace_path!r}: cannot open it to append: {exc}") from exc
+    return SlotTracer(config.page_size, sinks)
+
+
+# -- what the machine must allow, checked before anything is built -------------------------------
+def check_machine(config: RuntimeConfig, storage: Any = None, available: int | None = None) -> None:
+    """What `config` asks of this machine, before `assemble` allocates, creates or opens anything:
+    the host pools fit in memory, `storage_dir` is (or can be made) a writable directory (file
+    backend from the config; `storage`: a backend given instead), `trace_path` can be appended to.
+    A `ConfigError` naming the field otherwise. `available`: bytes of memory (default: the machine's, now)."""
+    check_host_memory(config, available_memory() if available is None else available)
+    if storage is None and config.storage_backend == "file" and config.storage_dir:
+        from runtime.storage.file_backend import directory_problem
+
+        why = directory_problem(config.storage_dir)
+        if why is not None:
+            raise ConfigError(f"storage_dir {config.storage_dir!r} {why}")
+    if config.trace_path:
+        why = file_problem(config.trace_path)
+        if why is not None:
+            raise ConfigError(f"trace_path {config.trace_path!r} {why}")
+
+
+def host_pool_bytes(config: RuntimeConfig) -> int:
+    """Bytes of the host pools `make_pools` allocates: every rank's KV (the full layers per rank,
+    the sliding layers' copies once) and the recurrent state's host snapshots."""
+    if config.host_slots == 0:
+        return 0
+    per_layer = config.bytes_per_token // config.num_layers
+    sliding = len(config.sliding_layer_set)
+    kv = config.host_slots * per_layer * ((config.num_layers - sliding) * config.tp_ranks + sliding)
+    shape = config.state_shape
+    return kv + (config.host_state_slot_count * shape.bytes_per_slot if shape is not None else 0)
+
+
+def check_host_memory(config: RuntimeConfig, available: int) -> None:
+    """The host pools take at most `MAX_HOST_SHARE` of the `available` bytes (as the vLLM
+    connector's host tiers); a `ConfigError` naming the sizing field used otherwise (torch's
+    allocator would fail, or the kernel kill the process, partway through)."""
+    asked = host_pool_bytes(config)
+    most = int(available * MAX_HOST_SHARE)
+    if asked <= most:
+        return
+    field = next(name for name in ("host_tokens", "host_bytes", "host_ratio") if getattr(config, name) is not None)
+    ranks = f" x {config.tp_ranks} ranks" if config.tp_ranks > 1 else ""
+    raise ConfigError(f"{field}={getattr(config, field)!r}: the host pools ({config.host_slots} slots{ranks}) take "
+                      f"{asked} bytes ({gib(asked)}), more than {MAX_HOST_SHARE:.0%} of the {available} bytes "
+                      f"({gib(available)}) of memory available")
 
 
 def make_pools(config: RuntimeConfig) -> Pools:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.config_sources import check_types, config_from_dict, config_from_env, config_from_file
+from runtime.config_sources import (NO_KEY, check_types, config_from_dict, config_from_env, config_from_file,
+                                    no_key_text)
 from runtime.errors import ConfigError
 from runtime.memory.groups import FULL, RECURRENT, SLIDING, Feature, GroupSpec
 from runtime.memory.state_pool import STATE_POOL_PREFIX, StateComponent, StateShape
@@ -64,6 +65,16 @@ def parse_state_components(spec: str) -> tuple[StateComponent, ...]:
 def _need(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
+
+
+def _check_storage_key(key: object) -> None:
+    """None (unkeyed) or a MAC key of at least MIN_KEY_BYTES bytes; text that holds no key (empty,
+    blank, "none", "null") is refused as from the environment. The value is never in a message."""
+    if key is None:
+        return
+    _need(not no_key_text(key), f"storage_key {NO_KEY}")
+    _need(isinstance(key, str) and len(key.encode()) >= MIN_KEY_BYTES,
+          f"storage_key must be a string of at least {MIN_KEY_BYTES} bytes (a MAC key; its value is not shown)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,9 +270,7 @@ class RuntimeConfig:
         need(self.storage_max_overdue_pages is None
              or (type(self.storage_max_overdue_pages) is int and self.storage_max_overdue_pages >= 0),
              f"storage_max_overdue_pages must be a non-negative int or None, got {self.storage_max_overdue_pages!r}")
-        if self.storage_key is not None:  # (the value is never put in a message)
-            need(isinstance(self.storage_key, str) and len(self.storage_key.encode()) >= MIN_KEY_BYTES,
-                 f"storage_key must be a string of at least {MIN_KEY_BYTES} bytes (a MAC key; its value is not shown)")
+        _check_storage_key(self.storage_key)
 
     def _check_names(self) -> None:
         """Names, KV events and metrics."""

@@ -11,7 +11,9 @@ deployment writes as text is converted here, field by field, from the field's an
   `inf`, `nan` (JSON's `Infinity` / `NaN` too) are refused;
 - bool fields take a bool; from the environment also one of `true/false/1/0/yes/no/on/off`
   (any case), and nowhere else a string (`decode_offload: "yes"` in a file is refused);
-- optional fields (`X | None`) take `None` or the string `none` / `null` (any case);
+- optional fields (`X | None`) take `None` or the string `none` / `null` (any case); but
+  `storage_key` (a secret) takes `None` or a key: text that holds none (empty, blank, `none`,
+  `null`) is refused rather than read as "no key", which would silently turn the MAC off;
 - byte-valued fields (the names ending in `_bytes`) take an int, an integral float (JSON's
   `8e9`) or a size string: `"4096"`, `"8GiB"`, `"512 MiB"`, `"1.5GB"` (`parse_size`).
 
@@ -66,6 +68,16 @@ INT_MAX = 2**63 - 1
 _INT_RE = re.compile(r"-?[0-9]{1,19}")
 _FLOAT_RE = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]{1,3})?")
 _SECRET_FIELDS = frozenset({"storage_key"})  # a value never put into a message
+# why a secret's text is refused (`no_key_text`); the value itself is never in the message
+NO_KEY = ("is set but holds no key (empty, blank, or a word for no value); give the key, or leave it "
+          "unset for unkeyed page tags (its value is not shown)")
+
+
+def no_key_text(value: object) -> bool:
+    """`value` is text that holds no key: empty, blank, or a null word (`none` / `null`, any case
+    and spacing). An optional field reads a null word as None; a secret refuses it instead (a key
+    set to "none" must not quietly mean unkeyed)."""
+    return isinstance(value, str) and value.strip().lower() in _NULL | {""}
 
 
 def parse_size(value: object, field: str = "size") -> int:
@@ -167,6 +179,8 @@ def _typed(kind: _FieldKind, value: object) -> bool:
 def _convert(kind: _FieldKind, value: object, where: str, text_bools: bool = False) -> object:
     """`value` as the field's typed value; `where` names the field (and its source) in errors;
     `text_bools`: a bool field also takes the environment's strings (true/false/1/0/yes/no/on/off)."""
+    if kind.name in _SECRET_FIELDS and no_key_text(value):
+        raise ConfigError(f"{where} {NO_KEY}")
     if value is None or (kind.optional and isinstance(value, str) and value.strip().lower() in _NULL):
         if not kind.optional:
             raise ConfigError(f"{where} may not be null")

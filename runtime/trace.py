@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -99,6 +100,23 @@ def page_runs(slots: np.ndarray, page_size: int) -> list[list[int]]:
 
 
 Sink = Callable[[dict[str, Any]], None]
+
+
+def file_problem(path: str) -> str | None:
+    """Why a `JsonlSink` cannot append to `path`, or None: an existing file this process can
+    write, or a new one in an existing, writable directory (parents are not created). Nothing is
+    created; the words follow the path in a message."""
+    if os.path.isdir(path):
+        return "is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "is a file that is not writable"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return f"cannot be created: its directory {parent!r} " + (
+            "is not a directory" if os.path.exists(parent) else "does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: its directory {parent!r} is not writable"
+    return None
 
 
 class JsonlSink:

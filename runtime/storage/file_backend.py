@@ -70,6 +70,27 @@ TRAILER_MAGIC = b"HCKVPG03"
 _log = get_logger("hicache.storage.file")
 
 
+def directory_problem(path: str) -> str | None:
+    """Why `path` cannot be a file backend's directory, or None: it must be a directory this
+    process can write in, or be creatable as one (its nearest existing ancestor a writable
+    directory). Nothing is created; the words follow the path in a message."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is a directory that is not writable"
+    parent = os.path.dirname(os.path.normpath(path)) or "."
+    while not os.path.exists(parent):  # makedirs creates the missing ones in the nearest existing one
+        up = os.path.dirname(parent) or "."
+        if up == parent:
+            break
+        parent = up
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent!r} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created: {parent!r} is not writable"
+    return None
+
+
 class FileBackend:
     """One file per page under ``directory``; see the module docstring for the format and rules."""
 

@@ -4,13 +4,17 @@ naming the field, round trips (the randomized round trips: tests/property/test_c
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 
 import pytest
 
+from runtime.assembly import check_machine, host_pool_bytes
 from runtime.config import RuntimeConfig
 from runtime.config_sources import parse_size
 from runtime.errors import ConfigError, ValidationError
+from runtime.runtime import CacheRuntime
 
 GiB = 2**30
 
@@ -375,3 +379,111 @@ def test_the_storage_key_is_never_in_an_error():
                 error(RuntimeConfig, storage_key=b"bytes-key-of-16-bytes")):
         assert secret not in msg and "bytes-key" not in msg and "storage_key" in msg
     assert RuntimeConfig.from_env({"HICACHE_STORAGE_KEY": "k" * 16}).storage_key == "k" * 16
+
+
+@pytest.mark.parametrize("value", ["none", "NULL", " none ", "Null", "", "   "])
+def test_a_storage_key_variable_that_holds_no_key_is_refused_naming_it(value):
+    # "none"/"null" mean None for other optional fields; for the key that would quietly turn the MAC off
+    msg = error(RuntimeConfig.from_env, {"HICACHE_STORAGE_KEY": value})
+    assert "HICACHE_STORAGE_KEY" in msg and "holds no key" in msg
+    assert value.strip() == "" or value.strip().lower() not in msg.lower()
+    assert RuntimeConfig.from_env({}).storage_key is None  # unset: unkeyed
+
+
+@pytest.mark.parametrize("value", ["none", "NULL", " none ", "", " " * 20, "null" + " " * 16])
+def test_a_storage_key_in_code_or_a_file_that_holds_no_key_is_refused(value, tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"storage_key": value}))
+    for msg in (error(RuntimeConfig, storage_key=value), error(RuntimeConfig.from_dict, {"storage_key": value}),
+                error(RuntimeConfig.from_file, path)):
+        assert "storage_key" in msg and "holds no key" in msg
+        assert value.strip() == "" or value.strip().lower() not in msg.lower()
+    assert RuntimeConfig.from_dict({"storage_key": None}).storage_key is None
+    assert "at least 16 bytes" in error(RuntimeConfig, storage_key="k" * 15)  # too short: still refused
+
+
+# -- checked at open, before anything is built (runtime.assembly.check_machine) ----------------
+SMALL = {"device_slots": 256, "page_size": 4}
+
+
+async def open_error(config: RuntimeConfig) -> str:
+    """The ConfigError of opening `config`; no thread was left started (actors, copy threads, a
+    metrics server)."""
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigError) as info:
+        async with CacheRuntime.open(config):
+            pass
+    assert set(threading.enumerate()) <= before
+    return str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [("host_ratio", 1e7), ("host_tokens", 2**40), ("host_bytes", 2**52)])
+async def test_a_host_pool_larger_than_memory_is_refused_at_open_naming_its_sizing_field(field, value):
+    """Was torch's allocator's RuntimeError (or the kernel's OOM kill) partway through the pools."""
+    config = RuntimeConfig(**SMALL, **{field: value}, metrics_port=0)
+    msg = await open_error(config)
+    assert msg.startswith(f"{field}=") and f"take {host_pool_bytes(config)} bytes" in msg
+    assert re.search(r"of the \d+ bytes \([0-9.]+ GiB\) of memory available", msg)
+
+
+def test_the_host_pools_may_take_90_percent_of_the_memory_available():
+    config = RuntimeConfig(**SMALL, host_tokens=1024)
+    assert host_pool_bytes(config) == 1024 * config.bytes_per_token
+    check_machine(config, available=2 * host_pool_bytes(config))
+    assert "host_tokens=1024" in error(check_machine, config, available=host_pool_bytes(config))
+
+
+async def test_a_storage_dir_that_is_a_file_or_under_one_is_refused_at_open(tmp_path):
+    """Was a bare FileExistsError / NotADirectoryError from the file backend's makedirs."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    for path, says in ((f, "exists and is not a directory"),
+                       (f / "kv", f"cannot be created: {str(f)!r} is not a directory")):
+        msg = await open_error(RuntimeConfig(**SMALL, storage_backend="file", storage_dir=str(path)))
+        assert msg == f"storage_dir {str(path)!r} {says}"
+    assert f.read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only directories")
+async def test_a_storage_dir_or_trace_path_in_a_read_only_directory_is_refused_at_open(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        msg = await open_error(RuntimeConfig(**SMALL, storage_backend="file", storage_dir=str(locked / "kv")))
+        assert msg.startswith("storage_dir") and "is not writable" in msg
+        msg = await open_error(RuntimeConfig(**SMALL, trace_path=str(locked / "trace.jsonl")))
+        assert msg.startswith("trace_path") and "is not writable" in msg
+    finally:
+        locked.chmod(0o700)
+    assert list(locked.iterdir()) == []
+
+
+async def test_a_storage_dir_the_os_will_not_create_is_refused_at_open():
+    """Where the permission check passes (root) and the OS still refuses (a pseudo file system)."""
+    msg = await open_error(RuntimeConfig(**SMALL, storage_backend="file", storage_dir="/proc/hicache-test/kv"))
+    assert msg.startswith("storage_dir '/proc/hicache-test/kv'")
+
+
+async def test_a_trace_path_that_cannot_be_written_is_refused_at_open(tmp_path):
+    """Was a bare FileNotFoundError / IsADirectoryError, after the pools were allocated."""
+    store = tmp_path / "kv"
+    for path, says in ((tmp_path / "missing" / "t.jsonl", "does not exist"), (tmp_path, "is a directory")):
+        msg = await open_error(RuntimeConfig(**SMALL, trace_path=str(path), storage_backend="file",
+                                             storage_dir=str(store), metrics_port=0))
+        assert msg.startswith(f"trace_path {str(path)!r}") and says in msg
+    assert not store.exists()  # checked before the storage directory was made
+
+
+async def test_a_failed_open_closes_the_trace_file_and_storage_it_opened(tmp_path):
+    """A refusal after the trace file and the file backend were opened (here the events endpoint's
+    bind) closes them: each failed open used to leave two file descriptors behind."""
+    zmq = pytest.importorskip("zmq")
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as taken:
+        port = taken.bind_to_random_port("tcp://127.0.0.1")
+        config = RuntimeConfig(**SMALL, storage_backend="file", storage_dir=str(tmp_path / "kv"),
+                               trace_path=str(tmp_path / "t.jsonl"), kv_events=True,
+                               kv_events_endpoint=f"tcp://127.0.0.1:{port}")
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(2):
+            assert "kv_events_endpoint" in await open_error(config)
+        assert len(os.listdir("/proc/self/fd")) == fds

@@ -32,9 +32,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runtime.config import RuntimeConfig
 from runtime.config_sources import parse_size
 from runtime.errors import ConfigError
-from runtime.storage.file_backend import TRAILER, FileBackend
+from runtime.memory.host_memory import MAX_HOST_SHARE, available_memory, gib
+from runtime.storage.file_backend import TRAILER, FileBackend, directory_problem
 from runtime.storage.hashing import KVIdentity, tp_shard
 from runtime.storage.mooncake_config import MooncakeConfig
 
@@ -44,29 +46,16 @@ if TYPE_CHECKING:
 
     from runtime.storage.backend import StorageBackend
 
-__all__ = ["ConnectorConfig", "available_memory", "open_storage", "KEYS"]
+__all__ = ["ConnectorConfig", "available_memory", "open_storage", "storage_key", "KEYS"]
 
 EXTRA = "kv_connector_extra_config"
 KEYS = ("host_bytes", "host_blocks", "storage_backend", "storage_dir", "storage_cap_bytes", "mooncake",
         "model_id", "weight_version")
 BACKENDS = ("file", "mooncake")
 DEFAULT_HOST_SHARE = 0.25  # of available memory, for all workers' host tiers, when no size is given
-MAX_HOST_SHARE = 0.9  # of available memory: the most all workers' host tiers may take
 _MOONCAKE_SIZES = ("global_segment_size", "local_buffer_size")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SAMPLES, _SAMPLE_BYTES = 8, 64 << 10  # per weight file, for the default model_id
-
-
-def available_memory() -> int:
-    """Bytes the kernel says are available to new allocations (``MemAvailable``), else free pages."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -145,6 +134,23 @@ def open_storage(config: ConnectorConfig, contribute: bool = True) -> StorageBac
     return None
 
 
+STORAGE_KEY_ENV = "HICACHE_STORAGE_KEY"
+
+
+def storage_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The workers' page-tag key: `HICACHE_STORAGE_KEY` of `environ` (default `os.environ`; None:
+    unset, unkeyed tags), checked as `RuntimeConfig.from_env` checks it: a value that holds no key
+    (empty, blank, none, null) or is shorter than 16 bytes is a `ConfigError` naming the variable,
+    never showing the value."""
+    environ = os.environ if environ is None else environ
+    if STORAGE_KEY_ENV not in environ:
+        return None
+    try:
+        return RuntimeConfig.from_env({STORAGE_KEY_ENV: environ[STORAGE_KEY_ENV]}).storage_key
+    except ConfigError as exc:
+        raise ConfigError(str(exc) if STORAGE_KEY_ENV in str(exc) else f"{STORAGE_KEY_ENV}: {exc}") from None
+
+
 # -- the options -------------------------------------------------------------------------------
 def _suggest(name: str, candidates: tuple[str, ...] | list[str]) -> str:
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
@@ -166,10 +172,6 @@ def _int(value: object, key: str) -> int:
     raise ConfigError(f"{EXTRA}.{key} must be an integer, got {value!r}")
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def _host_blocks(extra: Mapping[str, Any], block_bytes: int, gpu_blocks: int, workers: int, available: int) -> int:
     if "host_bytes" in extra and "host_blocks" in extra:
         raise ConfigError(f"{EXTRA}: give host_bytes or host_blocks, not both")
@@ -186,9 +188,9 @@ def _host_blocks(extra: Mapping[str, Any], block_bytes: int, gpu_blocks: int, wo
         return max(1, min(gpu_blocks, int(available * DEFAULT_HOST_SHARE) // workers // block_bytes))
     most = int(available * MAX_HOST_SHARE)
     if blocks * block_bytes * workers > most:
-        raise ConfigError(f"{EXTRA}.{key}: {blocks} blocks x {block_bytes} bytes = {_gib(blocks * block_bytes)} "
+        raise ConfigError(f"{EXTRA}.{key}: {blocks} blocks x {block_bytes} bytes = {gib(blocks * block_bytes)} "
                           f"per worker x {workers} worker(s) exceeds {MAX_HOST_SHARE:.0%} of the memory available "
-                          f"({_gib(available)})")
+                          f"({gib(available)})")
     return blocks
 
 
@@ -229,17 +231,9 @@ def _storage_dir(path: object) -> str:
     if not p.is_absolute():
         raise ConfigError(f"{key} must be an absolute path, got {path!r} (a relative one would land in the "
                           f"server's working directory)")
-    if p.exists():
-        if not p.is_dir():
-            raise ConfigError(f"{key} {path!r} exists and is not a directory")
-        return path
-    parent = p.parent
-    while not parent.exists():  # the nearest existing ancestor must be a directory we can create in
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"{key} {path!r} cannot be created: {str(parent)!r} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key} {path!r} cannot be created: {str(parent)!r} is not writable")
+    why = directory_problem(path)  # (a writable directory, or one that can be created)
+    if why is not None:
+        raise ConfigError(f"{key} {path!r} {why}")
     return path
 
 

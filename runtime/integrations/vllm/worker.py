@@ -14,7 +14,6 @@ nothing to do; a CUDA worker would start the loads on a side stream and wait per
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.logger import init_logger
 
 from runtime.errors import ConfigError
+from runtime.integrations.vllm.config import storage_key
 from runtime.integrations.vllm.messages import CopyAcks, JobResult, LoadJob, StorageOutcome, TieredMeta
 from runtime.integrations.vllm.metrics import Deltas, HiCacheConnectorStats, report
 from runtime.messages import TransferPlan
@@ -66,7 +66,7 @@ class HiCacheConnectorWorker:
         # would (the connector fuzzer runs both)
         self._load_inline = True
         # page tags written and checked here (docs/STORAGE.md, "Page integrity"; keyed by HICACHE_STORAGE_KEY)
-        self.seal = PageSeal(os.environ.get("HICACHE_STORAGE_KEY"))
+        self.seal = PageSeal(storage_key())
         self.copier: PagedKVCopier | None = None
         self._jobs: deque[tuple[Future[JobResult], str, str]] = deque()  # (result, kind, request id), in order
         # one thread for loads (a request waits for its load) and one for backups and storage

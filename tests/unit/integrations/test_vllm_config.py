@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from runtime.errors import ConfigError
-from runtime.integrations.vllm.config import ConnectorConfig, model_digest, open_storage
+from runtime.integrations.vllm.config import ConnectorConfig, model_digest, open_storage, storage_key
 
 LAYERS, PAGE = 2, 4096  # a vLLM block of one layer: 4 KiB
 BLOCK_BYTES = LAYERS * PAGE
@@ -212,3 +212,15 @@ def test_mooncake_options_from_the_environment_when_not_given(monkeypatch):
     monkeypatch.delenv("MOONCAKE_MASTER")
     with pytest.raises(ConfigError, match="mooncake: not given, and from the environment"):
         read({"storage_backend": "mooncake"})
+
+
+# -- the page-tag key --------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["none", "NULL", " none ", "", "   ", "short"])
+def test_a_storage_key_variable_that_holds_no_key_is_refused_naming_it(value):
+    """The workers read HICACHE_STORAGE_KEY as RuntimeConfig.from_env does: "none" is not unkeyed
+    (was a ConfigError not naming the variable; a blank key of 16 bytes was taken as a key)."""
+    with pytest.raises(ConfigError) as err:
+        storage_key({"HICACHE_STORAGE_KEY": value})
+    msg = str(err.value)
+    assert "HICACHE_STORAGE_KEY" in msg and (value.strip() == "" or value.strip().lower() not in msg.lower())
+    assert storage_key({}) is None and storage_key({"HICACHE_STORAGE_KEY": "k" * 16}) == "k" * 16
