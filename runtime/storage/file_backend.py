@@ -56,7 +56,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime.errors import ConfigError, StateError
-from runtime.storage.backend import Buffer, CallGate, byte_view, check_batch, check_keys, check_tags, gated
+from runtime.storage.backend import (Buffer, CallGate, StorageError, byte_view, check_batch, check_keys, check_tags,
+                                     gated)
 from runtime.storage.integrity import TAG_BYTES
 from runtime.storage.page_directory import PAGE_SUFFIX, TMP_SUFFIX, PageDirectory
 from runtime.trace import get_logger
@@ -176,6 +177,8 @@ class FileBackend:
                 if os.stat(self._path(key)[2]).st_size != self.file_bytes:
                     break
             except OSError:
+                if not os.path.isdir(self.directory):  # not a miss: the storage is not there (unmounted, replaced)
+                    raise StorageError(f"storage directory {self.directory!r} is not a directory now") from None
                 break
             n += 1
         return n

@@ -175,14 +175,16 @@ class MooncakeBackend:
             return 0
         try:
             res = self._store.batch_is_exist(self._keys(keys))
-        except Exception as exc:  # noqa: BLE001 - a transport error is a miss
+        except Exception as exc:  # noqa: BLE001 - a transport error: the call failed (not a miss)
             self._error("batch_is_exist", exc)
-            return 0
+            raise StorageError(f"Mooncake batch_is_exist failed: {exc}") from exc
         n = 0
         for r in res:
             if r != 1:
-                if r < 0:
+                if r < 0:  # (0: absent; below 0: the master did not answer, e.g. it is down)
                     self._error("batch_is_exist", r)
+                    if n == 0:
+                        raise StorageError(f"Mooncake batch_is_exist failed: error {r}")
                 break
             n += 1
         return n
