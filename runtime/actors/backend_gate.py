@@ -98,7 +98,7 @@ class BackendGate:
             self.overdue_pages -= held
         elif error is not None or self.health.state is not Health.HEALTHY:  # (healthy and served: nothing changes)
             self.health.settle(channel_of(msg), error)
-            self._probe_later()
+            self.probe_later()
 
     def expired(self, msg: SubmitStorage) -> bool:
         """`msg` reached its deadline: True when it never started (skip it); else it is overdue, a
@@ -109,7 +109,7 @@ class BackendGate:
         self.overdue[msg.op_id] = len(msg.pages)
         self.overdue_pages += len(msg.pages)
         self.health.settle(channel_of(msg), f"no answer in {self.timeout_s} s")
-        self._probe_later()
+        self.probe_later()
         return False
 
     # -- probes --------------------------------------------------------------------
@@ -120,7 +120,9 @@ class BackendGate:
             return None
         return SubmitStorage(next(self.probe_ids), False, (self.probe_key,), (), None)
 
-    def _probe_later(self) -> None:
+    def probe_later(self) -> None:
+        """While the backend is down, the next probe's timer (one at a time): after a probe came
+        back, went overdue, or could not be made (all calls taken by overdue ones, or not due)."""
         if self._probe_timer is not None or self.health.state is not Health.DOWN:
             return
         delay = self.health.next_probe_in()

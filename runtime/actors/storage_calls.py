@@ -228,7 +228,9 @@ class StorageCalls:
             counters["storage_errors"] += 1
             # (a warning while the backend is healthy; past that its health's change said it)
             self._log_op("storage_op_failed", op=op_id, write=submit.write, error=error)
-        if submit.ack_to is None:  # a probe: its outcome went to the gate
+        if submit.ack_to is None:  # a probe: its outcome went to the gate (skipped: another one later)
+            if skipped:
+                self.gate.probe_later()
             return
         try:
             submit.ack_to.put_internal(StorageAck(op_id, pages, error, ok, states_ok, skipped))

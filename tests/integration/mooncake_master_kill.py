@@ -83,7 +83,8 @@ async def scenario(args: argparse.Namespace, cluster: LocalMooncakeCluster | Non
         global_segment_size=32 << 20, local_buffer_size=16 << 20, key_prefix=f"kill-{args.policy}-{os.getpid()}/",
         close_timeout_s=args.close_timeout))
     out: dict[str, Any] = {"requests": 0, "cached_tokens": 0, "wrong_positions": 0, "capacity": 0, "errors": [],
-                           "budget": args.requests}
+                           # (with a restart: load until storage is measured back, whatever the count)
+                           "budget": args.requests if args.restart_after is None else float("inf")}
     loop = asyncio.get_running_loop()
     rt_closed_in = backend_closed_in = -1.0
     marks: dict[str, Any] = {}
@@ -102,8 +103,7 @@ async def scenario(args: argparse.Namespace, cluster: LocalMooncakeCluster | Non
             marks.update(killed_at_requests=out["requests"], calls_at_death=at_death["calls_running"]
                          + at_death["calls_waiting"], overdue_before_death=at_death["ops_overdue"])
             watch = asyncio.create_task(first_down(rt, t_kill, loop, marks))
-            if args.restart_after is not None:  # (load until storage is measured back, whatever the count)
-                out["budget"] = float("inf")
+            if args.restart_after is not None:
                 marks.update(await restart(rt, cluster, args.restart_after, t_kill, loop))
                 stop.set()
         await asyncio.gather(*tasks)
