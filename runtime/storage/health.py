@@ -9,7 +9,8 @@ backoff has passed, when one call goes through to probe it; the backoff doubles,
 `max_backoff_s`, while probes fail, and a probe that succeeds brings the channel back.
 
 The backend is healthy when no channel is failing, down when every channel it was used through
-is failing and one is down, degraded otherwise (a read-only directory: writes down, reads serving). Every change
+is failing and one is down, or one is down, its probe failed too and no call was served since it
+went down; degraded otherwise (a read-only directory: writes down, reads serving). Every change
 of that state is reported once, to `on_change` (a log line), never once per call or page.
 """
 
@@ -67,6 +68,7 @@ class _Channel:
     retry_at: float = 0.0  # when down: the monotonic time of the next probe
     backoff: float = 0.0
     probing: bool = False  # a probe is in flight (other calls are still skipped)
+    down_at: int = 0  # the tracker's call count when it last went down
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("calls", "failures", "skipped"), 0))
 
     def begin(self, policy: HealthPolicy, clock: Callable[[], float]) -> bool:
@@ -80,9 +82,9 @@ class _Channel:
         self.counts["calls"] += 1
         return True
 
-    def settle(self, failed: bool, policy: HealthPolicy, clock: Callable[[], float]) -> None:
-        """A call made through `begin` ended; a failure that takes the channel down starts (or
-        doubles) its backoff."""
+    def settle(self, failed: bool, policy: HealthPolicy, clock: Callable[[], float], seq: int) -> None:
+        """A call made through `begin` ended (the tracker's `seq`-th); a failure that takes the
+        channel down starts (or doubles) its backoff."""
         self.probing = False
         self.used = True  # (a caller may skip `begin` while every channel is healthy)
         if not failed:
@@ -90,6 +92,8 @@ class _Channel:
             return
         self.counts["failures"] += 1
         self.failing += 1
+        if self.failing == policy.down_after:
+            self.down_at = seq
         if self.failing >= policy.down_after:
             self.backoff = min(policy.max_backoff_s, self.backoff * 2 if self.backoff else policy.backoff_s)
             self.retry_at = clock() + self.backoff
@@ -117,6 +121,7 @@ class HealthTracker:
         self.state = Health.HEALTHY  # (written under the lock; read by anyone)
         self._changes = 0
         self._since = clock()  # when the state last changed
+        self._settled = self._served = 0  # calls settled; the count at the last one served
 
     def begin(self, channel: str) -> bool:
         with self._lock:
@@ -125,7 +130,10 @@ class HealthTracker:
     def settle(self, channel: str, error: str | None) -> None:
         """A call `begin` let through ended: failed with `error`, or served (None)."""
         with self._lock:
-            self._channels[channel].settle(error is not None, self.policy, self._clock)
+            self._settled += 1
+            if error is None:
+                self._served = self._settled
+            self._channels[channel].settle(error is not None, self.policy, self._clock, self._settled)
             old, new = self.state, self._health()
             if new is old:
                 return
@@ -150,8 +158,14 @@ class HealthTracker:
         return s
 
     def _health(self) -> Health:
+        """Down: every channel used failing, one of them down; or a channel down whose probe failed
+        too, with no call of any channel served since it went down (a channel not called since,
+        e.g. no page left to write, tells nothing). Degraded: a channel failing."""
         used = [ch for ch in self._channels.values() if ch.used]
-        if all(ch.failing for ch in used) and any(ch.failing >= self.policy.down_after for ch in used):
+        limit = self.policy.down_after
+        down = [ch for ch in used if ch.failing >= limit]
+        if down and (all(ch.failing for ch in used)
+                     or any(ch.failing > limit and ch.down_at > self._served for ch in down)):
             return Health.DOWN
         return Health.DEGRADED if any(ch.failing for ch in used) else Health.HEALTHY
 

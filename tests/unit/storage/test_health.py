@@ -117,3 +117,24 @@ def test_a_write_that_stores_some_pages_is_no_failure():
 def test_a_bad_policy_is_refused(kwargs):
     with pytest.raises(ConfigError):
         HealthPolicy(**kwargs)
+
+
+def test_a_down_channel_whose_probe_fails_with_nothing_served_since_is_down():
+    """Lookups fail (a dead master) while writes were last seen serving and are not called any
+    more (every page stored already): once the lookups' probe fails too, with nothing served
+    since they went down, the backend is down, not degraded; the next probe served: healthy."""
+    b, fake, clock, changes = tracked()
+    write(b)
+    fake.fail_reads = True
+    for _ in range(3):
+        with pytest.raises(OSError):
+            b.exists_prefix([b"a"])
+    assert b.state is Health.DEGRADED
+    clock.now += 1.0  # the backoff: a probe is due
+    with pytest.raises(OSError):
+        b.exists_prefix([b"a"])
+    assert b.state is Health.DOWN
+    fake.fail_reads = False
+    clock.now += 2.0
+    assert b.exists_prefix([b"a"]) == 1 and b.state is Health.HEALTHY
+    assert [new for _old, new in changes] == [Health.DEGRADED, Health.DOWN, Health.HEALTHY]
