@@ -177,7 +177,9 @@ class FileBackend:
                 if os.stat(self._path(key)[2]).st_size != self.file_bytes:
                     break
             except OSError:
-                if not os.path.isdir(self.directory):  # not a miss: the storage is not there (unmounted, replaced)
+                # not a miss: something else stands where the storage was (a removed directory is
+                # a miss: the next write makes it again)
+                if os.path.exists(self.directory) and not os.path.isdir(self.directory):
                     raise StorageError(f"storage directory {self.directory!r} is not a directory now") from None
                 break
             n += 1
