@@ -38,7 +38,7 @@ def channel_of(msg: SubmitStorage) -> str:
 class BackendGate:
     # -- state -------------------------------------------------------------------
     def __init__(self, post: Callable[[Any], None], *, timeout_s: float, max_inflight: int, max_overdue_pages: int,
-                 policy: HealthPolicy | None = None) -> None:
+                 policy: HealthPolicy | None = None, read_only: bool = False) -> None:
         """`post`: a message into the transfer actor's mailbox (its probe timer's); `timeout_s`: a
         call's deadline (`storage_timeout_s`)."""
         self._post = post
@@ -54,6 +54,8 @@ class BackendGate:
         self.probe_key: bytes | None = None  # a key to look up when probing (the last one asked for)
         self._probe_timer: asyncio.TimerHandle | None = None
         self.changes = 0  # of the health, over every backend attached (a counter: it only grows)
+        # a backend that stores nothing (`read_only = True`: a prefill peer): its writes are skipped
+        self.read_only = read_only
         self.probe_ids = itertools.count(-1, -1)  # (negative: never a requester's op id)
 
     # -- ops ---------------------------------------------------------------------
@@ -64,6 +66,8 @@ class BackendGate:
             self.requester = msg.ack_to
             if msg.keys:
                 self.probe_key = msg.keys[0]
+        if msg.write and self.read_only:
+            return False
         if not self.waiting and self.running < self.max_inflight:
             return self.admit(msg)
         self.waiting[msg.op_id] = None
@@ -139,9 +143,10 @@ class BackendGate:
                 pass
 
     # -- lifecycle ---------------------------------------------------------------------
-    def reset(self) -> None:
+    def reset(self, read_only: bool) -> None:
         """Another backend (attach / detach, nothing in flight): its health starts afresh."""
         self.stop()
+        self.read_only = read_only
         old = self.health.state
         self.health = HealthTracker(self.health.policy, on_change=self._changed)
         if old is not Health.HEALTHY:

@@ -81,7 +81,8 @@ class StorageCalls:
         self._post = post
         if max_overdue_pages is None:
             max_overdue_pages = host_pool.num_pages // 8 if host_pool is not None else 0
-        self.gate = BackendGate(post, timeout_s=timeout_s, max_inflight=max_inflight, max_overdue_pages=max_overdue_pages)
+        self.gate = BackendGate(post, timeout_s=timeout_s, max_inflight=max_inflight, max_overdue_pages=max_overdue_pages,
+                                read_only=getattr(backend, "read_only", False) is True)
         self.state_io = state_io
         self.seal = seal if seal is not None else PageSeal()
         self.inflight: dict[int, _Call] = {}
@@ -321,7 +322,7 @@ class StorageCalls:
         old = self.backend
         self.unregister()
         self.backend = backend
-        self.gate.reset()
+        self.gate.reset(read_only=getattr(backend, "read_only", False) is True)
         if running:  # (else the actor's start registers it)
             self.register()
         log.info("storage_attached" if backend is not None else "storage_detached",
