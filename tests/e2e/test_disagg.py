@@ -66,3 +66,34 @@ async def test_decode_equals_one_runtime_and_the_prefill_side_sends_only_the_del
     sent = sum(t[1] for t in turns)
     assert sent == lacked > 0, turns  # exactly the delta
     assert all(t[2] > 0 for t in turns[1:]), turns  # later turns matched on the decode side
+
+
+async def test_a_restarted_decode_side_reads_its_storage_first_and_asks_the_peer_for_the_rest(model, tmp_path):
+    """Decode side with a file storage tier too (`StorageThenPeer`): its write-through keeps the
+    conversation; a fresh decode runtime on the same directory reads the history from storage and
+    asks the prefill peer only for the pages after it; tokens equal one runtime's."""
+    from runtime.disagg.chained import StorageThenPeer
+    from runtime.storage.file_backend import FileBackend
+
+    cfg = config(model)
+    dcfg = config(model, prefetch_policy="wait_complete", storage_timeout_s=30.0, write_policy="write_through")
+    page_bytes = dcfg.page_size * dcfg.bytes_per_token
+    history = ids(70, 5)
+    async with CacheRuntime.open(cfg) as prt, \
+            PrefillServer(prt, PagedKVModel(copy.deepcopy(model), prt.device_pool), LocalTransport("p2")) as server:
+        sent = []
+        for life in range(2):  # the decode process, then its restart
+            peer = await open_peer(server, dcfg, f"d2-{life}")
+            backend = StorageThenPeer(FileBackend(tmp_path / "store", page_bytes), peer)
+            async with CacheRuntime.open(dcfg, storage=backend) as drt, \
+                    ServingLoop(drt, PagedKVModel(model, drt.device_pool)) as loop:
+                history += ids(30, 40 + life)
+                backend.expect(history)
+                c = await loop.generate(history, max_new_tokens=NEW)
+                assert c.tokens == greedy_generate_reference(model, history, NEW), f"life {life}"
+                history += c.tokens
+                sent.append((peer.counters["pages_filled"], c.metrics.storage_tokens, (len(history) - NEW - 1) // PAGE))
+                await drt.flush()  # (backups and their write-through settle before the close)
+    (first, _, pages0), (again, from_tiers, pages1) = sent
+    assert first == pages0  # nothing held: all from the peer
+    assert from_tiers // PAGE == pages1 and again < pages1 - pages0 + 2, sent  # storage first, the peer the rest
