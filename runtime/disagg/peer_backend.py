@@ -62,6 +62,7 @@ class ExpectedPages:
         self.page_size = page_size
         self.max_pages = max_pages
         self.pages: OrderedDict[bytes, _Page] = OrderedDict()
+        self._lock = threading.Lock()  # (short: no I/O under it)
 
     def add(self, tokens: np.ndarray, extra_key: Hashable) -> int:
         whole = (len(tokens) - 1) // self.page_size * self.page_size
@@ -69,25 +70,31 @@ class ExpectedPages:
             return 0
         prompt = tokens[:whole]  # (one array: a run of pages is pages of the same one)
         keys = page_hashes(prompt, self.page_size, extra_key, self.identity)
-        for i, key in enumerate(keys):
-            self.pages[key] = _Page(prompt, extra_key, i)
-            self.pages.move_to_end(key)
-        while len(self.pages) > self.max_pages:
-            self.pages.popitem(last=False)
+        with self._lock:
+            for i, key in enumerate(keys):
+                self.pages[key] = _Page(prompt, extra_key, i)
+                self.pages.move_to_end(key)
+            while len(self.pages) > self.max_pages:
+                self.pages.popitem(last=False)
         return len(keys)
 
     def run(self, keys: Sequence[bytes]) -> list[bytes]:
         """The leading keys expected as consecutive pages of one prompt."""
-        first = self.pages.get(bytes(keys[0])) if keys else None
-        if first is None:
-            return []
-        run = []
-        for i, key in enumerate(keys):
-            page = self.pages.get(bytes(key))
-            if page is None or page.tokens is not first.tokens or page.index != first.index + i:
-                break
-            run.append(bytes(key))
-        return run
+        return self.first_run(keys)[0]
+
+    def first_run(self, keys: Sequence[bytes]) -> tuple[list[bytes], _Page | None]:
+        """`run(keys)` and the page record of its first key."""
+        with self._lock:
+            first = self.pages.get(bytes(keys[0])) if keys else None
+            if first is None:
+                return [], None
+            run = []
+            for i, key in enumerate(keys):
+                page = self.pages.get(bytes(key))
+                if page is None or page.tokens is not first.tokens or page.index != first.index + i:
+                    break
+                run.append(bytes(key))
+            return run, first
 
 
 class PeerBackend:
@@ -105,14 +112,16 @@ class PeerBackend:
         write it started may still land) before the read fails."""
         self.page_bytes = page_bytes
         self.page_size = page_size
-        self.identity = identity
         self.transport = transport
         self.timeout_s, self.cancel_grace_s, self.dead_grace_s = timeout_s, cancel_grace_s, dead_grace_s
         self.expected = ExpectedPages(identity, page_size, max_expected_pages)
-        self._lock = threading.Lock()  # one request on the socket at a time
+        self._lock = threading.Lock()  # one request on the socket at a time (held while it waits)
+        # the expected pages' own: `expect` and `exists_prefix` run on the event loop (a lookup's
+        # inline probe) and must never wait for a fill in flight
         self._reqs = itertools.count(1)
         self._registered: list[tuple[int, int]] = []  # (address, bytes) of buffers the transport has
         self._endpoint = endpoint
+        self._closed = False
         self._sock = self._connect()
         self.peer_session = self._hello(keyed, connect_timeout_s)
         self.counters = dict.fromkeys(("fills", "pages_filled", "fill_failures", "fill_timeouts", "peer_silent",
@@ -123,30 +132,31 @@ class PeerBackend:
         """The caller is about to ask the runtime for `tokens`: record its pages (all but the last
         token's, as a prefetch reads them) so that a lookup of their hashes finds them here.
         Returns the pages recorded."""
-        with self._lock:
-            return self.expected.add(np.asarray(tokens, dtype=np.int32), extra_key)
+        return self.expected.add(np.asarray(tokens, dtype=np.int32), extra_key)
 
     # -- the storage backend's calls -------------------------------------------------------------
     def exists_prefix(self, keys: Sequence[bytes]) -> int:
         check_keys(keys)
-        with self._lock:
-            return len(self.expected.run(keys))
+        return len(self.expected.run(keys))
 
     def get_prefix(self, keys: Sequence[bytes], dests: Sequence[Buffer], tags: list[bytes | None] | None = None) -> int:
         """Ask the prefill side for the leading expected pages of `keys`, written into `dests`;
         returns how many it wrote (their tags into `tags`)."""
         check_keys(keys)
+        run, first = self.expected.first_run(keys)
+        if not run:
+            return 0
         with self._lock:
-            run = self.expected.run(keys)
-            if not run:
-                return 0
-            first = self.expected.pages[run[0]]
             addrs = [self._address(d) for d in dests[:len(run)]]
             req = next(self._reqs)
             end = (first.index + len(run)) * self.page_size
             fill = Fill(req, first.tokens[:end].astype("<i4").tobytes(), first.extra_key, first.index, len(run),
                         [bytes(k) for k in run], addrs, self.transport.session)
-            reply = self._ask(fill, req)
+            try:
+                reply = self._ask(fill, req)
+            finally:
+                if self._closed:
+                    self._sock.close(linger=0)
         if isinstance(reply, Failed):
             self.counters["fill_failures"] += 1
             raise StorageError(f"the prefill peer failed to fill {len(run)} pages: {reply.reason}")
@@ -180,8 +190,14 @@ class PeerBackend:
         self._registered = [r for r in self._registered if r[0] != buffer.data_ptr()]
 
     def close(self) -> None:
-        with self._lock:
-            self._sock.close(linger=0)
+        """Close the connection now, or, while a fill waits on it (a call the runtime abandoned at
+        its close), once that fill ends: a close never waits for the peer."""
+        self._closed = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._sock.close(linger=0)
+            finally:
+                self._lock.release()
 
     def stats(self) -> dict[str, Any]:
         return {"backend": "prefill_peer", "peer": self._endpoint, "expected_pages": len(self.expected.pages),
@@ -195,7 +211,7 @@ class PeerBackend:
         return sock
 
     def _hello(self, keyed: bool, timeout_s: float) -> str:
-        hello = Hello(identity_fields(self.identity), self.page_size, self.page_bytes, keyed, self.transport.session)
+        hello = Hello(identity_fields(self.expected.identity), self.page_size, self.page_bytes, keyed, self.transport.session)
         self._sock.send(encode(hello))
         if not self._sock.poll(int(timeout_s * 1000)):
             self._sock.close(linger=0)

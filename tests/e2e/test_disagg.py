@@ -97,3 +97,30 @@ async def test_a_restarted_decode_side_reads_its_storage_first_and_asks_the_peer
     (first, _, pages0), (again, from_tiers, pages1) = sent
     assert first == pages0  # nothing held: all from the peer
     assert from_tiers // PAGE == pages1 and again < pages1 - pages0 + 2, sent  # storage first, the peer the rest
+
+
+async def test_concurrent_conversations_on_one_peer_never_block_the_loop(model):
+    """Conversations announce their prompts (`expect`, on the event loop) while another's fill is
+    in flight (its worker thread waits on the peer): with the prefill server on the same loop, an
+    `expect` that waited for the fill's lock would wait for the server it blocks. (Checked failing
+    with `expect` taking the request lock, as it first did: every fill timed out, then the peer
+    was taken for gone.)"""
+    cfg = config(model)
+    dcfg = config(model, prefetch_policy="wait_complete", storage_timeout_s=30.0)
+    async with CacheRuntime.open(cfg) as prt, \
+            PrefillServer(prt, PagedKVModel(copy.deepcopy(model), prt.device_pool), LocalTransport("p3")) as server:
+        peer = await open_peer(server, dcfg, "d3", timeout_s=5.0, dead_grace_s=0.1)
+        async with CacheRuntime.open(dcfg, storage=peer) as drt, \
+                ServingLoop(drt, PagedKVModel(model, drt.device_pool)) as loop:
+
+            async def conv(u: int) -> None:
+                history = ids(200, 100 + u)
+                for turn in range(2):
+                    history += ids(60, 200 + 10 * u + turn)
+                    peer.expect(history)
+                    c = await asyncio.wait_for(loop.generate(history, max_new_tokens=NEW), 30)
+                    assert c.tokens == greedy_generate_reference(model, history, NEW), (u, turn)
+                    history += c.tokens
+
+            await asyncio.gather(*(conv(u) for u in range(4)))
+    assert peer.counters["fill_timeouts"] == 0 and peer.counters["fills"] >= 4
