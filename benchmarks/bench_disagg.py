@@ -5,10 +5,10 @@ One process, the tiny random Llama, the in-process transport (`LocalTransport`: 
 for and written are the same as over Mooncake's Transfer Engine; the time is not a network's).
 A prefill runtime serves `PrefillServer` fills; a decode runtime reads from it (`PeerBackend`).
 
-Trace (the `bench_serving` shape): ``--convs`` conversations x ``--turns`` turns, every one
-starting with the same ``--system`` token system prompt; each turn appends a user message of
-about ``--user`` tokens and the greedy reply of ``--reply`` tokens, carried into the next turn;
-``--active`` conversations at once.
+Trace (the `bench_serving` shape, fewer conversations): ``--convs`` (16) conversations x
+``--turns`` (6) turns, every one starting with the same ``--system`` (512) token system prompt;
+each turn appends a user message of about ``--user`` (128) tokens and the greedy reply of
+``--reply`` (128) tokens, carried into the next turn; ``--active`` (4) conversations at once.
 
 Configurations (same trace, same prefill side, a fresh one each):
 
@@ -25,7 +25,7 @@ decode-side TTFT median (arrival at the serving loop -> first token). Also the p
 admission: less, when a concurrent conversation's fill of the same prefix (the system prompt)
 landed between the ask and the admission (each asked for it). The last stdout line is JSON.
 
-    python benchmarks/bench_disagg.py            # 16 conversations x 4 turns
+    python benchmarks/bench_disagg.py            # 16 conversations x 6 turns (about 2 minutes on CPU)
     python benchmarks/bench_disagg.py --quick    # 4 x 3
 """
 
@@ -129,11 +129,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--convs", type=int, default=16)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--turns", type=int, default=6)
     p.add_argument("--active", type=int, default=4)
-    p.add_argument("--system", type=int, default=256)
-    p.add_argument("--user", type=int, default=64)
-    p.add_argument("--reply", type=int, default=32)
+    p.add_argument("--system", type=int, default=512)
+    p.add_argument("--user", type=int, default=128)
+    p.add_argument("--reply", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="4 conversations x 3 turns")
     args = p.parse_args()
     if args.quick:
