@@ -14,7 +14,8 @@ process with one runtime and checks that every reply is the same, token for toke
 This process is the decode side; it starts the prefill side as a child (`--role prefill`).
 Mooncake's Transfer Engine opens its listeners on every interface (whatever address it is
 given): run it on a machine, or in a network namespace, where that is acceptable. The control
-connection binds 127.0.0.1. Needs Mooncake (scripts/install_mooncake.sh).
+connection binds 127.0.0.1. Needs Mooncake (scripts/install_mooncake.sh). Tested in a network
+namespace by tests/e2e/test_disagg_processes.py.
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-cache", default=os.path.expanduser("~/.cache/hicache"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one RESULT line of JSON at the end (tests)")
+    p.add_argument("--quick", action="store_true", help="two turns, short replies")
     args = p.parse_args(argv)
+    if args.quick:
+        args.turns, args.max_new_tokens = 2, 8
     args.device, args.users = "cpu", 1
     return args
 
