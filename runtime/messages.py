@@ -435,6 +435,14 @@ class StorageProbe(Message):
     reply: None = None
 
 
+class StorageWatch(Message):
+    """Storage calls have run a while (the transfer actor's timer: `reachable` None): ask the
+    backend whether it is still there; or its answer (`reachable` True / False)."""
+
+    reachable: bool | None = None
+    reply: None = None
+
+
 class StorageRemoved(Message):
     """`clear_storage`'s removal returned (`future`: the worker's concurrent future)."""
 
@@ -462,7 +470,8 @@ class RemoveStoragePages(Message):
 
 
 TransferMessage = (SubmitCopy | DrainTransfer | TransferStats | CopyDone | SubmitStorage | StorageDone
-                   | StorageDeadline | StorageProbe | StorageRemoved | SetStorageBackend | RemoveStoragePages)
+                   | StorageDeadline | StorageProbe | StorageWatch | StorageRemoved | SetStorageBackend
+                   | RemoveStoragePages)
 
 
 # -- tree actor: a batch of requests (one scheduling step), the prefetch deadline ----------------

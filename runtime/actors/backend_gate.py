@@ -11,6 +11,10 @@ unmounted). Three rules keep an outage from piling up in the runtime:
   by every call's outcome, a call past its deadline counting as failed: a down channel's calls
   are skipped; while the backend is down the requester is told to start none, and the gate
   probes it (one lookup, with backoff) until it answers again.
+- A backend that can tell cheaply whether it is there at all (`reachable()`: Mooncake connects to
+  its master) is asked when calls have run `WATCH_S` (or half the deadline): not there, it is down
+  at once and the calls running are overdue now (their waiters go on; their pages stay held until
+  they return), instead of a deadline or a client's own retries later.
 
 A skipped op is acked at once as skipped (`StorageAck.skipped`): it says nothing of what storage
 holds. The state goes to the requester as `StorageHealthChanged`, once per change.
@@ -23,11 +27,14 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from runtime.messages import StorageHealthChanged, StorageProbe, SubmitStorage
+from runtime.messages import StorageHealthChanged, StorageProbe, StorageWatch, SubmitStorage
 from runtime.storage.health import Health, HealthPolicy, HealthTracker, log_change
 from runtime.trace import get_logger
 
 log = get_logger("hicache.transfer")
+
+# calls running this long with none returned: ask the backend whether it is there at all
+WATCH_S = 0.25
 
 
 def channel_of(msg: SubmitStorage) -> str:
@@ -52,7 +59,9 @@ class BackendGate:
         self.overdue_pages = 0
         self.requester: Any = None  # who issues the ops (the tree actor's mailbox): told of changes
         self.probe_key: bytes | None = None  # a key to look up when probing (the last one asked for)
-        self._probe_timer: asyncio.TimerHandle | None = None
+        # the probe's timer while the backend is down; the watch's while calls run (None: its
+        # reachability check is running), for a backend offering `reachable()`
+        self._timers: dict[str, asyncio.TimerHandle | None] = {}
         self.changes = 0  # of the health, over every backend attached (a counter: it only grows)
         # a backend that stores nothing (`read_only = True`: a prefill peer): its writes are skipped
         self.read_only = read_only
@@ -119,7 +128,7 @@ class BackendGate:
     # -- probes --------------------------------------------------------------------
     def probe(self) -> SubmitStorage | None:
         """The probe timer fired: a lookup to send while the backend is down (None: not down now)."""
-        self._probe_timer = None
+        self._timers.pop("probe", None)
         if self.health.state is not Health.DOWN or self.probe_key is None:
             return None
         return SubmitStorage(next(self.probe_ids), False, (self.probe_key,), (), None)
@@ -127,12 +136,25 @@ class BackendGate:
     def probe_later(self) -> None:
         """While the backend is down, the next probe's timer (one at a time): after a probe came
         back, went overdue, or could not be made (all calls taken by overdue ones, or not due)."""
-        if self._probe_timer is not None or self.health.state is not Health.DOWN:
+        if "probe" in self._timers or self.health.state is not Health.DOWN:
             return
         delay = self.health.next_probe_in()
         if delay is not None:
-            self._probe_timer = asyncio.get_running_loop().call_later(delay, self._post, StorageProbe())
+            self._timers["probe"] = asyncio.get_running_loop().call_later(delay, self._post, StorageProbe())
 
+    # -- the watch: is the backend still there? --------------------------------------------
+    def watch_later(self) -> None:
+        """A call started: the watch's timer, if none is armed (`WATCH_S`, or half the deadline)."""
+        if "watch" not in self._timers and self.health.state is not Health.DOWN:
+            delay = min(WATCH_S, self.timeout_s / 2)
+            self._timers["watch"] = asyncio.get_running_loop().call_later(delay, self._post, StorageWatch())
+
+    def watching(self) -> None:
+        """The watch's check runs (no other starts meanwhile)."""
+        self._timers["watch"] = None
+
+    def watched(self) -> None:
+        self._timers.pop("watch", None)
     def _changed(self, old: Health, new: Health, reason: str) -> None:
         self.changes += 1
         log_change(old, new, reason)
@@ -153,9 +175,10 @@ class BackendGate:
             self._changed(old, Health.HEALTHY, "backend replaced")
 
     def stop(self) -> None:
-        if self._probe_timer is not None:
-            self._probe_timer.cancel()
-            self._probe_timer = None
+        for timer in self._timers.values():
+            if timer is not None:
+                timer.cancel()
+        self._timers.clear()
 
     def stats(self, host_page_bytes: int) -> dict[str, Any]:
         health = self.health.stats()

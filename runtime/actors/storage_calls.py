@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.actors.backend_gate import BackendGate
+from runtime.actors.backend_gate import WATCH_S, BackendGate
 from runtime.errors import InternalError, RuntimeClosed
 from runtime.messages import (
     RemoveStoragePages,
@@ -37,6 +37,7 @@ from runtime.messages import (
     StorageDone,
     StorageOverdue,
     StorageRemoved,
+    StorageWatch,
     SubmitStorage,
 )
 from runtime.stats import LatencyHistogram
@@ -136,6 +137,8 @@ class StorageCalls:
 
     def _call_in_worker(self, msg: SubmitStorage) -> None:
         loop = asyncio.get_running_loop()
+        if getattr(self.backend, "reachable", None) is not None:
+            self.gate.watch_later()
         fut = self._workers().submit(self._run, msg)
         fut.add_done_callback(lambda f, op_id=msg.op_id: _post_threadsafe(loop, self._post, StorageDone(op_id, f)))
 
@@ -166,6 +169,33 @@ class StorageCalls:
         msg = self.gate.probe()
         if msg is not None:
             self.submit(msg)
+
+    def watch(self, msg: StorageWatch) -> None:
+        """The watch's timer (`reachable` None): with a call running since before it was armed,
+        ask the backend whether it is there (off the loop); its answer: not there, the backend is
+        down and every call running is overdue now."""
+        if msg.reachable is None:
+            loop = asyncio.get_running_loop()
+            started = time.perf_counter() - min(WATCH_S, self.gate.timeout_s / 2)  # (a call this old counts)
+            if not any(call.started < started for op, call in self.inflight.items()
+                       if op not in self.gate.waiting and op not in self.gate.overdue):
+                self.gate.watched()
+                if len(self.inflight) > len(self.gate.overdue) + len(self.gate.waiting):
+                    self.gate.watch_later()
+                return
+            self.gate.watching()
+            fut = loop.run_in_executor(None, _reachable, self.backend)
+            fut.add_done_callback(lambda f: self._post(StorageWatch(bool(f.result()))))
+            return
+        self.gate.watched()
+        if msg.reachable:
+            if self.gate.running > len(self.gate.overdue):
+                self.gate.watch_later()
+            return
+        self.gate.health.mark_down("the backend is not reachable")
+        for op_id in [op for op in self.timers if op not in self.gate.waiting]:
+            self.timers[op_id].cancel()
+            self.deadline(StorageDeadline(op_id))  # overdue now: its waiters go on, its pages stay held
 
     def returned_after_stop(self, msg: Any) -> None:
         """A completion that found the actor stopped (its mailbox closed): the op was abandoned."""
@@ -424,6 +454,14 @@ class StorageCalls:
             # (as many as calls may run: a call waits in the gate, never in the pool's queue)
             self._pool = ThreadPoolExecutor(max_workers=self.gate.max_inflight + 1, thread_name_prefix="hicache-storage")
         return self._pool
+
+
+def _reachable(backend: Any) -> bool:
+    """The backend's own check that it is there (in a worker thread); an error says no."""
+    try:
+        return bool(backend.reachable())
+    except Exception:  # noqa: BLE001 - a check that fails is an answer
+        return False
 
 
 def _post_threadsafe(loop: asyncio.AbstractEventLoop, post: Callable[[Any], None], msg: Any) -> None:

@@ -40,6 +40,7 @@ from runtime.messages import (
     StorageDone,
     StorageProbe,
     StorageRemoved,
+    StorageWatch,
     SubmitCopy,
     SubmitStorage,
     TransferAck,
@@ -181,6 +182,7 @@ class TransferActor(Actor[TransferMessage]):
             StorageDone: self.on_storage_done,
             StorageDeadline: self.on_storage_deadline,
             StorageProbe: self.on_storage_probe,
+            StorageWatch: self.on_storage_watch,
             StorageRemoved: self.on_storage_removed,
             SetStorageBackend: self.on_set_storage,
             RemoveStoragePages: self.on_remove_storage,
@@ -301,6 +303,11 @@ class TransferActor(Actor[TransferMessage]):
 
     def on_storage_probe(self, msg: StorageProbe) -> None:
         self.storage.probe()
+
+    def on_storage_watch(self, msg: StorageWatch) -> None:
+        self.storage.watch(msg)
+        if self.drain_waiters:
+            self._maybe_drained()
 
     def on_storage_removed(self, msg: StorageRemoved) -> None:
         self.storage.removed(msg)

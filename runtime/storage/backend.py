@@ -108,11 +108,11 @@ class StorageBackend(Protocol):
 # - ``exists_is_local = True``: `exists_prefix` of a key or two is a local metadata lookup
 #   (microseconds, no network), cheap enough to run on the event loop; the transfer actor then
 #   answers a read whose first page is absent without a worker thread.
-# - ``read_only = True``: the backend stores nothing (a prefill peer, `runtime.disagg`): the transfer
-#   actor skips its writes (acked as skipped: not failures, its health unaffected).
-# - ``evicts_tails_first = True``: the backend evicts a chain's later pages before its earlier ones
-#   (its LRU stamps a chain's earlier pages newer), so a lookup may ask only from the last page it
-#   knows stored (`TiersOnlyCore.enable_storage`).
+# - ``reachable() -> bool``: is it there at all (Mooncake: its master accepts a connection)? Asked
+#   when calls run long; False: down at once (`actors/backend_gate.py`).
+# - ``read_only = True``: it stores nothing (a prefill peer): its writes are skipped, not failed.
+# - ``evicts_tails_first = True``: it evicts a chain's later pages before its earlier ones (its LRU
+#   stamps earlier pages newer): a lookup may ask from the last page known stored (`TiersOnlyCore`).
 
 
 # -- results checked against the contract -------------------------------------------------------

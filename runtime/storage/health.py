@@ -82,6 +82,12 @@ class _Channel:
         self.counts["calls"] += 1
         return True
 
+    def force_down(self, policy: HealthPolicy, clock: Callable[[], float], seq: int) -> None:
+        """Down now (the backend said it is not there): probed with backoff from here."""
+        self.used = True
+        while self.failing < policy.down_after:
+            self.settle(True, policy, clock, seq)
+
     def settle(self, failed: bool, policy: HealthPolicy, clock: Callable[[], float], seq: int) -> None:
         """A call made through `begin` ended (the tracker's `seq`-th); a failure that takes the
         channel down starts (or doubles) its backoff."""
@@ -122,6 +128,7 @@ class HealthTracker:
         self._changes = 0
         self._since = clock()  # when the state last changed
         self._settled = self._served = 0  # calls settled; the count at the last one served
+        self._gone = False  # `mark_down`: not there, whatever the channels' calls said
 
     def begin(self, channel: str) -> bool:
         with self._lock:
@@ -133,6 +140,10 @@ class HealthTracker:
             self._settled += 1
             if error is None:
                 self._served = self._settled
+                if self._gone:  # it was not there; it answers: all of it is back
+                    self._gone = False
+                    for ch in self._channels.values():
+                        ch.settle(False, self.policy, self._clock, self._settled)
             self._channels[channel].settle(error is not None, self.policy, self._clock, self._settled)
             old, new = self.state, self._health()
             if new is old:
@@ -140,6 +151,21 @@ class HealthTracker:
             self.state, self._since = new, self._clock()
             self._changes += 1
         self._on_change(old, new, f"{channel}: {error}" if error is not None else f"{channel} served")
+
+    def mark_down(self, reason: str) -> None:
+        """The backend is not there (its own cheap check said so, `reachable()`): every channel
+        down at once, probed with backoff as after failed calls."""
+        with self._lock:
+            self._settled += 1
+            for ch in self._channels.values():
+                ch.force_down(self.policy, self._clock, self._settled)
+            self._gone = True  # down until a call is served (then every channel is back)
+            old, new = self.state, Health.DOWN
+            if new is old:
+                return
+            self.state, self._since = new, self._clock()
+            self._changes += 1
+        self._on_change(old, new, reason)
 
     def next_probe_in(self) -> float | None:
         """Seconds until a down channel may be probed (0: now); None when no channel is down."""
@@ -161,6 +187,8 @@ class HealthTracker:
         """Down: every channel used failing, one of them down; or a channel down whose probe failed
         too, with no call of any channel served since it went down (a channel not called since,
         e.g. no page left to write, tells nothing). Degraded: a channel failing."""
+        if self._gone:
+            return Health.DOWN
         used = [ch for ch in self._channels.values() if ch.used]
         limit = self.policy.down_after
         down = [ch for ch in used if ch.failing >= limit]

@@ -406,6 +406,11 @@ class MooncakeBackend:
             return
         self._teardown_now()
 
+    def reachable(self) -> bool:
+        """Whether the master accepts a connection (a dead master: refused at once): the transfer
+        actor asks when calls have run a while, so that it need not wait for the client's retries."""
+        return self._master_reachable()
+
     def _master_reachable(self) -> bool:
         host, _, port = self.config.master_server_address.rpartition(":")
         try:

@@ -218,3 +218,33 @@ async def test_a_file_directory_replaced_and_restored_goes_down_and_comes_back(t
         await workload(rt, 10, 3, out)
         assert (await rt.stats())["storage"]["hit_tokens"] > before
         assert out["capacity"] == 0
+
+
+class Unreachable(Outage):
+    """An `Outage` that can tell it is gone (`reachable()`, as Mooncake's master check), and whose
+    calls hang long: the runtime should not wait for them to know."""
+
+    def reachable(self) -> bool:
+        return self.answering.is_set()
+
+
+async def test_a_backend_that_says_it_is_gone_goes_down_before_any_deadline(tmp_path):
+    """Calls hang 5 s, the deadline is 3 s: a backend that answers `reachable()` False is down
+    within about the watch's 0.25 s, its running calls overdue at once (their admissions go on)
+    and requests are served meanwhile. (Checked failing without the watch: down only at the 3 s
+    deadline.)"""
+    config = cfg(storage_timeout_s=3.0, prefetch_policy="wait_complete")
+    backend = Unreachable(file_backend(tmp_path, config), hang_s=5.0)
+    out = {"cached": 0, "capacity": 0}
+    async with CacheRuntime.open(config, storage=backend) as rt:
+        await workload(rt, 20, 1, out)
+        backend.kill()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        served = asyncio.create_task(workload(rt, 30, 2, out))
+        took = await until(lambda: _is(rt, "down"), timeout=10)
+        await served
+        assert took < 1.5, took
+        assert loop.time() - t0 < 3.0  # (the requests did not wait for a deadline)
+        backend.revive()
+        await until(lambda: _is(rt, "healthy"), timeout=5)
