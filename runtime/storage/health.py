@@ -167,11 +167,14 @@ class HealthTracker:
             self._changes += 1
         self._on_change(old, new, reason)
 
-    def next_probe_in(self) -> float | None:
-        """Seconds until a down channel may be probed (0: now); None when no channel is down."""
+    def next_probe_in(self, channel: str = "lookup") -> float | None:
+        """Seconds until `channel` may be probed (0: now, as it is not down); None while its probe
+        is in flight (the next is due once that one settles)."""
         with self._lock:
-            due = [ch.retry_at for ch in self._channels.values() if ch.failing >= self.policy.down_after]
-            return None if not due else max(0.0, min(due) - self._clock())
+            ch = self._channels[channel]
+            if ch.probing:
+                return None
+            return max(0.0, ch.retry_at - self._clock()) if ch.failing >= self.policy.down_after else 0.0
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -76,3 +76,22 @@ async def test_calls_that_never_return_take_the_backend_down_then_a_probe_brings
     for m in stuck:  # their calls return late: no change, nothing counted twice
         g.returned(m, None)
     assert g.running == 0 and g.health.state is Health.HEALTHY and g.changes == 3
+
+
+async def test_a_probe_in_flight_is_the_only_one():
+    """While the probe's call runs, no other probe is asked for, however many ops are skipped
+    meanwhile (a storm of probes, each skipped at once, was seen before this)."""
+    posted: list = []
+    to, g = Requester(), gate(posted, max_inflight=8)
+    for i in range(3):
+        m = op(i, "lookup", to)
+        g.queue(m)
+        g.expired(m)
+    await asyncio.sleep(0.1)
+    probe = g.probe()
+    assert probe is not None and g.queue(probe)  # its call runs
+    for i in range(10, 20):  # the requester's ops meanwhile: skipped, each asking for a probe
+        assert not g.admit(op(i, "lookup", to))
+        g.probe_later()
+    await asyncio.sleep(0.3)
+    assert posted == [StorageProbe()]  # the one that started the probe in flight: no other
