@@ -6,7 +6,9 @@
   runtime (reads that hit, failed, went overdue, pages rejected by their tags);
 - `test_peer_fuzz_long`: `--runslow`, `SLOW_PEER_CALLS` calls (`HICACHE_FUZZ_CALLS` overrides);
 - `test_the_oracles_see_what_the_peer_wrote`: a peer filling another prompt's KV under good tags is
-  caught (`kv-content`).
+  caught (`kv-content`);
+- `test_fuzzer_finds_the_planted_double_release`: the same seed and budget with a planted double
+  release (`planted.PEER_PLANTS`) report a violation.
 
 A failure prints the violation, the replay line (`HICACHE_FUZZ_PEER=1 ...`) and the shrunk steps.
 """
@@ -17,6 +19,7 @@ import pytest
 
 from tests.fuzz import harness as H
 from tests.fuzz.fake_peer import FakePeer
+from tests.fuzz.planted import PEER_PLANTS, search
 
 PEER_SEED = 1
 PEER_CALLS = 2_000  # about 8 episodes, 5-6 s on 2 cores
@@ -34,7 +37,7 @@ def _report(report: H.FuzzReport, record_property, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def clean_run() -> H.FuzzReport:
-    """The default run."""
+    """The default run, without a plant (shared by the run's test and the plant's)."""
     seed = H.env_int("HICACHE_FUZZ_SEED", PEER_SEED)
     assert seed is not None
     return H.fuzz(seed, PEER_CALLS, max_seconds=300, shrink_s=30, episodes=H.peer_episode)
@@ -69,3 +72,25 @@ def test_peer_fuzz_long(record_property, capsys):
     report = H.fuzz(seed, calls, shrink_s=300, episodes=H.peer_episode)
     _report(report, record_property, capsys)
     assert report.calls >= calls
+
+
+def test_fuzzer_finds_the_planted_double_release(clean_run, capsys):
+    """`overdue_read_released` (tests/fuzz/planted.py): a storage read past its deadline gives its
+    host pages back at once, and its ack gives them back again. Installed in this process for the
+    search only (`planted.search`), on the seed and budget of `test_peer_fuzz`, which runs the
+    same episodes without it and finds nothing (`clean_run`). Checked failing against the broken
+    variant: seed 1 reports `runtime-failed` in peer episode 0 after 7 API calls (the tree actor's
+    invariant check after the overdue message: "host page 10 should be owned by prefetch:r6#12,
+    ledger says None"), shrunk to 4 admits; with both invariant checks off (the actor's and the
+    harness's), `tree-kv-content` in the same episode after 49 calls (host copies that do not hold
+    their prefix's KV). The default run of the other episodes (`fuzz(1, 20_000)` with the plant)
+    does not find it: no backend there is slower than its `storage_timeout_s`."""
+    out = search(H, "overdue_read_released", clean_run.seed, PEER_CALLS, shrink_s=2)
+    with capsys.disabled():
+        print(f"\nplanted overdue_read_released: {({k: v for k, v in out.items() if k != 'detail'})}")
+    assert clean_run.failure is None
+    assert out["found"], f"not found in {out['calls']} API calls ({out['passed_over']})"
+    assert out["kind"] in PEER_PLANTS["overdue_read_released"].kinds
+    assert out["calls_to_find"] <= PEER_CALLS + 400  # (the episode that crossed the budget may finish)
+    assert out["episode"] < clean_run.episodes  # an episode the clean run ran
+    assert 1 <= out["shrunk_steps"] <= out["steps_in_episode"]
