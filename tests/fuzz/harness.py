@@ -69,6 +69,12 @@ call:
 - KV formats (about 1 in 4 of the mixed episodes without sliding layers, `_with_kv_format`): 16-
   and 8-bit pools (float16, bfloat16, float8_e4m3fn, float8_e5m2) and MLA's one latent per token;
   the fingerprints are exact in each (`runtime.fingerprint`), so every oracle holds as it is.
+- peer episodes (a stream of their own, `peer_episode`, run by tests/fuzz/test_peer_fuzz.py): a
+  decode runtime whose storage tier is a fake prefill peer (`tests.fuzz.fake_peer`: `PeerBackend`'s
+  surface, fills written as the fingerprint KV with their page tags, seeded drops, delays past a
+  short `storage_timeout_s`, wrong counts and wrong tags); the harness announces every prompt to
+  it (`Driver.announce`, as a caller does with `PeerBackend.expect`) before admit or prepare.
+  Every oracle holds as it is: a fill ends as the right KV or a miss.
 
 Every episode is recorded as a list of steps `(name, args)`; a failing one is shrunk by delta
 debugging (replaying recorded steps on a fresh runtime) and printed as a replay line and a
@@ -122,6 +128,7 @@ from runtime.storage.hashing import KVIdentity, page_hashes
 from runtime.transfer.cpu_engine import CpuCopyEngine
 from runtime.transfer.fake_engine import FakeCopyEngine
 from runtime.tree.records import StoredPages
+from tests.fuzz.fake_peer import FakePeer, PeerFaults
 
 Step = tuple[str, dict[str, Any]]
 
@@ -204,6 +211,17 @@ class FuzzConfig:
     # the KV pools' dtype and layout (`_with_kv_format`): "mla" keeps one latent per token
     kv_dtype: str = "float32"
     kv_layout: str = "mha"
+    # the storage tier's deadline of one backend call and its page tags' key (the runtime's defaults
+    # but in peer episodes, `draw_peer_config`)
+    storage_timeout_s: float = 5.0
+    storage_key: str | None = None
+    # storage "peer": a fake prefill peer (`tests.fuzz.fake_peer`), its faults' rates per fill and the
+    # announced pages it keeps (`PeerBackend`'s `max_expected_pages`)
+    peer_drop_rate: float = 0.0
+    peer_delay_rate: float = 0.0
+    peer_size_rate: float = 0.0
+    peer_tag_rate: float = 0.0
+    peer_expected_pages: int = 1 << 16
 
     @property
     def hybrid(self) -> bool:
@@ -236,6 +254,7 @@ class FuzzConfig:
             decode_offload=self.decode_offload,
             offload_stride=self.offload_stride_pages * ps if self.decode_offload else None,
             prefetch_policy=self.prefetch_policy, prefetch_timeout_base_s=0.05, prefetch_timeout_max_s=0.2,
+            storage_timeout_s=self.storage_timeout_s, storage_key=self.storage_key,
             debug_invariants=True, kv_events=True,
             **({"state_layers": STATE_LAYERS, "state_components": STATE_COMPONENTS, "state_slots": self.state_slots,
                 "host_state_slots": self.host_state_slots if self.host_pages else None}
@@ -339,8 +358,46 @@ def _hybrid_storage(host_pages: int, fault_seed: int) -> dict[str, Any]:
                 prefetch_policy=side.choice(("wait_complete", "wait_complete", "best_effort", "timeout")))
 
 
-def _storage_for(cfg: FuzzConfig, directory: str) -> Any:
+PEER_STORAGE_KEY = "hicache-fuzz-peer-storage-key"  # (a test key: keyed page tags in half the peer episodes)
+
+
+def draw_peer_config(rng: random.Random) -> FuzzConfig:
+    """A peer episode's configuration: a decode runtime whose storage tier is a fake prefill peer
+    (`tests.fuzz.fake_peer`; the harness announces every prompt to it before asking the runtime,
+    `Driver.announce`). As a mixed episode's (a page_first host tier, as `PeerBackend` needs; no
+    storage controls: a peer removes nothing), with a short `storage_timeout_s` that the peer's long
+    delays run past, keyed page tags in half of them, and the peer's fault rates per fill; about a
+    quarter with another KV format (`_with_kv_format`)."""
+    ps = rng.choice((1, 4, 4, 16))
+    device_pages = {1: rng.randint(16, 40), 4: rng.randint(6, 16), 16: rng.randint(3, 8)}[ps]
+    timeout = rng.choice((0.02, 0.05))
+    return _with_kv_format(FuzzConfig(
+        page_size=ps, device_pages=device_pages, host_pages=rng.randint(max(2, device_pages // 2), 2 * device_pages),
+        write_policy=rng.choice(("write_through", "write_through_selective", "write_back")),
+        eviction_policy=rng.choice(("lru", "lru", "lfu", "priority")), host_layout="page_first", storage="peer",
+        prefetch_policy=rng.choice(("wait_complete", "wait_complete", "best_effort", "timeout")),
+        decode_offload=rng.random() < 0.2, offload_stride_pages=rng.choice((1, 2)),
+        engine="cpu" if rng.random() < 0.2 else "fake", copy_faults=rng.random() < 0.25,
+        fault_seed=rng.randrange(1 << 30), impatient=rng.random() < 0.2, calls=rng.randint(150, 350),
+        storage_timeout_s=timeout, storage_key=PEER_STORAGE_KEY if rng.random() < 0.5 else None,
+        peer_drop_rate=rng.choice((0.0, 0.05, 0.2)), peer_delay_rate=rng.choice((0.1, 0.3)),
+        peer_size_rate=rng.choice((0.0, 0.1)), peer_tag_rate=rng.choice((0.0, 0.1)),
+        peer_expected_pages=rng.choice((1 << 16, 1 << 16, 4 * device_pages))))
+
+
+def peer_episode(seed: int, episode: int) -> tuple[FuzzConfig, random.Random]:
+    """`fuzz(episodes=peer_episode)`: the peer episodes of a seed (a stream of their own)."""
+    rng = random.Random(f"hicache-fuzz-peer:{seed}:{episode}")
+    return draw_peer_config(rng), rng
+
+
+def _storage_for(cfg: FuzzConfig, directory: str | None) -> Any:
     rc = cfg.runtime_config()
+    if cfg.storage == "peer":
+        faults = PeerFaults(drop=cfg.peer_drop_rate, delay=cfg.peer_delay_rate, size=cfg.peer_size_rate,
+                            tag=cfg.peer_tag_rate, slow_s=2 * cfg.storage_timeout_s, seed=cfg.fault_seed)
+        return FakePeer(rc, faults, cfg.peer_expected_pages)
+    assert directory is not None
     fb = FileBackend(directory, rc.page_size * rc.bytes_per_token)
     if cfg.storage == "file":
         return fb
@@ -777,6 +834,13 @@ class Driver:
             raise self.fail("hang", "the tree actor did not answer an inspect") from None
         except Exception as exc:  # noqa: BLE001
             raise self.fail("runtime-failed", f"{exc!r} (cause {self.rt._sup.failure!r})") from exc
+
+    def announce(self, toks: np.ndarray, ns: Hashable) -> None:
+        """A prompt the runtime is about to be asked for (admit, prepare), told first to a prefill
+        peer (`PeerBackend.expect`, storage "peer"): a lookup finds its pages there."""
+        expect = getattr(self.backend, "expect", None)
+        if expect is not None:
+            expect(toks, ns)
 
     def fail(self, kind: str, detail: str) -> Violation:
         return Violation(kind, detail, self.index)
@@ -1485,6 +1549,7 @@ class Driver:
         toks = np.asarray(tokens, dtype=np.int32)
         pred = self.p_admit(rid, toks, session)
         what = f"admit({rid!r}, {len(toks)} tokens{', session ' + repr(session) if session is not None else ''})"
+        self.announce(toks, ns)
         res, exc = await self.call(what, lambda: self.rt.admit(rid, toks, ns, session=session), cancel)
         if exc is CANCELLED:
             await self.check(what + " cancelled", None)
@@ -1695,6 +1760,7 @@ class Driver:
     async def x_prepare(self, rid: Hashable, tokens: list[int], ns: Hashable = None) -> None:
         toks = np.asarray(tokens, np.int32)
         what = f"prepare({rid!r}, {len(toks)} tokens)"
+        self.announce(toks, ns)
         res, exc = await self.call(what, lambda: self.rt.prepare(rid, toks, ns))
         self.outcome(what, OK, exc)
         if type(res) is not int or not 0 <= res <= len(toks) or (self.cfg.storage == "none" and res):
@@ -1752,6 +1818,7 @@ class Driver:
         await self.check(what, exc)
         pred = self.p_admit(rid, toks, None)
         what = f"admit({rid!r}, {len(toks)} tokens) after can_admit said {can}"
+        self.announce(toks, ns)
         res, exc = await self.call(what, lambda: self.rt.admit(rid, toks, ns))
         strict = self.cfg.deterministic and not self.cfg.decode_offload and not pred[0]
         if strict and can and isinstance(exc, CapacityError):
@@ -1974,6 +2041,7 @@ class Driver:
             toks = None
             if kind == "admit":
                 toks = np.asarray(a["tokens"], np.int32)
+                self.announce(toks, a.get("ns"))
                 msgs.append(Admit(rid, toks, a.get("ns")))
             elif kind == "extend":
                 msgs.append(Extend(rid, a["n"]))
@@ -2154,7 +2222,7 @@ class Driver:
                 return step
 
     def _control_weights(self) -> list[tuple[float, Callable[[], Step | None]]]:
-        if self.cfg.storage == "none":
+        if self.cfg.storage in ("none", "peer"):  # (a peer removes nothing: no clear_storage)
             return [(0, self.g_storage_control)]
         return [(1.5 if self.attached else 3, self.g_storage_control)]
 
@@ -2565,8 +2633,8 @@ async def run_episode_async(cfg: FuzzConfig, rng: random.Random, steps: list[Ste
                             teardown: bool = True) -> EpisodeResult:
     """One episode: generated from `rng` (steps None) or replayed from `steps`; without `teardown`
     (a shrink replay looking for a violation of the steps themselves) it ends with a plain close."""
-    tmp = tempfile.mkdtemp(prefix="hicache-fuzz-") if cfg.storage != "none" else None
-    storage = _storage_for(cfg, tmp) if tmp else None
+    tmp = tempfile.mkdtemp(prefix="hicache-fuzz-") if cfg.storage in ("file", "faulty") else None
+    storage = _storage_for(cfg, tmp) if cfg.storage != "none" else None
     violation: Violation | None = None
     driver: Driver | None = None
     try:
@@ -2685,6 +2753,10 @@ def shrink(cfg: FuzzConfig, steps: list[Step], violation: Violation, budget_s: f
 # -- the fuzz loop and its report -------------------------------------------------------------------------------
 
 
+# the storage counters a report sums over peer episodes (what the fake peer's faults led to)
+PEER_STATS = ("reads_issued", "hit_tokens", "read_failures", "ops_overdue", "rejected_pages", "backend_errors")
+
+
 @dataclass
 class FuzzReport:
     seed: int
@@ -2699,6 +2771,9 @@ class FuzzReport:
     # sliding episodes: how many ran, and what their runtimes counted (`swa` stats, summed)
     swa_episodes: int = 0
     swa: dict[str, int] = field(default_factory=dict)
+    # peer episodes: how many ran, and what their storage tiers counted (`storage` stats, summed)
+    peer_episodes: int = 0
+    peer: dict[str, int] = field(default_factory=dict)
 
     @property
     def calls_per_s(self) -> float:
@@ -2712,26 +2787,35 @@ class FuzzReport:
             for key, value in ((res.stats or {}).get("swa") or {}).items():
                 if key in ("pages_dropped", "cut_backs", "cut_tokens"):
                     self.swa[key] = self.swa.get(key, 0) + value
+        if res.cfg.storage == "peer":
+            self.peer_episodes += 1
+            for key, value in ((res.stats or {}).get("storage") or {}).items():
+                if key in PEER_STATS:
+                    self.peer[key] = self.peer.get(key, 0) + value
 
     def summary(self) -> str:
         swa = (f"; {self.swa_episodes} sliding episodes: "
                + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.swa.items())) if self.swa_episodes else ""
+        peer = (f"; {self.peer_episodes} peer episodes, storage: "
+                + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.peer.items())) if self.peer_episodes else ""
         return (f"API fuzzer: seed {self.seed}, {self.episodes} episodes, {self.calls} API calls in "
-                f"{self.seconds:.1f} s ({self.calls_per_s:.0f} calls/s){swa}")
+                f"{self.seconds:.1f} s ({self.calls_per_s:.0f} calls/s){swa}{peer}")
 
 
 def fuzz(seed: int, min_calls: int, *, max_seconds: float = 1e9, first_episode: int = 0, shrink_s: float = 60.0,
          want: Callable[[Violation], bool] | None = None, log: Callable[[str], None] | None = None,
-         only: Callable[[FuzzConfig], bool] | None = None) -> FuzzReport:
+         only: Callable[[FuzzConfig], bool] | None = None,
+         episodes: Callable[[int, int], tuple[FuzzConfig, random.Random]] = generate_episode) -> FuzzReport:
     """Episodes `first_episode`, ... of `seed` until `min_calls` API calls ran (or `max_seconds`
     passed); stops at the first violation (the first one `want` accepts, when given: the others
     are recorded in `passed_over`) and shrinks it for `shrink_s` seconds. `only`: run just the
-    episodes whose configuration it accepts (the others are skipped, keeping their numbers)."""
+    episodes whose configuration it accepts (the others are skipped, keeping their numbers).
+    `episodes`: which stream of episodes (`peer_episode`: the peer episodes)."""
     report = FuzzReport(seed)
     t0 = time.monotonic()
     ep = first_episode
     while report.calls < min_calls and time.monotonic() - t0 < max_seconds:
-        cfg, rng = generate_episode(seed, ep)
+        cfg, rng = episodes(seed, ep)
         if only is not None and not only(cfg):
             ep += 1
             continue
@@ -2763,7 +2847,8 @@ def reproduction(report: FuzzReport) -> str:
     cfg_fields = ", ".join(f"{f.name}={getattr(res.cfg, f.name)!r}" for f in fields(res.cfg))
     return (
         f"{res.violation}\n"
-        f"replay: HICACHE_FUZZ_SEED={report.seed} HICACHE_FUZZ_EPISODE={report.failed_episode} "
+        f"replay: {'HICACHE_FUZZ_PEER=1 ' if res.cfg.storage == 'peer' else ''}"
+        f"HICACHE_FUZZ_SEED={report.seed} HICACHE_FUZZ_EPISODE={report.failed_episode} "
         f".venv/bin/python -m pytest tests/fuzz -k replay -q -p no:cacheprovider\n"
         f"shrunk to {len(steps)} of {len(res.steps)} steps (deterministic: {res.cfg.deterministic}):\n\n"
         f"from tests.fuzz.harness import FuzzConfig, replay_steps\n"
@@ -2790,6 +2875,11 @@ def sliding_only(cfg: FuzzConfig) -> bool:
 def env_only() -> Callable[[FuzzConfig], bool] | None:
     """`HICACHE_FUZZ_HYBRID=1`: only the episodes with recurrent state."""
     return hybrid_only if os.environ.get("HICACHE_FUZZ_HYBRID") not in (None, "", "0") else None
+
+
+def env_episodes() -> Callable[[int, int], tuple[FuzzConfig, random.Random]]:
+    """`HICACHE_FUZZ_PEER=1`: the peer episodes' stream (`peer_episode`)."""
+    return peer_episode if os.environ.get("HICACHE_FUZZ_PEER") not in (None, "", "0") else generate_episode
 
 
 def env_int(name: str, default: int | None) -> int | None:
@@ -2820,8 +2910,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="keep going past violations; report each distinct one")
     ap.add_argument("--hybrid", action="store_true", help="only the episodes with recurrent state")
     ap.add_argument("--sliding", action="store_true", help="only the episodes with sliding-window layers")
+    ap.add_argument("--peer", action="store_true", help="the peer episodes (a decode runtime on a fake prefill peer)")
     args = ap.parse_args(argv)
     only = hybrid_only if args.hybrid else sliding_only if args.sliding else None
+    episodes = peer_episode if args.peer else generate_episode
     configure_logging()
     seen: dict[str, tuple[int, Violation]] = {}
 
@@ -2829,7 +2921,7 @@ def main(argv: list[str] | None = None) -> int:
         return signature(v) not in seen
 
     report = fuzz(args.seed, args.calls, first_episode=args.first_episode, shrink_s=0,
-                  want=(lambda v: False) if args.all else None, only=only)
+                  want=(lambda v: False) if args.all else None, only=only, episodes=episodes)
     print(report.summary())
     found = [(ep, v) for ep, v in report.passed_over]
     if report.failure is not None and report.failure.violation is not None:
@@ -2839,7 +2931,7 @@ def main(argv: list[str] | None = None) -> int:
             seen[signature(v)] = (ep, v)
     for sig, (ep, v) in seen.items():
         n = sum(1 for _, w in found if signature(w) == sig)
-        sub = fuzz(args.seed, 1, first_episode=ep, shrink_s=args.shrink_s)
+        sub = fuzz(args.seed, 1, first_episode=ep, shrink_s=args.shrink_s, episodes=episodes)
         print(f"\n=== {n} episode(s): {sig}")
         print(reproduction(sub) if sub.failure is not None else f"episode {ep} did not fail again (not deterministic)")
     return 1 if seen else 0

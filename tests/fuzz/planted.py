@@ -67,6 +67,15 @@ Sliding-window layers (sliding episodes only):
   are there): host copies' sliding parts hold stale KV, and a load brings it back. Only the
   fingerprint oracles see it (tree host copies, or the loaded request's window).
 
+Peer episodes (a decode runtime on a fake prefill peer, `harness.peer_episode`; `PEER_PLANTS`,
+asserted by tests/fuzz/test_peer_fuzz.py, not test_planted.py: their episodes are another stream):
+
+- `overdue_read_released`: a storage read past its deadline (`StorageTier.mark_overdue`: nobody
+  waits for it any more) gives its host pages back at once, unpinned and freed, as if its call
+  could no longer write them; its ack, which still comes, releases them again (and a late fill
+  lands in pages that may belong to someone else by then). Only a backend slower than
+  `storage_timeout_s` reaches it: the fake peer's long delays.
+
     .venv/bin/python -m tests.fuzz.planted remap_duplicates --seed 1 --calls 20000
 
 prints the reproduction to stderr and one JSON line (found, seed, episode, calls to find...) last.
@@ -89,6 +98,7 @@ class Plant:
     kinds: frozenset[str]  # violation kinds that show this bug
     detail: str = ""  # ...whose detail holds this text
     # the episodes it can show in, by their config's kind: "hybrid" (recurrent state), "storage"; None: all
+    # ("peer": the peer episodes' own stream, `PEER_PLANTS`)
     episodes: str | None = None
 
     def wanted(self, v: "object") -> bool:
@@ -341,6 +351,25 @@ def _swa_backup_skips_sliding() -> Callable[[], None]:
     return lambda: setattr(SlidingWindow, "start_backup", start_backup)
 
 
+def _overdue_read_released() -> Callable[[], None]:
+    from runtime.tree.tiers.storage import StorageTier
+
+    mark_overdue = StorageTier.mark_overdue
+
+    def broken(self: StorageTier, op_id: int):
+        sop = self.ops.get(op_id)
+        out = mark_overdue(self, op_id)
+        if sop is not None and not sop.write and len(sop.host) and sop.prefetch is not None:
+            # nobody waits for the read any more: its host pages go back now (its ack frees them again)
+            pf = sop.prefetch
+            self.residency.host.unpin(sop.host, op_id, trusted=True)
+            self.residency.free_host(sop.host, pf.owner, trusted=True, rid=pf.rid, reason="prefetch_overdue")
+        return out
+
+    StorageTier.mark_overdue = broken
+    return lambda: setattr(StorageTier, "mark_overdue", mark_overdue)
+
+
 def _unchecked(plant: Callable[[], Callable[[], None]], check: str) -> Callable[[], Callable[[], None]]:
     """`plant` with the invariant checker's part `check` (`runtime.invariants.groups._check_states`,
     `_check_sliding`) off: the fingerprint oracles alone must find it."""
@@ -405,10 +434,17 @@ PLANTS: dict[str, Plant] = {
                                       episodes="swa"),
 }
 
+# searched in the peer episodes (`harness.peer_episode`), a stream of their own
+PEER_PLANTS: dict[str, Plant] = {
+    "overdue_read_released": Plant(_overdue_read_released,
+                                   frozenset({"runtime-failed", "invariant", "leak", "kv-content", "tree-kv-content"}),
+                                   episodes="peer"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("plants", nargs="+", choices=sorted(PLANTS), metavar="plant",
+    ap.add_argument("plants", nargs="+", choices=sorted(PLANTS | PEER_PLANTS), metavar="plant",
                     help="one or more, each searched alone in turn (one JSON line each)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--calls", type=int, default=20_000, help="give up after this many API calls")
@@ -426,11 +462,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def search(harness, name: str, seed: int, calls: int, shrink_s: float) -> dict:  # noqa: ANN001 - the module
     """Search for plant `name` (installed for the search only); what `main` prints for it."""
-    plant = PLANTS[name]
+    peer = name in PEER_PLANTS
+    plant = PEER_PLANTS[name] if peer else PLANTS[name]
     undo = plant.install()
     try:
-        report = harness.fuzz(seed, calls, shrink_s=shrink_s, want=plant.wanted,
-                              only=EPISODES[plant.episodes] if plant.episodes else None)
+        if peer:
+            report = harness.fuzz(seed, calls, shrink_s=shrink_s, want=plant.wanted, episodes=harness.peer_episode)
+        else:
+            report = harness.fuzz(seed, calls, shrink_s=shrink_s, want=plant.wanted,
+                                  only=EPISODES[plant.episodes] if plant.episodes else None)
     finally:
         undo()
     out = {"plant": name, "seed": seed, "found": report.failure is not None,

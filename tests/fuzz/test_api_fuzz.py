@@ -4,7 +4,8 @@
   (`HICACHE_FUZZ_SEED` picks another);
 - `test_api_fuzz_long`: `--runslow`, >= 10**6 calls (`HICACHE_FUZZ_CALLS` overrides);
 - `test_replay`: one episode, `HICACHE_FUZZ_SEED=S HICACHE_FUZZ_EPISODE=E pytest tests/fuzz -k replay`
-  (the line a failure prints), shrunk again and printed when it fails.
+  (the line a failure prints), shrunk again and printed when it fails; `HICACHE_FUZZ_PEER=1`: a peer
+  episode (tests/fuzz/test_peer_fuzz.py).
 
 `HICACHE_FUZZ_HYBRID=1` runs only the episodes with recurrent state (about 1 in 5 otherwise) in
 the first two, e.g. `HICACHE_FUZZ_HYBRID=1 HICACHE_FUZZ_SEED=7 pytest tests/fuzz -k "api_fuzz and not long"`.
@@ -56,7 +57,7 @@ def test_api_fuzz_long(record_property, capsys):
 def test_replay(record_property, capsys):
     seed, episode = H.env_int("HICACHE_FUZZ_SEED", CI_SEED), H.env_int("HICACHE_FUZZ_EPISODE", 0)
     assert seed is not None and episode is not None
-    report = H.fuzz(seed, 1, first_episode=episode, shrink_s=120)
+    report = H.fuzz(seed, 1, first_episode=episode, shrink_s=120, episodes=H.env_episodes())
     _report(report, record_property, capsys)
 
 
