@@ -235,7 +235,8 @@ STATS: tuple[Stat, ...] = (
     _s("storage", "ops_skipped", X, "storage_ops_skipped", C, "storage ops not made: the backend down (no probe "
        "due), overdue ops holding storage_max_overdue_pages, or still waiting at their deadline",
        "hicache_storage_ops", outcome="skipped"),
-    _s("storage", "probes", X, "storage_probes", C, "lookups probing a down backend", "hicache_storage_probes"),
+    _s("storage", "probes", X, "storage_probes", C, "lookups probing a down backend (in ops_submitted too)",
+       "hicache_storage_probes"),
     _s("storage", "health", X, "health", G, "the backend's health: healthy, degraded (a channel failing) or down"),
     _s("storage", "health_level", X, "health_level", G, "the backend's health: 0 healthy, 1 degraded, 2 down",
        "hicache_storage_health"),

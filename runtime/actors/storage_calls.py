@@ -109,7 +109,9 @@ class StorageCalls:
 
     # -- ops ---------------------------------------------------------------------------
     def submit(self, msg: SubmitStorage) -> None:
-        self.counters["storage_ops_submitted" if msg.ack_to is not None else "storage_probes"] += 1
+        self.counters["storage_ops_submitted"] += 1  # (probes too: every op ends done, failed, skipped or abandoned)
+        if msg.ack_to is None:
+            self.counters["storage_probes"] += 1
         self.inflight[msg.op_id] = _Call(msg, time.perf_counter())
         if not msg.write and not msg.pages and msg.keys and self._absent(msg.keys[0]):
             # a lookup on a local backend without the first page: a miss, no worker thread needed

@@ -136,7 +136,8 @@ async def test_an_admit_waiting_on_a_hung_lookup_goes_on_at_the_deadline(tmp_pat
 
 async def test_ops_in_flight_at_close_are_settled_as_abandoned(tmp_path):
     """Writes held in the backend past their deadline when the runtime closes: close returns (the
-    drain does not wait for overdue ops), every op submitted is settled (done + failed + abandoned),
+    drain does not wait for overdue ops), every op submitted is settled (done + failed + skipped +
+    abandoned: the backend's probes too),
     none is left in flight, and a held call that returns after the close changes no counter and
     acks nobody. Checked failing without the transfer actor's abandonment (ops stayed in
     `storage_inflight` after close, and their late return counted them done too)."""
@@ -155,7 +156,8 @@ async def test_ops_in_flight_at_close_are_settled_as_abandoned(tmp_path):
         transfer = rt._transfer
         c = dict(transfer.counters)
         assert c["storage_ops_abandoned"] >= 1 and not transfer.storage.inflight
-        assert c["storage_ops_submitted"] == c["storage_ops_done"] + c["storage_ops_failed"] + c["storage_ops_abandoned"]
+        assert c["storage_ops_submitted"] == c["storage_ops_done"] + c["storage_ops_failed"] + c["storage_ops_skipped"] \
+            + c["storage_ops_abandoned"]
         fb.release()  # the held calls return now, after the close
         await asyncio.sleep(0.3)
         assert transfer.counters == c and not transfer.storage.abandoned
