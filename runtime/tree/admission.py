@@ -171,7 +171,7 @@ class Admission:
             assert load.readiness is not None
             readiness.append(load.readiness)
         for r in readiness:
-            copies.add_user(r, rid)
+            copies.add_user(r, (rid, owner.generation))
         return tuple(readiness)
 
     def count(self, device_hit: int, host_hit: int, recomputed: int) -> None:

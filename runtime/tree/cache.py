@@ -491,8 +491,10 @@ class CacheCore:
             raise InternalError(f"ack of copy {op_id}, which is not in flight")
         for out in self.copies.apply_ack(op_id, error):  # (a batch of backups: each of them)
             if out.failed is not None:
-                for rid in out.failed_users:
+                for rid, generation in out.failed_users:  # (live, or retired by decode offload)
                     rec = self.requests.get(rid)
+                    if rec is None or rec.generation != generation:
+                        rec = self.offload.retired_record(rid, generation)
                     if rec is not None:
                         rec.fail(out.failed)
             if out.backed_up:

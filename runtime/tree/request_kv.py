@@ -105,13 +105,13 @@ class RequestKV:
         for g in self.residency.hooked.release:
             g.release(rec.rid, rec.owner)
         for r in rec.readiness:
-            self.copies.drop_user(r, rec.rid)
+            self.copies.drop_user(r, (rec.rid, rec.generation))
         self.unfile(rec)
 
     def retire(self, rec: RequestRecord, final_len: int | None) -> None:
+        """(It stays a user of its loads: one that fails still fails it, retired, since its
+        locked path no longer holds its cached prefix.)"""
         self.unfile(rec, keep_reading=True)
-        for r in rec.readiness:
-            self.copies.drop_user(r, rec.rid)
         self.offload.retire(rec, final_len)
 
     def free_tail(self, rec: RequestRecord, keep: int) -> None:

@@ -28,7 +28,7 @@ from runtime.actors.offload_actor import OffloadActor
 from runtime.errors import InternalError, InvariantViolation
 from runtime.fingerprint import fingerprint_kv, prefix_hashes
 from runtime.memory.ledger import SlotLedger
-from runtime.messages import Commit, Extend, OffloadStats
+from runtime.messages import Commit, Direction, Extend, OffloadStats
 from runtime.runtime import CacheRuntime
 from runtime.audit import audit, compare_final_state
 from runtime.transfer.fake_engine import FakeCopyEngine
@@ -581,3 +581,28 @@ async def test_offload_off_changes_nothing():
         assert st["offload"]["issued"] == 0 and st["offload"]["tracked_requests"] == 0
         assert (await rt.match_prefix(t))["device"] == 16
 
+
+async def test_a_retired_request_whose_load_fails_is_failed_too():
+    """A request aborted while its host hit loads and its offload is in flight is retired; the
+    load then fails and takes its nodes' device copies back: the retired request is failed with
+    the load's live users (it stays a user of its loads), so its locked path is not expected to
+    hold its cached prefix. Found by the peer fuzz episodes (decode offload, copy faults; one
+    regeneration in several); checked failing before (the runtime failed: "retired request 'b'#2:
+    cached prefix of 16 tokens but its locked path holds 0")."""
+    async with fake_runtime(offload_config()) as (rt, engine):
+        p, _ = await start_request(rt, "a", 16, 1)
+        await rt.finish("a", p)
+        await drain(rt, engine)
+        assert (await rt.match_prefix(p))["host"] == 16
+        b = np.concatenate([p, toks(16, 2)])
+        res = await rt.admit("b", b)
+        assert res.loaded_host == 16
+        await until(lambda: len(engine.pending(Direction.LOAD)) == 1)
+        [load] = engine.pending(Direction.LOAD)
+        compute(rt, res.slots, b, start=16)
+        await rt.commit("b", 32)
+        await until(lambda: len(engine.pending()) == 2)  # the load and b's offload
+        await rt.abort("b")  # retired: its offload is in flight
+        engine.fail(load, RuntimeError("injected load failure"))
+        await drain(rt, engine)
+        await quiescent_check(rt)

@@ -249,13 +249,14 @@ class CopyTracker:
                     out.append(r)
         return out
 
-    def add_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
-        self._load_op_of(readiness).users.add(rid)
+    def add_user(self, readiness: LoadReadiness, user: tuple[Hashable, int]) -> None:
+        """Request `user` (rid, generation) waits on the load: a failure fails it."""
+        self._load_op_of(readiness).users.add(user)
 
-    def drop_user(self, readiness: LoadReadiness, rid: Hashable) -> None:
+    def drop_user(self, readiness: LoadReadiness, user: tuple[Hashable, int]) -> None:
         op = self._load_op_of(readiness, missing_ok=True)
         if op is not None:
-            op.users.discard(rid)
+            op.users.discard(user)
 
     def insert_cap(self, tokens: np.ndarray, n: int, extra_key: Hashable) -> int:
         """How much of tokens[:n] an insert may cover: it stops at a node whose load is in flight

@@ -194,6 +194,11 @@ class DecodeOffload:
         return {"inflight_offloads": len(self.ops), "offload_retired_requests": len(self.retired)}
 
     # -- helpers -------------------------------------------------------------------
+    def retired_record(self, rid: Hashable, generation: int) -> RequestRecord | None:
+        """The record of (rid, generation) if it is a retired request."""
+        z = self.retired.get((rid, generation))
+        return None if z is None else z.rec
+
     def _record(self, rid: Hashable, generation: int, live: RequestRecord | None) -> tuple[RequestRecord | None, int]:
         """The record of (rid, generation), live or retired, and how far it may be offloaded."""
         if live is not None and live.generation == generation:

@@ -142,6 +142,9 @@ class NoOffload:
     def retire(self, rec: RequestRecord, final_len: int | None) -> None:
         raise InternalError("a request retired without decode offload")
 
+    def retired_record(self, rid: Hashable, generation: int) -> None:
+        return None
+
     def start(self, rid: Hashable, generation: int, start: int, end: int, live: RequestRecord | None) -> Any:
         raise InternalError("offload start without decode offload")
 

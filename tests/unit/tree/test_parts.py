@@ -132,11 +132,11 @@ def test_copy_tracker_failed_load_names_its_users_and_rolls_back():
     owner = Owner.request("u", 1)
     device = res.alloc_device(4, owner)
     op = copies.start_load([node], 16, device, owner)
-    copies.add_user(op.readiness, "u")
+    copies.add_user(op.readiness, ("u", 1))
     assert copies.loads_under([node]) == [op.readiness] and copies.busy(node)
     assert copies.insert_cap(toks(16, 0), 16, None) == 0  # nothing may hang below a running load
     (out,) = copies.apply_ack(op.op_id, "boom")
-    assert out.failed == "boom" and out.failed_users == {"u"}
+    assert out.failed == "boom" and out.failed_users == {("u", 1)}
     assert node.device is None and res.device.num_free_pages() == 16 and not copies.loading
 
 
