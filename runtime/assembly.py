@@ -325,7 +325,7 @@ def make_actors(config: RuntimeConfig, pools: Pools, engine: CopyEngine, storage
                  else functools.partial(LayerReadiness.pending, ranks=config.tp_ranks))
     core = CacheCore(config, tracer, readiness_factory=readiness)
     if storage is not None:
-        core.enable_storage()
+        core.enable_storage(read_only=getattr(storage, "read_only", False) is True)
     # decode offload: the offload actor and the tree actor know each other's mailbox
     tree_mailbox: Mailbox[TreeMessage] = Mailbox(config.mailbox_capacity)
     offload = OffloadActor(tree_mailbox, page_size=config.page_size, stride=config.stride,

@@ -57,3 +57,26 @@ def netns_popen(argv: list[str], env: dict[str, str] | None = None, cwd: str | N
     full_env.update(env or {})
     return subprocess.Popen(netns_argv(argv), env=full_env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
+
+
+def run_for_result(argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> tuple[dict, str]:
+    """Run ``argv`` in a private network namespace (a test fails, not skips, where none can be
+    made); its exit status must be 0 and it must print one line ``RESULT {json}``. Returns that
+    JSON and a description of the run for assertion messages."""
+    import json
+
+    import pytest
+
+    p = netns_popen(argv, env=env, cwd=cwd)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        p.kill()
+    if p.returncode == CANNOT_UNSHARE:
+        pytest.fail(f"cannot create a private network namespace here: {err.strip()[-500:]}")
+    where = f"rc {p.returncode}\n{out[-3000:]}\n{err[-4000:]}"
+    assert p.returncode == 0, where
+    line = next((line for line in out.splitlines() if line.startswith("RESULT ")), None)
+    assert line is not None, where
+    return json.loads(line[7:]), where
+

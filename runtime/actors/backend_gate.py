@@ -45,7 +45,7 @@ def channel_of(msg: SubmitStorage) -> str:
 class BackendGate:
     # -- state -------------------------------------------------------------------
     def __init__(self, post: Callable[[Any], None], *, timeout_s: float, max_inflight: int, max_overdue_pages: int,
-                 policy: HealthPolicy | None = None, read_only: bool = False) -> None:
+                 policy: HealthPolicy | None = None) -> None:
         """`post`: a message into the transfer actor's mailbox (its probe timer's); `timeout_s`: a
         call's deadline (`storage_timeout_s`)."""
         self._post = post
@@ -56,15 +56,12 @@ class BackendGate:
         self.waiting: dict[int, None] = {}  # op ids submitted, not started (in order)
         self.running = 0  # calls in worker threads (overdue ones included)
         self.overdue: dict[int, int] = {}  # op id -> host pages it holds, until its call returns
-        self.overdue_pages = 0
         self.requester: Any = None  # who issues the ops (the tree actor's mailbox): told of changes
         self.probe_key: bytes | None = None  # a key to look up when probing (the last one asked for)
         # the probe's timer while the backend is down; the watch's while calls run (None: its
         # reachability check is running), for a backend offering `reachable()`
         self._timers: dict[str, asyncio.TimerHandle | None] = {}
         self.changes = 0  # of the health, over every backend attached (a counter: it only grows)
-        # a backend that stores nothing (`read_only = True`: a prefill peer): its writes are skipped
-        self.read_only = read_only
         self.probe_ids = itertools.count(-1, -1)  # (negative: never a requester's op id)
 
     # -- ops ---------------------------------------------------------------------
@@ -75,8 +72,6 @@ class BackendGate:
             self.requester = msg.ack_to
             if msg.keys:
                 self.probe_key = msg.keys[0]
-        if msg.write and self.read_only:
-            return False
         if not self.waiting and self.running < self.max_inflight:
             return self.admit(msg)
         self.waiting[msg.op_id] = None
@@ -106,9 +101,8 @@ class BackendGate:
         """`msg`'s call returned (`error`: why it counts as failed, else None). An overdue one was
         counted failed at its deadline; now its host pages are free to go."""
         self.running -= 1
-        held = self.overdue.pop(msg.op_id, None) if self.overdue else None
-        if held is not None:
-            self.overdue_pages -= held
+        if self.overdue and self.overdue.pop(msg.op_id, None) is not None:
+            pass  # (counted failed at its deadline; its host pages are free to go now)
         elif error is not None or self.health.state is not Health.HEALTHY:  # (healthy and served: nothing changes)
             self.health.settle(channel_of(msg), error)
             self.probe_later()
@@ -120,10 +114,14 @@ class BackendGate:
             del self.waiting[msg.op_id]
             return True
         self.overdue[msg.op_id] = len(msg.pages)
-        self.overdue_pages += len(msg.pages)
         self.health.settle(channel_of(msg), f"no answer in {self.timeout_s} s")
         self.probe_later()
         return False
+
+    @property
+    def overdue_pages(self) -> int:
+        """Host pages the overdue ops hold (at most `max_inflight` ops: summed when asked)."""
+        return sum(self.overdue.values())
 
     # -- probes --------------------------------------------------------------------
     def probe(self) -> SubmitStorage | None:
@@ -165,10 +163,9 @@ class BackendGate:
                 pass
 
     # -- lifecycle ---------------------------------------------------------------------
-    def reset(self, read_only: bool) -> None:
+    def reset(self) -> None:
         """Another backend (attach / detach, nothing in flight): its health starts afresh."""
         self.stop()
-        self.read_only = read_only
         old = self.health.state
         self.health = HealthTracker(self.health.policy, on_change=self._changed)
         if old is not Health.HEALTHY:

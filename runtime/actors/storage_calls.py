@@ -36,6 +36,7 @@ from runtime.messages import (
     StorageDeadline,
     StorageDone,
     StorageOverdue,
+    StorageProbe,
     StorageRemoved,
     StorageWatch,
     SubmitStorage,
@@ -82,8 +83,7 @@ class StorageCalls:
         self._post = post
         if max_overdue_pages is None:
             max_overdue_pages = host_pool.num_pages // 8 if host_pool is not None else 0
-        self.gate = BackendGate(post, timeout_s=timeout_s, max_inflight=max_inflight, max_overdue_pages=max_overdue_pages,
-                                read_only=getattr(backend, "read_only", False) is True)
+        self.gate = BackendGate(post, timeout_s=timeout_s, max_inflight=max_inflight, max_overdue_pages=max_overdue_pages)
         self.state_io = state_io
         self.seal = seal if seal is not None else PageSeal()
         self.inflight: dict[int, _Call] = {}
@@ -166,7 +166,7 @@ class StorageCalls:
         if self.gate.waiting:
             self._start_waiting()
 
-    def probe(self) -> None:
+    def probe(self, _msg: StorageProbe) -> None:
         """The down backend's probe is due: one lookup through the gate like any op (no requester)."""
         msg = self.gate.probe()
         if msg is not None:
@@ -354,7 +354,7 @@ class StorageCalls:
         old = self.backend
         self.unregister()
         self.backend = backend
-        self.gate.reset(read_only=getattr(backend, "read_only", False) is True)
+        self.gate.reset()
         if running:  # (else the actor's start registers it)
             self.register()
         log.info("storage_attached" if backend is not None else "storage_detached",

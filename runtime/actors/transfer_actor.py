@@ -178,14 +178,15 @@ class TransferActor(Actor[TransferMessage]):
             CopyDone: self.on_copy_done,
             DrainTransfer: self.on_drain,
             TransferStats: self.on_stats,
-            SubmitStorage: self.on_submit_storage,
-            StorageDone: self.on_storage_done,
-            StorageDeadline: self.on_storage_deadline,
-            StorageProbe: self.on_storage_probe,
-            StorageWatch: self.on_storage_watch,
-            StorageRemoved: self.on_storage_removed,
+            # the storage calls' own (a drain waiting is answered after the burst, `after_burst`)
+            SubmitStorage: self.storage.submit,
+            StorageDone: self.storage.done,
+            StorageDeadline: self.storage.deadline,
+            StorageProbe: self.storage.probe,
+            StorageWatch: self.storage.watch,
+            StorageRemoved: self.storage.removed,
+            RemoveStoragePages: self.storage.remove,
             SetStorageBackend: self.on_set_storage,
-            RemoveStoragePages: self.on_remove_storage,
         }
 
     @property
@@ -221,13 +222,13 @@ class TransferActor(Actor[TransferMessage]):
         self.latency["load_seconds" if direction is Direction.LOAD else "backup_seconds"].observe(
             time.perf_counter() - entry.started)
         self._flush_acks(direction)
-        if self.drain_waiters:
-            self._maybe_drained()
 
     def after_burst(self) -> None:
         if self.copies.to_pump:
             for group in self.copies.startable():
                 self._start(group)
+        if self.drain_waiters:  # (whatever the burst settled: copies, storage ops, removals)
+            self._maybe_drained()
 
     def _start(self, group: list[SubmitCopy]) -> None:
         """Start one copy, or several backups as one engine submission (their pages concatenated
@@ -286,41 +287,10 @@ class TransferActor(Actor[TransferMessage]):
                 log.warning("ack_undeliverable", op=plan.op_id, direction=direction.value)
 
     # -- storage -------------------------------------------------------------------
-    def on_submit_storage(self, msg: SubmitStorage) -> None:
-        self.storage.submit(msg)
-        if self.drain_waiters:  # (an inline miss is acked at once)
-            self._maybe_drained()
-
-    def on_storage_done(self, msg: StorageDone) -> None:
-        self.storage.done(msg)
-        if self.drain_waiters:
-            self._maybe_drained()
-
-    def on_storage_deadline(self, msg: StorageDeadline) -> None:
-        self.storage.deadline(msg)
-        if self.drain_waiters:
-            self._maybe_drained()
-
-    def on_storage_probe(self, msg: StorageProbe) -> None:
-        self.storage.probe()
-
-    def on_storage_watch(self, msg: StorageWatch) -> None:
-        self.storage.watch(msg)
-        if self.drain_waiters:
-            self._maybe_drained()
-
-    def on_storage_removed(self, msg: StorageRemoved) -> None:
-        self.storage.removed(msg)
-        if self.drain_waiters:
-            self._maybe_drained()
-
     # storage controls (sent by the tree actor once no storage op is in flight)
     def on_set_storage(self, msg: SetStorageBackend) -> Any:
         """Attach (a backend) or detach (None) the storage backend; replies with the previous one."""
         return self.storage.set_backend(msg.backend, running=self.bridge is not None)
-
-    def on_remove_storage(self, msg: RemoveStoragePages) -> None:
-        self.storage.remove(msg)
 
     # -- drains and stats ------------------------------------------------------------
     def on_drain(self, msg: DrainTransfer) -> Any:

@@ -311,7 +311,8 @@ class TreeActor(Actor[TreeMessage]):
                 if core.storage_attached():
                     reply.set_exception(StateError("a storage tier is attached already: detach it first"))
                     continue
-                self.core.enable_storage(self._take_known(msg.backend))
+                self.core.enable_storage(self._take_known(msg.backend),
+                                        read_only=getattr(msg.backend, "read_only", False) is True)
                 self.backend = msg.backend
                 # before any storage op the tier issues from now on (the transfer mailbox is FIFO)
                 self._to_transfer(SetStorageBackend(msg.backend, reply), reply)

@@ -157,19 +157,9 @@ class PeerBackend:
             finally:
                 if self._closed:
                     self._sock.close(linger=0)
-        if isinstance(reply, Failed):
-            self.counters["fill_failures"] += 1
-            raise StorageError(f"the prefill peer failed to fill {len(run)} pages: {reply.reason}")
-        assert isinstance(reply, Filled)
-        n = reply.pages
-        if not isinstance(n, int) or not 0 <= n <= len(run) or len(reply.tags) < n:
-            self.counters["fill_failures"] += 1
-            raise StorageError(f"the prefill peer answered {n!r} pages with {len(reply.tags)} tags for {len(run)} asked")
+            n = self._checked(reply, len(run))  # (counted under the lock: worker threads share the counters)
         if tags is not None:
             tags[:n] = reply.tags[:n]
-        self.counters["fills"] += 1
-        self.counters["pages_filled"] += n
-        self.counters["bytes_filled"] += n * self.page_bytes
         return n
 
     def get_batch(self, keys: Sequence[bytes], dests: Sequence[Buffer],
@@ -225,6 +215,20 @@ class PeerBackend:
             raise StorageError(f"the prefill peer at {self._endpoint} answered {type(reply).__name__} to Hello")
         _log.info("prefill_peer_connected", endpoint=self._endpoint, session=reply.session)
         return reply.session
+
+    def _checked(self, reply: Any, asked: int) -> int:
+        """The pages a fill's answer says were written, checked against what was asked (counted)."""
+        if isinstance(reply, Failed):
+            self.counters["fill_failures"] += 1
+            raise StorageError(f"the prefill peer failed to fill {asked} pages: {reply.reason}")
+        n = reply.pages if isinstance(reply, Filled) else None
+        if not isinstance(n, int) or not 0 <= n <= asked or len(reply.tags) < n:
+            self.counters["fill_failures"] += 1
+            raise StorageError(f"the prefill peer answered {type(reply).__name__} ({n!r} pages) for {asked} asked")
+        self.counters["fills"] += 1
+        self.counters["pages_filled"] += n
+        self.counters["bytes_filled"] += n * self.page_bytes
+        return n
 
     def _address(self, dest: Buffer) -> int:
         """A destination page's address, inside a buffer registered with the transport."""

@@ -240,10 +240,10 @@ class PrefillServer:
             await asyncio.to_thread(self.model.forward, [seq])
         self.counters["tokens_computed"] += len(tokens) - res.cached
         self.counters["tokens_cached"] += res.cached
-        pool = self.rt.device_pool
+        # the asked pages' KV in one gather ([L, C, pages * page_size, H, D]), a page to each staging page
+        kv = self.rt.device_pool.read_slots(slots[first_page * ps:(first_page + len(stage)) * ps])
         for j, i in enumerate(stage):
-            page = first_page + j
-            self.staging.pages[i].copy_(pool.read_slots(slots[page * ps:(page + 1) * ps]))
+            self.staging.pages[i].copy_(kv[:, :, j * ps:(j + 1) * ps])
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, "free_staging_pages": len(self.staging.free),

@@ -110,7 +110,7 @@ class StorageBackend(Protocol):
 #   answers a read whose first page is absent without a worker thread.
 # - ``reachable() -> bool``: is it there at all (Mooncake: its master accepts a connection)? Asked
 #   when calls run long; False: down at once (`actors/backend_gate.py`).
-# - ``read_only = True``: it stores nothing (a prefill peer): its writes are skipped, not failed.
+# - ``read_only = True``: it stores nothing (a prefill peer): the storage tier issues no write to it.
 # - ``evicts_tails_first = True``: it evicts a chain's later pages before its earlier ones (its LRU
 #   stamps earlier pages newer): a lookup may ask from the last page known stored (`TiersOnlyCore`).
 

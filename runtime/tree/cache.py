@@ -124,13 +124,13 @@ class CacheCore:
         events = self.residency.events
         return events.take() if events.pending else []
 
-    def enable_storage(self, kept: StoredPages | None = None) -> None:
+    def enable_storage(self, kept: StoredPages | None = None, read_only: bool = False) -> None:
         """A storage tier behind the host tier; `kept`: what this runtime knew of the backend's pages
-        when it detached the same backend."""
+        when it detached the same backend; `read_only`: the backend stores nothing (no write starts)."""
         if not self.residency.has_host:
             raise StateError("a storage tier needs the host tier")
         self.storage = StorageTier(self.config, self.residency, self._op_ids, KVIdentity.from_config(self.config),
-                                   self._storage_stats)
+                                   self._storage_stats, writes=not read_only)
         if kept is not None:
             self.storage.restore(kept)
 

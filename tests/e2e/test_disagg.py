@@ -61,7 +61,10 @@ async def test_decode_equals_one_runtime_and_the_prefill_side_sends_only_the_del
         async with CacheRuntime.open(dcfg, storage=peer) as drt, \
                 ServingLoop(drt, PagedKVModel(model, drt.device_pool)) as loop:
             turns = await chat(loop, peer, model, 4)
+            s = (await drt.stats())["storage"]
         assert server.stats()["fills"] >= 4 and server.stats()["quarantined_pages"] == 0
+        # the peer stores nothing (`read_only`): the tier issues no write-through to it at all
+        assert s["writes_issued"] == 0 and s["ops_skipped"] == 0 and s["health"] == "healthy", s
     lacked = sum(t[0] for t in turns)
     sent = sum(t[1] for t in turns)
     assert sent == lacked > 0, turns  # exactly the delta

@@ -67,9 +67,10 @@ class StorageTier:
 
     # -- state -------------------------------------------------------------------
     def __init__(self, config: RuntimeConfig, residency: Residency, op_ids: Iterator[int],
-                 identity: KVIdentity, stats: dict[str, int] | None = None) -> None:
+                 identity: KVIdentity, stats: dict[str, int] | None = None, writes: bool = True) -> None:
         """`stats`: the counters to add to (`COUNTERS`), kept by the owner so that they outlive this
-        tier (a detach and attach replaces the tier, never the counters: they only grow)."""
+        tier (a detach and attach replaces the tier, never the counters: they only grow);
+        `writes`: False for a backend that stores nothing (`read_only`: a prefill peer)."""
         self.config = config  # (its prefetch policy; tiers-only mode issues its own reads: `read`)
         self.residency = residency
         self._op_ids = op_ids
@@ -91,8 +92,8 @@ class StorageTier:
         self.stored = StoredPages(set(), set())
         self.states = residency.snapshots  # a hybrid model's host snapshots (none: `NoSnapshots`)
         # why no op starts now: "control" (a clear or detach drains the ops), "down" (the backend is,
-        # `StorageHealthChanged`, until it is back)
-        self.held: set[str] = set()
+        # `StorageHealthChanged`, until it is back); "writes": no write starts (a read-only backend)
+        self.held: set[str] = set() if writes else {"writes"}
         self._requests: list[StorageRequest] = []
         self.stats: dict[str, int] = stats if stats is not None else dict.fromkeys(COUNTERS, 0)
 
@@ -181,7 +182,7 @@ class StorageTier:
         live) beyond the device + host hit; the read of what it finds follows (`_read`). Returns
         the tokens looked up (0: nothing started)."""
         res = self.residency
-        if self.held or rid in self.prefetches or not storage_key_ok(extra_key):
+        if "control" in self.held or "down" in self.held or rid in self.prefetches or not storage_key_ok(extra_key):
             return 0
         ps = res.page_size
         match_len = aligned(len(tokens) - 1, ps)

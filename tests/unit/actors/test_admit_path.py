@@ -20,7 +20,7 @@ from benchmarks.trace_admit import trace_host_hit, trace_storage_hit
 HOST_TRANSITIONS = 100
 # 200 before the backend gate (runtime/actors/backend_gate.py): each storage op asks it whether
 # its call may start and tells it the outcome, one hop each way (a healthy backend: no more)
-STORAGE_TRANSITIONS = 213
+STORAGE_TRANSITIONS = 209
 
 
 def test_a_host_hit_admit_is_one_message_each_way_per_hop():

@@ -24,7 +24,7 @@ from runtime.disagg.transport import (
     TransportError,
 )
 from runtime.storage.backend import StorageError
-from tests.netns import CANNOT_UNSHARE, netns_popen
+from tests.netns import run_for_result
 
 REPO = Path(__file__).resolve().parents[3]
 PAGE = 4096
@@ -254,15 +254,7 @@ def test_mooncake_scattered_write_and_a_killed_peer() -> None:
     killed, the next write raises within 3 s."""
     pytest.importorskip("mooncake.engine", reason="Mooncake's Transfer Engine is not installed: "
                                                   "run scripts/install_mooncake.sh")
-    p = netns_popen([sys.executable, "-c", SENDER, RECEIVER], env={"PYTHONPATH": str(REPO)}, cwd=str(REPO))
-    try:
-        out, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
-    if p.returncode == CANNOT_UNSHARE:
-        pytest.fail(f"cannot create a private network namespace here: {err.strip()[-500:]}")
-    where = f"rc {p.returncode}\n{out[-3000:]}\n{err[-4000:]}"
-    assert p.returncode == 0, where
-    r = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    r, where = run_for_result([sys.executable, "-c", SENDER, RECEIVER], env={"PYTHONPATH": str(REPO)}, cwd=str(REPO),
+                              timeout=60)
     assert r["same"], where
     assert r["error"] is not None and "rc=-1" in r["error"] and r["error_s"] < 3.0, where
