@@ -152,7 +152,10 @@ class BackendGate:
         self._timers["watch"] = None
 
     def watched(self) -> None:
+        """The watch ended (nothing to ask, or answered): again later while calls still run."""
         self._timers.pop("watch", None)
+        if self.running > len(self.overdue):
+            self.watch_later()
     def _changed(self, old: Health, new: Health, reason: str) -> None:
         self.changes += 1
         log_change(old, new, reason)

@@ -174,30 +174,22 @@ class StorageCalls:
 
     def watch(self, msg: StorageWatch) -> None:
         """The watch's timer (`reachable` None): with a call running since before it was armed,
-        ask the backend whether it is there (off the loop); its answer: not there, the backend is
+        ask the backend whether it is there (off the loop). Its answer: not there, the backend is
         down and every call running is overdue now."""
         if msg.reachable is None:
-            loop = asyncio.get_running_loop()
-            started = time.perf_counter() - min(WATCH_S, self.gate.timeout_s / 2)  # (a call this old counts)
-            if not any(call.started < started for op, call in self.inflight.items()
-                       if op not in self.gate.waiting and op not in self.gate.overdue):
-                self.gate.watched()
-                if len(self.inflight) > len(self.gate.overdue) + len(self.gate.waiting):
-                    self.gate.watch_later()
+            old = time.perf_counter() - min(WATCH_S, self.gate.timeout_s / 2)  # (a call this old counts)
+            if any(call.started < old for op, call in self.inflight.items()
+                   if op not in self.gate.waiting and op not in self.gate.overdue):
+                self.gate.watching()
+                fut = asyncio.get_running_loop().run_in_executor(None, _reachable, self.backend)
+                fut.add_done_callback(lambda f: self._post(StorageWatch(bool(f.result()))))
                 return
-            self.gate.watching()
-            fut = loop.run_in_executor(None, _reachable, self.backend)
-            fut.add_done_callback(lambda f: self._post(StorageWatch(bool(f.result()))))
-            return
+        elif not msg.reachable:
+            self.gate.health.mark_down("the backend is not reachable")
+            for op_id in [op for op in self.timers if op not in self.gate.waiting]:
+                self.timers[op_id].cancel()
+                self.deadline(StorageDeadline(op_id))  # overdue now: its waiters go on, its pages stay held
         self.gate.watched()
-        if msg.reachable:
-            if self.gate.running > len(self.gate.overdue):
-                self.gate.watch_later()
-            return
-        self.gate.health.mark_down("the backend is not reachable")
-        for op_id in [op for op in self.timers if op not in self.gate.waiting]:
-            self.timers[op_id].cancel()
-            self.deadline(StorageDeadline(op_id))  # overdue now: its waiters go on, its pages stay held
 
     def returned_after_stop(self, msg: Any) -> None:
         """A completion that found the actor stopped (its mailbox closed): the op was abandoned."""

@@ -145,12 +145,9 @@ class HealthTracker:
                     for ch in self._channels.values():
                         ch.settle(False, self.policy, self._clock, self._settled)
             self._channels[channel].settle(error is not None, self.policy, self._clock, self._settled)
-            old, new = self.state, self._health()
-            if new is old:
-                return
-            self.state, self._since = new, self._clock()
-            self._changes += 1
-        self._on_change(old, new, f"{channel}: {error}" if error is not None else f"{channel} served")
+            old, new = self._move(self._health())
+        if old is not new:
+            self._on_change(old, new, f"{channel}: {error}" if error is not None else f"{channel} served")
 
     def mark_down(self, reason: str) -> None:
         """The backend is not there (its own cheap check said so, `reachable()`): every channel
@@ -160,12 +157,17 @@ class HealthTracker:
             for ch in self._channels.values():
                 ch.force_down(self.policy, self._clock, self._settled)
             self._gone = True  # down until a call is served (then every channel is back)
-            old, new = self.state, Health.DOWN
-            if new is old:
-                return
+            old, new = self._move(Health.DOWN)
+        if old is not new:
+            self._on_change(old, new, reason)
+
+    def _move(self, new: Health) -> tuple[Health, Health]:
+        """(Under the lock.) The state becomes `new`; returns (old, new), counting a change."""
+        old = self.state
+        if new is not old:
             self.state, self._since = new, self._clock()
             self._changes += 1
-        self._on_change(old, new, reason)
+        return old, new
 
     def next_probe_in(self, channel: str = "lookup") -> float | None:
         """Seconds until `channel` may be probed (0: now, as it is not down); None while its probe
