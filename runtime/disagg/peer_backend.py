@@ -98,7 +98,7 @@ class ExpectedPages:
 
 
 class PeerBackend:
-    read_only = True  # it stores nothing: the storage tier's writes are skipped
+    read_only = True  # it stores nothing: the storage tier issues no write to it
     exists_is_local = True  # `exists_prefix` reads what `expect` recorded: no network
 
     def __init__(self, endpoint: str, transport: Any, identity: KVIdentity, page_size: int, page_bytes: int, *,
