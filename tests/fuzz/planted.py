@@ -224,8 +224,8 @@ def _attach_resets_counters() -> Callable[[], None]:
 
     enable = CacheCore.enable_storage
 
-    def broken(self: CacheCore, kept=None) -> None:
-        enable(self, kept)
+    def broken(self: CacheCore, kept=None, read_only: bool = False) -> None:
+        enable(self, kept, read_only)
         # the old way: the counters belong to the tier, and a new tier starts them from zero
         self.storage.stats = self._storage_stats = dict.fromkeys(COUNTERS, 0)
 
